@@ -1,0 +1,347 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from kvpush.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WriteResultStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WRITE_RESULT_STATUS_UNSPECIFIED: _ClassVar[WriteResultStatus]
+    WRITE_RESULT_STATUS_PROGRESS: _ClassVar[WriteResultStatus]
+    WRITE_RESULT_STATUS_DONE: _ClassVar[WriteResultStatus]
+    WRITE_RESULT_STATUS_FAILED: _ClassVar[WriteResultStatus]
+    WRITE_RESULT_STATUS_CANCELLED: _ClassVar[WriteResultStatus]
+WRITE_RESULT_STATUS_UNSPECIFIED: WriteResultStatus
+WRITE_RESULT_STATUS_PROGRESS: WriteResultStatus
+WRITE_RESULT_STATUS_DONE: WriteResultStatus
+WRITE_RESULT_STATUS_FAILED: WriteResultStatus
+WRITE_RESULT_STATUS_CANCELLED: WriteResultStatus
+
+class RegisterEngineRequest(_message.Message):
+    __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    role: _types_pb2.EngineRole
+    tp_rank: int
+    tp_size: int
+    agent_name: str
+    agent_metadata: bytes
+    layout: _types_pb2.KVLayout
+    endpoint: str
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ...) -> None: ...
+
+class RegisterEngineResponse(_message.Message):
+    __slots__ = ("lease_id", "ttl")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    ttl: _duration_pb2.Duration
+    def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class DeregisterEngineRequest(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "lease_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    lease_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterEngineResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "load")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    load: _types_pb2.EngineLoad
+    def __init__(self, lease_id: _Optional[str] = ..., load: _Optional[_Union[_types_pb2.EngineLoad, _Mapping]] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("lease_id", "ttl")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    ttl: _duration_pb2.Duration
+    def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class PlanTransferRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_count", "prefill_engine_id", "decode_engine_id", "trace_context", "ttl")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_count: int
+    prefill_engine_id: str
+    decode_engine_id: str
+    trace_context: str
+    ttl: _duration_pb2.Duration
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., trace_context: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class PlanTransferResponse(_message.Message):
+    __slots__ = ("transfer", "prefill_endpoint", "decode_endpoint")
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    transfer: _types_pb2.Transfer
+    prefill_endpoint: str
+    decode_endpoint: str
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ...) -> None: ...
+
+class ReportAllocationRequest(_message.Message):
+    __slots__ = ("transfer_id", "engine_id", "block_ids", "prompt_token_count", "prefix_hit_token_count")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    engine_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_count: int
+    prefix_hit_token_count: int
+    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ...) -> None: ...
+
+class ReportAllocationResponse(_message.Message):
+    __slots__ = ("transfer",)
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    transfer: _types_pb2.Transfer
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ...) -> None: ...
+
+class LayerReady(_message.Message):
+    __slots__ = ("transfer_id", "first_layer", "last_layer", "token_start", "token_end", "source_block_ids", "prompt_token_count")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    first_layer: int
+    last_layer: int
+    token_start: int
+    token_end: int
+    source_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_count: int
+    def __init__(self, transfer_id: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ...) -> None: ...
+
+class LayerReadyBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[LayerReady]
+    def __init__(self, events: _Optional[_Iterable[_Union[LayerReady, _Mapping]]] = ...) -> None: ...
+
+class WriteResult(_message.Message):
+    __slots__ = ("transfer_id", "status", "layers_written_count", "bytes_written", "error_message", "timing")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_WRITTEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    status: WriteResultStatus
+    layers_written_count: int
+    bytes_written: int
+    error_message: str
+    timing: _types_pb2.TransferTiming
+    def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[WriteResultStatus, str]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., error_message: _Optional[str] = ..., timing: _Optional[_Union[_types_pb2.TransferTiming, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "lease_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    lease_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class StreamPrefillRequest(_message.Message):
+    __slots__ = ("hello", "ready", "result")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    ready: LayerReadyBatch
+    result: WriteResult
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ready: _Optional[_Union[LayerReadyBatch, _Mapping]] = ..., result: _Optional[_Union[WriteResult, _Mapping]] = ...) -> None: ...
+
+class PushInstruction(_message.Message):
+    __slots__ = ("transfer_id", "decode_engine_id", "decode_tp_rank", "decode_agent_name", "decode_agent_metadata", "decode_layout", "decode_block_ids", "skip_token_count", "prompt_token_count", "notification", "trace_context")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NOTIFICATION_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    decode_engine_id: str
+    decode_tp_rank: int
+    decode_agent_name: str
+    decode_agent_metadata: bytes
+    decode_layout: _types_pb2.KVLayout
+    decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_token_count: int
+    prompt_token_count: int
+    notification: bytes
+    trace_context: str
+    def __init__(self, transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., decode_tp_rank: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., skip_token_count: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., notification: _Optional[bytes] = ..., trace_context: _Optional[str] = ...) -> None: ...
+
+class Cancellation(_message.Message):
+    __slots__ = ("transfer_id", "reason")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    reason: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EventRejection(_message.Message):
+    __slots__ = ("transfer_id", "code", "message")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    code: int
+    message: str
+    def __init__(self, transfer_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StreamPrefillResponse(_message.Message):
+    __slots__ = ("instruction", "cancellation", "rejection")
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    CANCELLATION_FIELD_NUMBER: _ClassVar[int]
+    REJECTION_FIELD_NUMBER: _ClassVar[int]
+    instruction: PushInstruction
+    cancellation: Cancellation
+    rejection: EventRejection
+    def __init__(self, instruction: _Optional[_Union[PushInstruction, _Mapping]] = ..., cancellation: _Optional[_Union[Cancellation, _Mapping]] = ..., rejection: _Optional[_Union[EventRejection, _Mapping]] = ...) -> None: ...
+
+class WatchTransfersRequest(_message.Message):
+    __slots__ = ("engine_id", "after_sequence_number")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    after_sequence_number: int
+    def __init__(self, engine_id: _Optional[str] = ..., after_sequence_number: _Optional[int] = ...) -> None: ...
+
+class TransferEvent(_message.Message):
+    __slots__ = ("sequence_number", "transfer_id", "state", "reason", "bytes_written")
+    SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    sequence_number: int
+    transfer_id: str
+    state: _types_pb2.TransferState
+    reason: str
+    bytes_written: int
+    def __init__(self, sequence_number: _Optional[int] = ..., transfer_id: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.TransferState, str]] = ..., reason: _Optional[str] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+
+class WatchTransfersResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[TransferEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[TransferEvent, _Mapping]]] = ...) -> None: ...
+
+class CancelTransferRequest(_message.Message):
+    __slots__ = ("transfer_id", "reason")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    reason: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelTransferResponse(_message.Message):
+    __slots__ = ("transfer",)
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    transfer: _types_pb2.Transfer
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ...) -> None: ...
+
+class GetTransferRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class GetTransferResponse(_message.Message):
+    __slots__ = ("transfer",)
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    transfer: _types_pb2.Transfer
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ...) -> None: ...
+
+class ListTransfersRequest(_message.Message):
+    __slots__ = ("page_size", "page_token", "state", "engine_id")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    state: _types_pb2.TransferState
+    engine_id: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.TransferState, str]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class ListTransfersResponse(_message.Message):
+    __slots__ = ("transfers", "next_page_token")
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    transfers: _containers.RepeatedCompositeFieldContainer[_types_pb2.Transfer]
+    next_page_token: str
+    def __init__(self, transfers: _Optional[_Iterable[_Union[_types_pb2.Transfer, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class GetEngineRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class GetEngineResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.Engine]
+    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.Engine, _Mapping]]] = ...) -> None: ...
+
+class ListEnginesRequest(_message.Message):
+    __slots__ = ("page_size", "page_token", "role")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    role: _types_pb2.EngineRole
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.EngineRole, str]] = ...) -> None: ...
+
+class ListEnginesResponse(_message.Message):
+    __slots__ = ("workers", "next_page_token")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.Engine]
+    next_page_token: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.Engine, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
