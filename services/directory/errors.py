@@ -1,0 +1,39 @@
+"""Domain errors of the KV-directory.
+
+`state` raises these; `servicer` maps each class to one gRPC status code through a single table
+(`servicer.STATUS_BY_ERROR`). A raised error always means the call changed nothing.
+"""
+
+from __future__ import annotations
+
+
+class DirectoryError(Exception):
+    """Base class: a request the directory refuses, with a message fit for the caller."""
+
+
+class InvalidArgument(DirectoryError):
+    """Malformed input: missing field, bad range, over a size cap (INVALID_ARGUMENT)."""
+
+
+class NotFound(DirectoryError):
+    """Unknown engine, rank, lease or transfer (NOT_FOUND)."""
+
+
+class AlreadyExists(DirectoryError):
+    """A live registration with another agent name holds this engine id and rank (ALREADY_EXISTS)."""
+
+
+class FailedPrecondition(DirectoryError):
+    """Valid input the current state refuses: terminal transfer, conflicting allocation (FAILED_PRECONDITION)."""
+
+
+class PermissionDenied(DirectoryError):
+    """The caller is not the party this transfer names (PERMISSION_DENIED)."""
+
+
+class ResourceExhausted(DirectoryError):
+    """A configured cap is reached: transfers per engine, engines, chunks (RESOURCE_EXHAUSTED)."""
+
+
+class OutOfRange(DirectoryError):
+    """A watch resumes from a sequence number the directory no longer retains (OUT_OF_RANGE)."""

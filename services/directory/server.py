@@ -1,0 +1,231 @@
+"""The KV-directory process: gRPC server, auth, health, reflection, reaper, graceful stop.
+
+Life cycle (`serve(config)`, entered through `asyncio.run`):
+1. `create_server(config)` builds a grpc.aio server with the servicer, a bearer-token
+   interceptor (when a token is configured), `grpc.health.v1` (SERVING) and server reflection,
+   binds the address (TLS / mutual TLS when files are given; port 0 picks a free port) and
+   returns `(DirectoryServer, port)`.
+2. `DirectoryServer.start()` starts serving and the reaper task, which calls `state.reap()`
+   every `reap_interval_s` and delivers what it produced (lease lapses, expiries).
+3. `DirectoryServer.stop(grace_s)`: health goes NOT_SERVING, every stream is asked to flush
+   and end (UNAVAILABLE, so clients reconnect), then `server.stop(grace)` lets unary calls finish.
+
+Oversized messages: `max_message_bytes` caps what gRPC accepts; a larger request is refused by
+gRPC itself with RESOURCE_EXHAUSTED before any handler runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
+from kvpush.services.directory.servicer import DirectoryServicer
+from kvpush.services.directory.state import Clock, DirectoryState, Limits
+from kvpush.services.directory.telemetry import TransferSpans
+from kvpush.v1 import directory_pb2, directory_pb2_grpc
+
+log = get_logger("directory.server")
+SERVICE_NAME = directory_pb2.DESCRIPTOR.services_by_name["KVDirectoryService"].full_name
+# Health checks stay reachable without a token so orchestrator probes (which send no metadata) work.
+_AUTH_EXEMPT_PREFIX = "/grpc.health.v1.Health/"
+
+
+@dataclass(frozen=True)
+class DirectoryConfig:
+    """Everything the directory process needs; `kvpush directory` fills it from flags and env."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    token: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # Client CA: when set, clients must present a certificate it signed (mutual TLS).
+    tls_client_ca_file: str = ""
+    limits: Limits = field(default_factory=Limits)
+    max_message_bytes: int = 16 * 1024 * 1024
+    reap_interval_s: float = 0.1
+    grace_s: float = 5.0
+    keepalive_time_ms: int = 20_000
+    max_connection_age_ms: int = 0
+
+    @property
+    def address(self) -> str:
+        """host:port as gRPC binds it."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        """Pass authorised calls on; answer the rest with a handler that aborts."""
+        if handler_call_details.method.startswith(_AUTH_EXEMPT_PREFIX):
+            return await continuation(handler_call_details)
+        presented = next((value for key, value in handler_call_details.invocation_metadata or ()
+                          if key == "authorization"), "")
+        presented = presented.encode() if isinstance(presented, str) else bytes(presented)
+        if hmac.compare_digest(presented, self._expected):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        return _refusing_handler(handler)
+
+
+def _refusing_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    async def refuse(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+    async def refuse_stream(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        yield  # makes this an async generator, as a streaming handler must be
+
+    if handler is None:
+        return grpc.unary_unary_rpc_method_handler(refuse)
+    kwargs = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+def server_credentials(config: DirectoryConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the config's files (None: plaintext)."""
+    if not config.tls_cert_file and not config.tls_key_file:
+        if config.tls_client_ca_file:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        return None
+    if not (config.tls_cert_file and config.tls_key_file):
+        raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+    client_ca = _read(config.tls_client_ca_file) if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(_read(config.tls_key_file), _read(config.tls_cert_file))],
+        root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+class DirectoryServer:
+    """A started-or-startable directory: the grpc.aio server, its state, servicer and reaper."""
+
+    def __init__(self, config: DirectoryConfig, server: grpc.aio.Server, state: DirectoryState,
+                 servicer: DirectoryServicer, health_servicer: health.aio.HealthServicer) -> None:
+        self.config = config
+        self.server = server
+        self.state = state
+        self.servicer = servicer
+        self.health = health_servicer
+        self._reaper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Start serving and reaping."""
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = asyncio.create_task(self._reap_forever(), name="kvpush-directory-reaper")
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            try:
+                self.servicer.deliver(self.state.reap())
+            except Exception:  # a reaper that dies would stop every lease from lapsing
+                log.exception("reap failed")
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain streams, then stop the server within the grace period."""
+        grace = self.config.grace_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        self.servicer.begin_shutdown()
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await self.server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        """Block until the server stopped."""
+        await self.server.wait_for_termination()
+
+
+def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[DirectoryServer, int]:
+    """Build (not start) the directory server and bind it; returns it and the bound port."""
+    state = DirectoryState(config.limits, clock or Clock(), TransferSpans())
+    servicer = DirectoryServicer(state)
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", config.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    if config.max_connection_age_ms:
+        options.append(("grpc.max_connection_age_ms", config.max_connection_age_ms))
+    interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    directory_pb2_grpc.add_KVDirectoryServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server)
+    credentials = server_credentials(config)
+    if credentials is None:
+        port = server.add_insecure_port(config.address)
+    else:
+        port = server.add_secure_port(config.address, credentials)
+    if port == 0:
+        raise OSError(f"could not bind {config.address}")
+    return DirectoryServer(config, server, state, servicer, health_servicer), port
+
+
+async def run(config: DirectoryConfig) -> None:
+    """Serve until SIGINT/SIGTERM, then stop gracefully."""
+    directory, port = create_server(config)
+    await directory.start()
+    log.info("directory serving", address=config.address, port=port, tls=bool(config.tls_cert_file),
+             mutual_tls=bool(config.tls_client_ca_file), auth=bool(config.token),
+             lease_ttl_s=config.limits.lease_ttl_s, transfer_ttl_s=config.limits.transfer_ttl_s)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        await stopping.wait()
+    finally:
+        log.info("directory stopping", grace_s=config.grace_s)
+        await directory.stop()
+        log.info("directory stopped")
+
+
+def serve(config: DirectoryConfig, use_uvloop: bool = True) -> None:
+    """Entry point: configure logs and tracing, run the server on a fresh event loop."""
+    configure_logging()
+    configure_tracing("kvpush-directory")
+    try:
+        if use_uvloop:
+            try:
+                import uvloop
+            except ImportError:
+                use_uvloop = False
+        if use_uvloop:
+            uvloop.run(run(config))
+        else:
+            asyncio.run(run(config))
+    finally:
+        shutdown_tracing()

@@ -1,0 +1,928 @@
+"""The KV-directory's state machine: engines, leases, transfers, planning, watch events.
+
+No gRPC in here: the servicer validates wire input, calls one method, maps a raised
+`errors.DirectoryError` to a status code, and delivers the returned `Effects`.
+
+Life cycle of a transfer (terminal states never change again):
+
+1. `plan()` picks a prefill and a decode engine and mints the transfer: PLANNED.
+2. `report_allocation()` (decode's blocks) and `report_ready()` (prefill's first ready layers)
+   arrive in either order. The first makes it ALLOCATED (or records readiness while PLANNED);
+   when both are known it becomes STREAMING and ONE `PushInstruction` goes to the outbox of
+   every prefill rank. Later readiness only records progress.
+3. `report_result()` per prefill rank: DONE from every rank -> COMPLETE; FAILED -> FAILED.
+   `cancel()` asks the dispatched ranks to stop; CANCELLED is final once each of them reported
+   DONE/FAILED/CANCELLED (no write in flight), at once if nothing was dispatched, or when the
+   prefill engine is lost.
+4. `reap(now)` (every ~100 ms) ends leases that lapsed (an engine lost: its transfers FAILED,
+   the peer told) and transfers past their deadline (EXPIRED, both sides told).
+5. Ending a transfer releases its decode blocks, appends a `TransferEvent` to the decode
+   engine's watch log (sequence-numbered) and puts a `Cancellation` in the outbox of every
+   prefill rank that may still be working on it.
+
+Effects: each mutating call returns an `Effects` naming the prefill outboxes (engine id, rank)
+and decode watch logs that received something, so the servicer only wakes those streams.
+
+Bounded memory: caps in `Limits` on workers, live transfers, transfers per engine, readiness
+chunks per transfer; terminal transfers and watch events are kept in bounded rings.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvpush.services.directory.errors import (
+    AlreadyExists,
+    DirectoryError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import types_pb2 as tpb
+
+PREFILL = tpb.ENGINE_ROLE_PREFILL
+DECODE = tpb.ENGINE_ROLE_DECODE
+TERMINAL_STATES = frozenset(
+    {
+        tpb.TRANSFER_STATE_COMPLETE,
+        tpb.TRANSFER_STATE_FAILED,
+        tpb.TRANSFER_STATE_CANCELLED,
+        tpb.TRANSFER_STATE_EXPIRED,
+    }
+)
+# Write results after which a prefill rank has no write in flight for a transfer.
+_QUIESCENT_RESULTS = frozenset(
+    {dpb.WRITE_RESULT_STATUS_DONE, dpb.WRITE_RESULT_STATUS_FAILED, dpb.WRITE_RESULT_STATUS_CANCELLED}
+)
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Time sources, injected so tests drive leases and deadlines without sleeping.
+
+    monotonic: seconds for leases and deadlines; wall: seconds since the epoch for timestamps.
+    """
+
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Configurable caps and durations; every one bounds memory or time."""
+
+    lease_ttl_s: float = 10.0
+    transfer_ttl_s: float = 60.0
+    max_transfer_ttl_s: float = 3600.0
+    max_active_transfers_per_engine: int = 4096
+    max_live_transfers: int = 100_000
+    max_workers: int = 4096
+    max_block_ids: int = 65_536
+    max_events_per_batch: int = 4096
+    max_page_size: int = 1000
+    max_chunks_per_transfer: int = 4096
+    retained_terminal_transfers: int = 10_000
+    retained_watch_events_per_engine: int = 10_000
+    max_id_length: int = 128
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"limit {name} must be positive, got {value}")
+        if self.transfer_ttl_s > self.max_transfer_ttl_s:
+            raise ValueError("transfer_ttl_s must not exceed max_transfer_ttl_s")
+
+
+@dataclass
+class Effects:
+    """What a state call produced for the servicer to deliver.
+
+    prefill_outboxes: (engine_id, tp_rank) whose outbox received messages.
+    watch_engines: decode engine ids whose watch log received events.
+    """
+
+    prefill_outboxes: set[tuple[str, int]] = field(default_factory=set)
+    watch_engines: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill_outboxes or self.watch_engines)
+
+
+class TransferObserver:
+    """Hooks called on a transfer's milestones (telemetry implements them); default no-ops."""
+
+    def on_planned(self, transfer: TransferRecord) -> None:
+        """Called once when the transfer is minted."""
+
+    def on_allocated(self, transfer: TransferRecord) -> None:
+        """Called once when decode's allocation is accepted."""
+
+    def on_first_ready(self, transfer: TransferRecord) -> None:
+        """Called once on the first accepted readiness event."""
+
+    def on_dispatched(self, transfer: TransferRecord) -> None:
+        """Called once when the push instructions go out."""
+
+    def on_ended(self, transfer: TransferRecord) -> None:
+        """Called once when the transfer reaches a terminal state."""
+
+
+@dataclass
+class Worker:
+    """One registered worker (TP rank) of an engine, with its lease."""
+
+    engine_id: str
+    tp_rank: int
+    role: int
+    tp_size: int
+    agent_name: str
+    agent_metadata: bytes
+    layout: tpb.KVLayout
+    endpoint: str
+    lease_id: str
+    lease_deadline: float
+    register_wall: float
+    lease_deadline_wall: float
+    load: tpb.EngineLoad | None = None
+    # Messages for this prefill worker's StreamPrefill session, delivered in order.
+    outbox: deque = field(default_factory=deque)
+    # The current StreamPrefill session (0: none); a stale session's end changes nothing.
+    session_id: int = 0
+
+
+@dataclass
+class EngineGroup:
+    """All registered ranks of one engine id, and the transfers it takes part in."""
+
+    engine_id: str
+    role: int
+    tp_size: int
+    workers: dict[int, Worker] = field(default_factory=dict)
+    active_transfers: set[str] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        """True when every rank in [0, tp_size) is registered."""
+        return len(self.workers) == self.tp_size
+
+    def layout(self) -> tpb.KVLayout:
+        """The layout of the lowest registered rank (ranks of one engine share the shape)."""
+        return self.workers[min(self.workers)].layout
+
+    def free_blocks(self) -> int:
+        """Free blocks from the last reported load, else the layout's block count."""
+        worker = self.workers[min(self.workers)]
+        if worker.load is not None:
+            return min(w.load.free_block_count if w.load is not None else w.layout.block_count
+                       for w in self.workers.values())
+        return worker.layout.block_count
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Decode's reported blocks for a transfer."""
+
+    block_ids: tuple[int, ...]
+    prompt_token_count: int
+    prefix_hit_token_count: int
+
+
+@dataclass
+class TransferRecord:
+    """The directory's live record of one transfer; `to_proto()` gives its wire form."""
+
+    transfer_id: str
+    sequence: int
+    request_id: str
+    prefill_engine_id: str
+    decode_engine_id: str
+    tp_size: int
+    layer_count: int
+    trace_context: str
+    create_wall: float
+    deadline: float
+    deadline_wall: float
+    state: int = tpb.TRANSFER_STATE_PLANNED
+    plan_prompt_token_count: int = 0
+    # Prompt length as prefill reports it (every readiness event must agree).
+    ready_prompt_token_count: int = 0
+    allocation: Allocation | None = None
+    owned_blocks: tuple[int, ...] = ()
+    allocate_wall: float | None = None
+    first_ready_wall: float | None = None
+    dispatch_wall: float | None = None
+    end_wall: float | None = None
+    failure_reason: str = ""
+    # rank -> {(token_start, token_end): bitmask of ready layers}
+    ready: dict[int, dict[tuple[int, int], int]] = field(default_factory=dict)
+    chunk_count: int = 0
+    dispatched: bool = False
+    # rank -> last quiescent WriteResultStatus (DONE/FAILED/CANCELLED)
+    quiescent: dict[int, int] = field(default_factory=dict)
+    layers_written: dict[int, int] = field(default_factory=dict)
+    bytes_written: dict[int, int] = field(default_factory=dict)
+    timing: dict[int, tpb.TransferTiming] = field(default_factory=dict)
+    # (terminal state, reason) waiting for every dispatched rank to be quiescent.
+    ending: tuple[int, str] | None = None
+
+    @property
+    def terminal(self) -> bool:
+        """True once the state is COMPLETE, FAILED, CANCELLED or EXPIRED."""
+        return self.state in TERMINAL_STATES
+
+    def total_bytes_written(self) -> int:
+        """Bytes written summed over prefill ranks."""
+        return sum(self.bytes_written.values())
+
+    def to_proto(self) -> tpb.Transfer:
+        """The wire form of this record."""
+        msg = tpb.Transfer(
+            transfer_id=self.transfer_id,
+            request_id=self.request_id,
+            state=self.state,
+            prefill_engine_id=self.prefill_engine_id,
+            decode_engine_id=self.decode_engine_id,
+            layers_written_count=min(self.layers_written.values()) if len(self.layers_written) == self.tp_size else 0,
+            bytes_written=self.total_bytes_written(),
+            failure_reason=self.failure_reason,
+            trace_context=self.trace_context,
+        )
+        if self.allocation is not None:
+            msg.prompt_token_count = self.allocation.prompt_token_count
+            msg.prefix_hit_token_count = self.allocation.prefix_hit_token_count
+            msg.decode_block_ids.extend(self.allocation.block_ids)
+        else:
+            msg.prompt_token_count = self.ready_prompt_token_count or self.plan_prompt_token_count
+        _set_ts(msg.create_time, self.create_wall)
+        _set_ts(msg.allocate_time, self.allocate_wall)
+        _set_ts(msg.first_ready_time, self.first_ready_wall)
+        _set_ts(msg.dispatch_time, self.dispatch_wall)
+        _set_ts(msg.end_time, self.end_wall)
+        _set_ts(msg.deadline, self.deadline_wall)
+        return msg
+
+
+def _set_ts(target, seconds: float | None) -> None:
+    if seconds is not None:
+        target.FromNanoseconds(int(seconds * 1e9))
+
+
+class WatchLog:
+    """A decode engine's retained terminal events, oldest first, bounded."""
+
+    def __init__(self, capacity: int) -> None:
+        self.events: deque[dpb.TransferEvent] = deque()
+        self.capacity = capacity
+        # Highest sequence number dropped from this log; a resume at or below it has a gap.
+        self.dropped_through = 0
+
+    def append(self, event: dpb.TransferEvent) -> None:
+        """Append one event, dropping the oldest past capacity."""
+        self.events.append(event)
+        if len(self.events) > self.capacity:
+            self.dropped_through = self.events.popleft().sequence_number
+
+    def after(self, sequence_number: int) -> list[dpb.TransferEvent]:
+        """Events with a greater sequence number, in order."""
+        if not self.events or self.events[-1].sequence_number <= sequence_number:
+            return []
+        if sequence_number < self.events[0].sequence_number:
+            return list(self.events)
+        return [e for e in self.events if e.sequence_number > sequence_number]
+
+
+def _layer_mask(first: int, last: int) -> int:
+    return ((1 << (last - first + 1)) - 1) << first
+
+
+class DirectoryState:
+    """Engines, leases and transfers of one directory process. Not thread-safe: one event loop calls it."""
+
+    def __init__(self, limits: Limits | None = None, clock: Clock | None = None,
+                 observer: TransferObserver | None = None) -> None:
+        self.limits = limits or Limits()
+        self.clock = clock or Clock()
+        self.observer = observer or TransferObserver()
+        self._groups: dict[str, EngineGroup] = {}
+        self._leases: dict[str, Worker] = {}
+        self._worker_count = 0
+        # Every retained transfer, in creation order (live and the last N terminal ones).
+        self._transfers: dict[str, TransferRecord] = {}
+        self._live: dict[str, TransferRecord] = {}
+        self._terminal_order: deque[str] = deque()
+        # decode engine id -> block id -> transfer id owning it (non-terminal transfers only).
+        self._owned_blocks: dict[str, dict[int, str]] = {}
+        self._watch_logs: dict[str, WatchLog] = {}
+        self._event_sequence = 0
+        self._transfer_sequence = itertools.count(1)
+        self._session_ids = itertools.count(1)
+
+    # ---------------------------------------------------------------- engines and leases
+
+    def register(self, request: dpb.RegisterEngineRequest) -> tuple[Worker, Effects]:
+        """Register one worker and grant it a lease; a same-agent re-registration returns the live lease."""
+        fx = Effects()
+        now = self.clock.monotonic()
+        group = self._groups.get(request.engine_id)
+        if group is not None:
+            existing = group.workers.get(request.tp_rank)
+            if existing is not None and existing.lease_deadline >= now:
+                if existing.agent_name != request.agent_name:
+                    raise AlreadyExists(
+                        f"engine {request.engine_id!r} rank {request.tp_rank} is registered with agent "
+                        f"{existing.agent_name!r}")
+                self._extend_lease(existing, now)
+                return existing, fx
+            if group.role != request.role or group.tp_size != request.tp_size:
+                raise InvalidArgument(
+                    f"engine {request.engine_id!r} is registered with role {tpb.EngineRole.Name(group.role)} "
+                    f"and tp_size {group.tp_size}; this request says {tpb.EngineRole.Name(request.role)} "
+                    f"and {request.tp_size}")
+            if existing is not None:  # lapsed but not reaped yet: end it first
+                self._remove_worker(existing, "lease expired", fx)
+        if self._worker_count >= self.limits.max_workers:
+            raise ResourceExhausted(f"{self._worker_count} workers registered; the cap is {self.limits.max_workers}")
+        group = self._groups.get(request.engine_id)
+        if group is None:
+            group = EngineGroup(request.engine_id, request.role, request.tp_size)
+            self._groups[request.engine_id] = group
+        wall = self.clock.wall()
+        worker = Worker(
+            engine_id=request.engine_id, tp_rank=request.tp_rank, role=request.role, tp_size=request.tp_size,
+            agent_name=request.agent_name, agent_metadata=bytes(request.agent_metadata),
+            layout=_copy(request.layout), endpoint=request.endpoint, lease_id=uuid.uuid4().hex,
+            lease_deadline=now + self.limits.lease_ttl_s, register_wall=wall,
+            lease_deadline_wall=wall + self.limits.lease_ttl_s,
+        )
+        group.workers[request.tp_rank] = worker
+        self._leases[worker.lease_id] = worker
+        self._worker_count += 1
+        if request.role == DECODE:
+            self._watch_logs.setdefault(
+                request.engine_id, WatchLog(self.limits.retained_watch_events_per_engine))
+        return worker, fx
+
+    def renew(self, lease_id: str, load: tpb.EngineLoad | None) -> Worker:
+        """Renew a live lease and record the reported load; NotFound for an unknown or lapsed lease."""
+        worker = self._leases.get(lease_id)
+        now = self.clock.monotonic()
+        if worker is None or worker.lease_deadline < now:
+            raise NotFound(f"lease {lease_id!r} is unknown or expired")
+        self._extend_lease(worker, now)
+        if load is not None:
+            worker.load = _copy(load)
+        return worker
+
+    def _extend_lease(self, worker: Worker, now: float) -> None:
+        worker.lease_deadline = now + self.limits.lease_ttl_s
+        worker.lease_deadline_wall = self.clock.wall() + self.limits.lease_ttl_s
+
+    def deregister(self, engine_id: str, tp_rank: int, lease_id: str) -> Effects:
+        """Remove one worker; every live transfer of its engine fails towards the peer."""
+        worker = self._worker(engine_id, tp_rank)
+        if worker.lease_id != lease_id:
+            raise NotFound(f"engine {engine_id!r} rank {tp_rank} holds no lease {lease_id!r}")
+        fx = Effects()
+        self._remove_worker(worker, f"engine {engine_id} rank {tp_rank} deregistered", fx)
+        return fx
+
+    def _worker(self, engine_id: str, tp_rank: int) -> Worker:
+        group = self._groups.get(engine_id)
+        worker = group.workers.get(tp_rank) if group is not None else None
+        if worker is None:
+            raise NotFound(f"engine {engine_id!r} rank {tp_rank} is not registered")
+        return worker
+
+    def _remove_worker(self, worker: Worker, reason: str, fx: Effects) -> None:
+        group = self._groups[worker.engine_id]
+        del group.workers[worker.tp_rank]
+        self._leases.pop(worker.lease_id, None)
+        self._worker_count -= 1
+        worker.outbox.clear()
+        worker.session_id = 0
+        for transfer_id in list(group.active_transfers):
+            record = self._live.get(transfer_id)
+            if record is None:
+                continue
+            if worker.role == PREFILL and record.ending and record.ending[0] == tpb.TRANSFER_STATE_CANCELLED:
+                self._end(record, tpb.TRANSFER_STATE_CANCELLED, record.ending[1], fx)
+            else:
+                self._end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
+        if not group.workers:
+            del self._groups[worker.engine_id]
+
+    def get_engine(self, engine_id: str) -> list[Worker]:
+        """Registered workers of one engine in rank order; NotFound when none."""
+        group = self._groups.get(engine_id)
+        if group is None:
+            raise NotFound(f"engine {engine_id!r} is not registered")
+        return [group.workers[rank] for rank in sorted(group.workers)]
+
+    def active_transfer_count(self, engine_id: str) -> int:
+        """Live transfers the engine takes part in (0 for an unknown engine)."""
+        group = self._groups.get(engine_id)
+        return len(group.active_transfers) if group is not None else 0
+
+    def list_workers(self, page_size: int, page_token: str, role: int) -> tuple[list[Worker], str]:
+        """One page of workers ordered by (engine id, rank); returns the next page token ("" at the end)."""
+        after: tuple[str, int] | None = None
+        if page_token:
+            rank_text, sep, engine_id = page_token.partition(":")
+            if not sep or not rank_text.isdigit():
+                raise InvalidArgument(f"page_token {page_token!r} is not a token this server issued")
+            after = (engine_id, int(rank_text))
+        keys = sorted((w.engine_id, w.tp_rank) for g in self._groups.values() for w in g.workers.values()
+                      if role == tpb.ENGINE_ROLE_UNSPECIFIED or g.role == role)
+        if after is not None:
+            keys = [k for k in keys if k > after]
+        page = keys[:page_size]
+        next_token = f"{page[-1][1]}:{page[-1][0]}" if len(keys) > page_size else ""
+        return [self._groups[e].workers[r] for e, r in page], next_token
+
+    # ---------------------------------------------------------------- planning
+
+    def plan(self, request: dpb.PlanTransferRequest, ttl_s: float | None) -> TransferRecord:
+        """Pick engines and mint a PLANNED transfer (see module docstring for the selection rule)."""
+        ttl = self.limits.transfer_ttl_s if ttl_s is None else ttl_s
+        if ttl > self.limits.max_transfer_ttl_s:
+            raise InvalidArgument(f"ttl {ttl}s is over the server maximum {self.limits.max_transfer_ttl_s}s")
+        if len(self._live) >= self.limits.max_live_transfers:
+            raise ResourceExhausted(f"{len(self._live)} live transfers; the cap is {self.limits.max_live_transfers}")
+        prefills = self._candidates(PREFILL, request.prefill_engine_id)
+        decodes = self._candidates(DECODE, request.decode_engine_id)
+        cap = self.limits.max_active_transfers_per_engine
+        prefills = [g for g in prefills if len(g.active_transfers) < cap]
+        decodes = [g for g in decodes if len(g.active_transfers) < cap]
+        if not prefills or not decodes:
+            raise ResourceExhausted("every candidate engine is at its transfer cap")
+        if request.prompt_token_count > 0:
+            decodes = [g for g in decodes
+                       if g.free_blocks() >= math.ceil(request.prompt_token_count / g.layout().block_size_tokens)]
+            if not decodes:
+                raise ResourceExhausted(
+                    f"no decode engine has free blocks for {request.prompt_token_count} tokens")
+        prefills.sort(key=lambda g: (len(g.active_transfers), g.engine_id))
+        decodes.sort(key=lambda g: (-g.free_blocks(), len(g.active_transfers), g.engine_id))
+        why_incompatible = ""
+        for prefill in prefills:
+            for decode in decodes:
+                why_incompatible = _incompatibility(prefill, decode)
+                if not why_incompatible:
+                    return self._mint(request, prefill, decode, ttl)
+        raise FailedPrecondition(f"no compatible prefill/decode pair: {why_incompatible}")
+
+    def _candidates(self, role: int, pinned: str) -> list[EngineGroup]:
+        name = tpb.EngineRole.Name(role)
+        if pinned:
+            group = self._groups.get(pinned)
+            if group is None:
+                raise NotFound(f"engine {pinned!r} is not registered")
+            if group.role != role:
+                raise FailedPrecondition(f"engine {pinned!r} is not a {name} engine")
+            if not group.complete:
+                raise FailedPrecondition(
+                    f"engine {pinned!r} has {len(group.workers)} of {group.tp_size} ranks registered")
+            return [group]
+        groups = [g for g in self._groups.values() if g.role == role and g.complete]
+        if not groups:
+            raise ResourceExhausted(f"no {name} engine is registered with all its ranks")
+        return groups
+
+    def _mint(self, request: dpb.PlanTransferRequest, prefill: EngineGroup, decode: EngineGroup,
+              ttl: float) -> TransferRecord:
+        wall = self.clock.wall()
+        record = TransferRecord(
+            transfer_id=uuid.uuid4().hex, sequence=next(self._transfer_sequence), request_id=request.request_id,
+            prefill_engine_id=prefill.engine_id, decode_engine_id=decode.engine_id, tp_size=prefill.tp_size,
+            layer_count=prefill.layout().layer_count, trace_context=request.trace_context, create_wall=wall,
+            deadline=self.clock.monotonic() + ttl, deadline_wall=wall + ttl,
+            plan_prompt_token_count=request.prompt_token_count,
+        )
+        self._transfers[record.transfer_id] = record
+        self._live[record.transfer_id] = record
+        prefill.active_transfers.add(record.transfer_id)
+        decode.active_transfers.add(record.transfer_id)
+        self.observer.on_planned(record)
+        return record
+
+    # ---------------------------------------------------------------- decode allocation
+
+    def report_allocation(self, request: dpb.ReportAllocationRequest) -> tuple[TransferRecord, Effects]:
+        """Record decode's blocks; dispatch if readiness is already known. Identical repeats are no-ops."""
+        record = self._transfer(request.transfer_id)
+        if request.engine_id not in self._groups:
+            raise NotFound(f"engine {request.engine_id!r} is not registered")
+        if request.engine_id != record.decode_engine_id:
+            raise PermissionDenied(
+                f"engine {request.engine_id!r} is not the decode engine of transfer {record.transfer_id}")
+        allocation = Allocation(tuple(request.block_ids), request.prompt_token_count, request.prefix_hit_token_count)
+        fx = Effects()
+        if record.allocation is not None:
+            if allocation == record.allocation:
+                return record, fx
+            raise FailedPrecondition(f"transfer {record.transfer_id} already has a different allocation")
+        if record.terminal:
+            raise FailedPrecondition(
+                f"transfer {record.transfer_id} is {tpb.TransferState.Name(record.state)}")
+        if record.ending is not None:
+            raise FailedPrecondition(f"transfer {record.transfer_id} is being cancelled")
+        layout = self._groups[record.decode_engine_id].layout()
+        needed = math.ceil(allocation.prompt_token_count / layout.block_size_tokens)
+        if len(allocation.block_ids) < needed:
+            raise InvalidArgument(
+                f"{len(allocation.block_ids)} block ids cannot hold {allocation.prompt_token_count} tokens "
+                f"of {layout.block_size_tokens} per block (need {needed})")
+        bad = next((b for b in allocation.block_ids if b >= layout.block_count), None)
+        if bad is not None:
+            raise InvalidArgument(f"block id {bad} is out of range [0, {layout.block_count})")
+        # Blocks holding decode's own prefix hit may be shared (prefix cache); only written ones are owned.
+        owned = allocation.block_ids[allocation.prefix_hit_token_count // layout.block_size_tokens:needed]
+        if len(set(owned)) != len(owned):
+            raise InvalidArgument("block_ids repeat a block that would be written twice")
+        index = self._owned_blocks.setdefault(record.decode_engine_id, {})
+        clash = next((b for b in owned if b in index), None)
+        if clash is not None:
+            raise FailedPrecondition(f"block {clash} is already allocated to live transfer {index[clash]}")
+        if record.ready_prompt_token_count and allocation.prompt_token_count > record.ready_prompt_token_count:
+            raise FailedPrecondition(
+                f"decode needs {allocation.prompt_token_count} tokens; prefill computes "
+                f"{record.ready_prompt_token_count}")
+        for block in owned:
+            index[block] = record.transfer_id
+        record.owned_blocks = tuple(owned)
+        record.allocation = allocation
+        record.allocate_wall = self.clock.wall()
+        record.state = tpb.TRANSFER_STATE_ALLOCATED
+        self.observer.on_allocated(record)
+        if record.first_ready_wall is not None:
+            self._dispatch(record, fx)
+        return record, fx
+
+    def _transfer(self, transfer_id: str) -> TransferRecord:
+        record = self._transfers.get(transfer_id)
+        if record is None:
+            raise NotFound(f"transfer {transfer_id!r} is unknown")
+        return record
+
+    # ---------------------------------------------------------------- prefill stream
+
+    def open_session(self, engine_id: str, tp_rank: int, lease_id: str) -> tuple[int, Effects]:
+        """Bind a new StreamPrefill session to a prefill worker; it replaces any previous session."""
+        worker = self._worker(engine_id, tp_rank)
+        if worker.lease_id != lease_id:
+            raise NotFound(f"engine {engine_id!r} rank {tp_rank} holds no lease {lease_id!r}")
+        if worker.role != PREFILL:
+            raise FailedPrecondition(f"engine {engine_id!r} is not a prefill engine")
+        worker.session_id = next(self._session_ids)
+        fx = Effects()
+        if worker.outbox:
+            fx.prefill_outboxes.add((engine_id, tp_rank))
+        return worker.session_id, fx
+
+    def session_worker(self, engine_id: str, tp_rank: int, session_id: int) -> Worker | None:
+        """The worker if `session_id` is still its current session, else None."""
+        group = self._groups.get(engine_id)
+        worker = group.workers.get(tp_rank) if group is not None else None
+        if worker is None or worker.session_id != session_id:
+            return None
+        return worker
+
+    def close_session(self, engine_id: str, tp_rank: int, session_id: int, reason: str) -> Effects:
+        """A session ended: if it is still current, every transfer this rank worked on fails."""
+        fx = Effects()
+        worker = self.session_worker(engine_id, tp_rank, session_id)
+        if worker is None:
+            return fx
+        worker.session_id = 0
+        worker.outbox.clear()
+        group = self._groups[engine_id]
+        for transfer_id in list(group.active_transfers):
+            record = self._live.get(transfer_id)
+            if record is not None and (record.dispatched or tp_rank in record.ready):
+                self._end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
+        return fx
+
+    def report_ready(self, engine_id: str, tp_rank: int,
+                     events: Sequence[dpb.LayerReady]) -> tuple[Effects, list[tuple[dpb.LayerReady, DirectoryError]]]:
+        """Record readiness events from one prefill rank; returns effects and the refused events with why."""
+        fx = Effects()
+        refused: list[tuple[dpb.LayerReady, DirectoryError]] = []
+        for event in events:
+            try:
+                self._ready_one(engine_id, tp_rank, event, fx)
+            except DirectoryError as exc:
+                refused.append((event, exc))
+        return fx, refused
+
+    def _ready_one(self, engine_id: str, tp_rank: int, event: dpb.LayerReady, fx: Effects) -> None:
+        record = self._transfers.get(event.transfer_id)
+        if record is None:
+            raise NotFound(f"transfer {event.transfer_id!r} is unknown")
+        if record.prefill_engine_id != engine_id:
+            raise PermissionDenied(f"engine {engine_id!r} is not the prefill engine of this transfer")
+        if record.terminal:
+            raise FailedPrecondition(f"transfer is {tpb.TransferState.Name(record.state)}")
+        if event.last_layer >= record.layer_count:
+            raise InvalidArgument(f"last_layer {event.last_layer} is out of range [0, {record.layer_count})")
+        if record.ready_prompt_token_count and event.prompt_token_count != record.ready_prompt_token_count:
+            raise InvalidArgument(
+                f"prompt_token_count {event.prompt_token_count} differs from {record.ready_prompt_token_count}")
+        if record.allocation is not None and record.allocation.prompt_token_count > event.prompt_token_count:
+            raise FailedPrecondition(
+                f"decode needs {record.allocation.prompt_token_count} tokens; prefill computes "
+                f"{event.prompt_token_count}")
+        chunks = record.ready.get(tp_rank)
+        if chunks is None:
+            chunks = record.ready[tp_rank] = {}
+        key = (event.token_start, event.token_end)
+        mask = _layer_mask(event.first_layer, event.last_layer)
+        seen = chunks.get(key)
+        if seen is not None and seen | mask == seen:
+            return  # already-ready range: idempotent no-op
+        if seen is None:
+            if record.chunk_count >= self.limits.max_chunks_per_transfer:
+                raise ResourceExhausted(f"over {self.limits.max_chunks_per_transfer} readiness chunks")
+            record.chunk_count += 1
+            seen = 0
+        chunks[key] = seen | mask
+        record.ready_prompt_token_count = event.prompt_token_count
+        if record.first_ready_wall is None:
+            record.first_ready_wall = self.clock.wall()
+            self.observer.on_first_ready(record)
+            if record.allocation is not None and record.ending is None:
+                self._dispatch(record, fx)
+
+    def _dispatch(self, record: TransferRecord, fx: Effects) -> None:
+        """Send ONE instruction per prefill rank; it covers every layer, present and future."""
+        allocation = record.allocation
+        prefill = self._groups[record.prefill_engine_id]
+        decode = self._groups[record.decode_engine_id]
+        for rank in range(record.tp_size):
+            target = decode.workers[rank]
+            instruction = dpb.PushInstruction(
+                transfer_id=record.transfer_id, decode_engine_id=record.decode_engine_id, decode_tp_rank=rank,
+                decode_agent_name=target.agent_name, decode_agent_metadata=target.agent_metadata,
+                decode_layout=target.layout, decode_block_ids=allocation.block_ids,
+                skip_token_count=allocation.prefix_hit_token_count,
+                prompt_token_count=allocation.prompt_token_count,
+                notification=record.transfer_id.encode(), trace_context=record.trace_context,
+            )
+            prefill.workers[rank].outbox.append(dpb.StreamPrefillResponse(instruction=instruction))
+            fx.prefill_outboxes.add((record.prefill_engine_id, rank))
+        record.dispatched = True
+        record.dispatch_wall = self.clock.wall()
+        record.state = tpb.TRANSFER_STATE_STREAMING
+        self.observer.on_dispatched(record)
+
+    def report_result(self, engine_id: str, tp_rank: int, result: dpb.WriteResult) -> Effects:
+        """Record one rank's write result (see module docstring for what each status does)."""
+        fx = Effects()
+        record = self._transfers.get(result.transfer_id)
+        if record is None:
+            raise NotFound(f"transfer {result.transfer_id!r} is unknown")
+        if record.prefill_engine_id != engine_id:
+            raise PermissionDenied(f"engine {engine_id!r} is not the prefill engine of this transfer")
+        status = result.status
+        if status == dpb.WRITE_RESULT_STATUS_UNSPECIFIED:
+            raise InvalidArgument("status is WRITE_RESULT_STATUS_UNSPECIFIED")
+        if record.terminal:
+            if status in _QUIESCENT_RESULTS:
+                return fx  # the worker confirms it stopped: nothing left to do
+            raise FailedPrecondition(f"transfer is {tpb.TransferState.Name(record.state)}")
+        if not record.dispatched:
+            raise FailedPrecondition("this worker has no push instruction for the transfer")
+        if tp_rank in record.quiescent:
+            if record.quiescent[tp_rank] == status:
+                return fx  # duplicate
+            raise FailedPrecondition(
+                f"rank {tp_rank} already reported {dpb.WriteResultStatus.Name(record.quiescent[tp_rank])}")
+        record.layers_written[tp_rank] = max(record.layers_written.get(tp_rank, 0), result.layers_written_count)
+        record.bytes_written[tp_rank] = max(record.bytes_written.get(tp_rank, 0), result.bytes_written)
+        if status == dpb.WRITE_RESULT_STATUS_PROGRESS:
+            return fx
+        record.quiescent[tp_rank] = status
+        if result.HasField("timing"):
+            record.timing[tp_rank] = _copy(result.timing)
+        if status == dpb.WRITE_RESULT_STATUS_FAILED and record.ending is None:
+            record.ending = (tpb.TRANSFER_STATE_FAILED,
+                             f"rank {tp_rank} write failed: {result.error_message}".rstrip(": "))
+            self._tell_prefill(record, tpb.TRANSFER_STATE_FAILED, record.ending[1], fx)
+        elif status == dpb.WRITE_RESULT_STATUS_CANCELLED and record.ending is None:
+            record.ending = (tpb.TRANSFER_STATE_CANCELLED, f"rank {tp_rank} cancelled")
+            self._tell_prefill(record, tpb.TRANSFER_STATE_CANCELLED, record.ending[1], fx)
+        if len(record.quiescent) == record.tp_size:
+            if record.ending is not None:
+                self._end(record, record.ending[0], record.ending[1], fx, tell_prefill=False)
+            else:
+                record.layers_written = {r: max(v, record.layer_count) for r, v in record.layers_written.items()}
+                for rank in range(record.tp_size):
+                    record.layers_written.setdefault(rank, record.layer_count)
+                self._end(record, tpb.TRANSFER_STATE_COMPLETE, "", fx, tell_prefill=False)
+        return fx
+
+    # ---------------------------------------------------------------- cancellation, ending, reaping
+
+    def cancel(self, transfer_id: str, reason: str) -> tuple[TransferRecord, Effects]:
+        """Cancel: at once if nothing was dispatched, else once every dispatched rank is quiescent."""
+        record = self._transfer(transfer_id)
+        fx = Effects()
+        if record.terminal:
+            return record, fx
+        reason = reason or "cancelled"
+        if not record.dispatched:
+            self._end(record, tpb.TRANSFER_STATE_CANCELLED, reason, fx)
+            return record, fx
+        if record.ending is None or record.ending[0] != tpb.TRANSFER_STATE_CANCELLED:
+            record.ending = (tpb.TRANSFER_STATE_CANCELLED, reason)
+            self._tell_prefill(record, tpb.TRANSFER_STATE_CANCELLED, reason, fx)
+        return record, fx
+
+    def _tell_prefill(self, record: TransferRecord, state: int, reason: str, fx: Effects) -> None:
+        """Queue a Cancellation for every prefill rank that may still work on the transfer."""
+        group = self._groups.get(record.prefill_engine_id)
+        if group is None:
+            return
+        for rank, worker in group.workers.items():
+            if rank in record.quiescent or not (record.dispatched or rank in record.ready):
+                continue
+            worker.outbox.append(dpb.StreamPrefillResponse(
+                cancellation=dpb.Cancellation(transfer_id=record.transfer_id, reason=reason)))
+            fx.prefill_outboxes.add((record.prefill_engine_id, rank))
+
+    def _end(self, record: TransferRecord, state: int, reason: str, fx: Effects, tell_prefill: bool = True) -> None:
+        """Make a live transfer terminal: release blocks, tell decode (watch log) and, if asked, prefill."""
+        if tell_prefill:
+            self._tell_prefill(record, state, reason, fx)
+        record.state = state
+        record.failure_reason = reason
+        record.end_wall = self.clock.wall()
+        record.ending = None
+        del self._live[record.transfer_id]
+        for engine_id in (record.prefill_engine_id, record.decode_engine_id):
+            group = self._groups.get(engine_id)
+            if group is not None:
+                group.active_transfers.discard(record.transfer_id)
+        index = self._owned_blocks.get(record.decode_engine_id)
+        if index is not None:
+            for block in record.owned_blocks:
+                if index.get(block) == record.transfer_id:
+                    del index[block]
+            if not index:
+                del self._owned_blocks[record.decode_engine_id]
+        self._event_sequence += 1
+        log = self._watch_logs.setdefault(record.decode_engine_id,
+                                          WatchLog(self.limits.retained_watch_events_per_engine))
+        log.append(dpb.TransferEvent(
+            sequence_number=self._event_sequence, transfer_id=record.transfer_id, state=state, reason=reason,
+            bytes_written=record.total_bytes_written()))
+        fx.watch_engines.add(record.decode_engine_id)
+        self._terminal_order.append(record.transfer_id)
+        while len(self._terminal_order) > self.limits.retained_terminal_transfers:
+            self._transfers.pop(self._terminal_order.popleft(), None)
+        self.observer.on_ended(record)
+
+    def reap(self, now: float | None = None) -> Effects:
+        """End lapsed leases (engine lost) and transfers past their deadline (EXPIRED); scans everything."""
+        now = self.clock.monotonic() if now is None else now
+        fx = Effects()
+        lapsed = [w for w in self._leases.values() if w.lease_deadline < now]
+        for worker in lapsed:
+            if worker.lease_id in self._leases:
+                self._remove_worker(
+                    worker, f"engine {worker.engine_id} rank {worker.tp_rank} lease expired", fx)
+        for record in [r for r in self._live.values() if r.deadline < now]:
+            self._end(record, tpb.TRANSFER_STATE_EXPIRED, "transfer deadline passed", fx)
+        for engine_id in [e for e, log in self._watch_logs.items()
+                          if e not in self._groups and not log.events]:
+            del self._watch_logs[engine_id]
+        return fx
+
+    # ---------------------------------------------------------------- reading
+
+    def get_transfer(self, transfer_id: str) -> TransferRecord:
+        """One retained transfer; NotFound otherwise."""
+        return self._transfer(transfer_id)
+
+    def list_transfers(self, page_size: int, page_token: str, state: int,
+                       engine_id: str) -> tuple[list[TransferRecord], str]:
+        """One page of retained transfers, newest first; returns the next page token ("" at the end)."""
+        before = None
+        if page_token:
+            if not page_token.isdigit():
+                raise InvalidArgument(f"page_token {page_token!r} is not a token this server issued")
+            before = int(page_token)
+        page: list[TransferRecord] = []
+        more = False
+        for record in reversed(self._transfers.values()):
+            if before is not None and record.sequence >= before:
+                continue
+            if state != tpb.TRANSFER_STATE_UNSPECIFIED and record.state != state:
+                continue
+            if engine_id and engine_id not in (record.prefill_engine_id, record.decode_engine_id):
+                continue
+            if len(page) == page_size:
+                more = True
+                break
+            page.append(record)
+        return page, (str(page[-1].sequence) if more else "")
+
+    def watch_events(self, engine_id: str, after_sequence_number: int) -> list[dpb.TransferEvent]:
+        """Retained events of a decode engine after a sequence number.
+
+        OutOfRange when events after it were dropped, or when it is ahead of this process
+        (a watch carried over from a previous directory process).
+        """
+        log = self._watch_logs.get(engine_id)
+        if log is None:
+            raise NotFound(f"engine {engine_id!r} is not a registered decode engine")
+        if after_sequence_number > self._event_sequence:
+            raise OutOfRange(
+                f"after_sequence_number {after_sequence_number} is ahead of this directory "
+                f"({self._event_sequence}); it restarted: re-read transfers")
+        if after_sequence_number and after_sequence_number < log.dropped_through:
+            raise OutOfRange(
+                f"events after {after_sequence_number} are no longer retained (oldest dropped: "
+                f"{log.dropped_through}); re-read transfers")
+        return log.after(after_sequence_number)
+
+    @property
+    def last_event_sequence(self) -> int:
+        """The sequence number of the newest watch event (0 before any)."""
+        return self._event_sequence
+
+    def is_decode_engine(self, engine_id: str) -> bool:
+        """True when a decode engine of this id is registered."""
+        group = self._groups.get(engine_id)
+        return group is not None and group.role == DECODE
+
+    def drain_outbox(self, engine_id: str, tp_rank: int, session_id: int) -> list[dpb.StreamPrefillResponse]:
+        """Take every queued message for a prefill worker's current session."""
+        worker = self.session_worker(engine_id, tp_rank, session_id)
+        if worker is None or not worker.outbox:
+            return []
+        messages = list(worker.outbox)
+        worker.outbox.clear()
+        return messages
+
+    def live_transfers(self) -> Iterable[TransferRecord]:
+        """Every non-terminal transfer."""
+        return self._live.values()
+
+    def check_invariants(self) -> list[str]:
+        """Violations of the state machine's invariants (empty when sound); used by tests."""
+        problems: list[str] = []
+        owners: dict[tuple[str, int], str] = {}
+        for record in self._transfers.values():
+            if record.terminal == (record.transfer_id in self._live):
+                problems.append(f"{record.transfer_id}: live index disagrees with state")
+            if record.state == tpb.TRANSFER_STATE_COMPLETE and record.failure_reason:
+                problems.append(f"{record.transfer_id}: complete with a failure reason")
+            if record.terminal and record.end_wall is None:
+                problems.append(f"{record.transfer_id}: terminal without end time")
+            if any(v < 0 for v in (*record.bytes_written.values(), *record.layers_written.values())):
+                problems.append(f"{record.transfer_id}: negative counter")
+            if not record.terminal:
+                for block in record.owned_blocks:
+                    key = (record.decode_engine_id, block)
+                    if key in owners:
+                        problems.append(f"block {key} owned by {owners[key]} and {record.transfer_id}")
+                    owners[key] = record.transfer_id
+        indexed = {(e, b): t for e, idx in self._owned_blocks.items() for b, t in idx.items()}
+        if indexed != owners:
+            problems.append("block index disagrees with live allocations")
+        for group in self._groups.values():
+            for transfer_id in group.active_transfers:
+                if transfer_id not in self._live:
+                    problems.append(f"engine {group.engine_id} lists ended transfer {transfer_id}")
+        return problems
+
+
+def _incompatibility(prefill: EngineGroup, decode: EngineGroup) -> str:
+    """Why two engines cannot be paired ("" when they can)."""
+    p, d = prefill.layout(), decode.layout()
+    if prefill.tp_size != decode.tp_size:
+        return (f"tp_size {prefill.tp_size} of {prefill.engine_id} differs from {decode.tp_size} of "
+                f"{decode.engine_id} (heterogeneous TP is not supported yet)")
+    if p.layer_count != d.layer_count:
+        return f"layer_count {p.layer_count} differs from {d.layer_count}"
+    if p.dtype != d.dtype:
+        return f"dtype {p.dtype!r} differs from {d.dtype!r}"
+    if p.compatibility_hash and d.compatibility_hash and p.compatibility_hash != d.compatibility_hash:
+        return "compatibility_hash differs"
+    return ""
+
+
+def _copy(message):
+    clone = type(message)()
+    clone.CopyFrom(message)
+    return clone
