@@ -1,0 +1,166 @@
+"""Typed parsing of the connector's `kv_connector_extra_config`.
+
+Life cycle: vLLM builds one `KVTransferConfig` per engine; both connector halves (scheduler process and
+each worker process) call `ConnectorConfig.from_kv_transfer_config` once at construction. Parsing is
+strict: an unknown key, a wrong type or an out-of-range value raises `ConnectorConfigError` naming the
+key, so a typo fails engine start-up instead of silently running with a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+# kv_role values vLLM accepts, and what each means for kvpush.
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+_KV_ROLE_TO_ROLE = {"kv_producer": ROLE_PREFILL, "kv_consumer": ROLE_DECODE}
+
+_KNOWN_BACKENDS = frozenset({"UCX", "LIBFABRIC", "GDS", "GDS_MT", "POSIX", "OBJ", "MOONCAKE", "UCCL"})
+
+
+class ConnectorConfigError(ValueError):
+    """A kv_transfer_config value the connector cannot run with; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything the connector reads from vLLM's kv_transfer_config, validated.
+
+    directory_address: host:port of the KV-directory (required).
+    directory_token: bearer token sent on every directory call (optional).
+    directory_tls_ca / directory_tls_cert / directory_tls_key: PEM file paths for TLS / mutual TLS (optional).
+    nixl_backends: NIXL backends to create (default ["UCX"]).
+    nixl_enable_prog_thread: run NIXL's progress thread (default False: on few cores it busy-spins).
+    nixl_num_threads: UCX/LIBFABRIC worker threads (default 0 = backend default).
+    engine_endpoint: this engine's HTTP URL, registered with the directory (optional).
+    transfer_timeout_s: decode-side bound on waiting for one transfer (default 60).
+    push_timeout_s: prefill-side bound on holding a finished request's blocks for pushes (default 60).
+    """
+
+    role: str
+    engine_id: str
+    directory_address: str
+    directory_token: str | None = None
+    directory_tls_ca: str | None = None
+    directory_tls_cert: str | None = None
+    directory_tls_key: str | None = None
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    nixl_enable_prog_thread: bool = False
+    nixl_num_threads: int = 0
+    engine_endpoint: str = ""
+    transfer_timeout_s: float = 60.0
+    push_timeout_s: float = 60.0
+
+    @property
+    def is_prefill(self) -> bool:
+        """True on a prefill (kv_producer) engine."""
+        return self.role == ROLE_PREFILL
+
+    @property
+    def is_decode(self) -> bool:
+        """True on a decode (kv_consumer) engine."""
+        return self.role == ROLE_DECODE
+
+    def channel_config_dict(self) -> dict[str, Any]:
+        """The directory-channel settings as the client library's ChannelConfig.from_dict expects them."""
+        settings: dict[str, Any] = {"directory_address": self.directory_address}
+        for key in ("directory_token", "directory_tls_ca", "directory_tls_cert", "directory_tls_key"):
+            value = getattr(self, key)
+            if value:
+                settings[key] = value
+        return settings
+
+    @classmethod
+    def from_kv_transfer_config(cls, kv_transfer_config: Any) -> "ConnectorConfig":
+        """Parse vLLM's KVTransferConfig (duck-typed: kv_role, engine_id, kv_connector_extra_config)."""
+        kv_role = getattr(kv_transfer_config, "kv_role", None)
+        if kv_role not in _KV_ROLE_TO_ROLE:
+            raise ConnectorConfigError(
+                f"kv_role must be 'kv_producer' (prefill) or 'kv_consumer' (decode) for KVPushConnector, got {kv_role!r}"
+            )
+        engine_id = getattr(kv_transfer_config, "engine_id", None)
+        if not engine_id or not isinstance(engine_id, str):
+            raise ConnectorConfigError("kv_transfer_config.engine_id must be a non-empty string")
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        return cls.from_extra_config(extra, role=_KV_ROLE_TO_ROLE[kv_role], engine_id=engine_id)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any], *, role: str, engine_id: str) -> "ConnectorConfig":
+        """Parse kv_connector_extra_config for an engine of this role; raise ConnectorConfigError on bad input."""
+        if role not in (ROLE_PREFILL, ROLE_DECODE):
+            raise ConnectorConfigError(f"role must be {ROLE_PREFILL!r} or {ROLE_DECODE!r}, got {role!r}")
+        if not isinstance(extra, Mapping):
+            raise ConnectorConfigError(f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"role", "engine_id"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConnectorConfigError(f"kv_connector_extra_config has unknown key(s) {unknown}; known: {sorted(known)}")
+        if "directory_address" not in extra:
+            raise ConnectorConfigError("kv_connector_extra_config.directory_address (host:port) is required")
+        return cls(
+            role=role,
+            engine_id=engine_id,
+            directory_address=_host_port(extra["directory_address"]),
+            directory_token=_optional_str(extra, "directory_token"),
+            directory_tls_ca=_optional_str(extra, "directory_tls_ca"),
+            directory_tls_cert=_optional_str(extra, "directory_tls_cert"),
+            directory_tls_key=_optional_str(extra, "directory_tls_key"),
+            nixl_backends=_backends(extra.get("nixl_backends", ["UCX"])),
+            nixl_enable_prog_thread=_bool(extra, "nixl_enable_prog_thread", False),
+            nixl_num_threads=_int(extra, "nixl_num_threads", 0, minimum=0, maximum=256),
+            engine_endpoint=_optional_str(extra, "engine_endpoint") or "",
+            transfer_timeout_s=_seconds(extra, "transfer_timeout_s", 60.0),
+            push_timeout_s=_seconds(extra, "push_timeout_s", 60.0),
+        )
+
+
+def _host_port(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConnectorConfigError(f"directory_address must be a 'host:port' string, got {value!r}")
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConnectorConfigError(f"directory_address must be 'host:port' with a port in 1..65535, got {value!r}")
+    return value
+
+
+def _optional_str(extra: Mapping[str, Any], key: str) -> str | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConnectorConfigError(f"{key} must be a string, got {type(value).__name__}")
+    return value or None
+
+
+def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ConnectorConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _int(extra: Mapping[str, Any], key: str, default: int, *, minimum: int, maximum: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ConnectorConfigError(f"{key} must be an integer in [{minimum}, {maximum}], got {value!r}")
+    return value
+
+
+def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+        raise ConnectorConfigError(f"{key} must be a number of seconds in (0, 86400], got {value!r}")
+    return float(value)
+
+
+def _backends(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        raise ConnectorConfigError(f"nixl_backends must be a non-empty list of backend names, got {value!r}")
+    for name in value:
+        if name not in _KNOWN_BACKENDS:
+            raise ConnectorConfigError(f"nixl_backends has unknown backend {name!r}; known: {sorted(_KNOWN_BACKENDS)}")
+    if len(set(value)) != len(value):
+        raise ConnectorConfigError(f"nixl_backends lists a backend twice: {value!r}")
+    return tuple(value)

@@ -1,0 +1,1 @@
+"""Scheduler-side halves of KVPushConnector (EngineCore process): one class per engine role."""

@@ -1,0 +1,160 @@
+"""Decode engine, scheduler half: makes remote-prefill requests wait for pushed KV, reports their blocks.
+
+Life cycle of a decode-leg request (kv_transfer_params: transfer_id + do_remote_prefill) here:
+  1. `get_num_new_matched_tokens` (may run many times, no side effects): the prompt tokens beyond
+     decode's own prefix hit will arrive asynchronously -> (n, True); vLLM allocates blocks for the
+     whole prompt and parks the request in WAITING_FOR_REMOTE_KVS.
+  2. `update_state_after_alloc` (first call with external tokens): submit ReportAllocation (block ids
+     for the whole prompt, prefix_hit_token_count = decode's own hit, so the push skips those tokens)
+     without waiting; queue a `ReceiveStart` for the workers. A refused report comes back on the
+     client's thread and is queued as a failed receive for the next step's metadata.
+  3. The workers report the request in finished_recving (completion, or failure with load-error blocks
+     so vLLM's kv_load_failure_policy applies); `update_connector_output` forgets it.
+  4. Abort while waiting: `request_finished` submits CancelTransfer and tells the workers, which report
+     the request finished only once the directory confirms the transfer is terminal (no write in
+     flight) or transfer_timeout_s passed; until then vLLM keeps the blocks (WAITING_FOR_REMOTE_KVS).
+     Abort before allocation: CancelTransfer only, so prefill stops early.
+This half never waits on the network: every directory call is submitted to the link's own thread.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
+from kvpush.connector.params import TransferParams, TransferParamsError, parse_transfer_params
+from kvpush.observability import get_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+_log = get_logger("connector.scheduler.decode")
+
+
+class AllocationReporter(Protocol):
+    """The directory calls the decode scheduler half makes; both return at once (work runs elsewhere)."""
+
+    def report_allocation(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
+                          prefix_hit_token_count: int, on_refused: Any) -> None:
+        """Submit ReportAllocation; call on_refused(reason) from another thread if it fails."""
+
+    def cancel_transfer(self, transfer_id: str, reason: str) -> None:
+        """Submit CancelTransfer (best effort, idempotent at the directory)."""
+
+
+@dataclass
+class _Receive:
+    """A decode request between allocation and finished_recving."""
+
+    transfer_id: str
+
+
+class DecodeScheduler:
+    """Scheduler half for kv_role=kv_consumer. See the module docstring for the life cycle."""
+
+    def __init__(self, config: ConnectorConfig, block_size_tokens: int, directory: AllocationReporter) -> None:
+        self._config = config
+        self._block_size = block_size_tokens
+        self._directory = directory
+        self._legs: dict[str, TransferParams] = {}      # remote-prefill requests not yet allocated
+        self._receiving: dict[str, _Receive] = {}        # allocated, not yet reported finished by the workers
+        self._pending_receives: list[ReceiveStart] = []
+        self._pending_cancels: list[str] = []
+        # Filled from the directory client's thread; drained by build_connector_meta on the engine thread.
+        self._refusals: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+
+    def on_new_request(self, request: "Request") -> None:
+        """Remember a decode-leg request's transfer; malformed params leave it a local request."""
+        try:
+            params = parse_transfer_params(request.kv_transfer_params)
+        except TransferParamsError as exc:
+            _log.error("kv_transfer_params refused; decode computes the prompt itself",
+                       request_id=request.request_id, error=str(exc))
+            return
+        if params is not None and not params.is_prefill_leg:
+            self._legs[request.request_id] = params
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Prompt tokens past decode's own (block-aligned) prefix hit arrive by push, asynchronously."""
+        if request.request_id not in self._legs:
+            return 0, False
+        remote_tokens = request.num_prompt_tokens - num_computed_tokens
+        if remote_tokens <= 0:
+            return 0, False
+        return remote_tokens, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        """Report the allocation to the directory (submitted, not awaited) and queue the receive for the workers."""
+        leg = self._legs.pop(request.request_id, None)
+        if leg is None:
+            return  # not a decode leg, or already handled (second call after the load)
+        if num_external_tokens <= 0:
+            # Decode computes everything itself (a full local hit, or prefix reading disabled): stop the push.
+            self._directory.cancel_transfer(leg.transfer_id, "decode needs no pushed tokens")
+            return
+        prompt_tokens = request.num_prompt_tokens
+        prefix_hit = prompt_tokens - num_external_tokens
+        (block_ids, *_) = blocks.get_block_ids()
+        needed_blocks = -(-prompt_tokens // self._block_size)
+        if len(block_ids) < needed_blocks:
+            raise RuntimeError(  # vLLM allocates the whole prompt for an async load; anything else is a bug
+                f"request {request.request_id} has {len(block_ids)} blocks for {prompt_tokens} prompt tokens")
+        block_ids = list(block_ids[:needed_blocks])
+        request_id = request.request_id
+        self._receiving[request_id] = _Receive(leg.transfer_id)
+        self._pending_receives.append(ReceiveStart(
+            request_id=request_id, transfer_id=leg.transfer_id, block_ids=tuple(block_ids),
+            prompt_token_count=prompt_tokens, prefix_hit_token_count=prefix_hit, trace_context=leg.traceparent))
+
+        def on_refused(reason: str, request_id: str = request_id) -> None:
+            self._refusals.put((request_id, reason))
+
+        self._directory.report_allocation(leg.transfer_id, block_ids, prompt_tokens, prefix_hit, on_refused)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPushMetadata:
+        """Hand new receives, cancellations and refused allocations to the workers."""
+        meta = KVPushMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0)
+        meta.receives, self._pending_receives = self._pending_receives, []
+        meta.cancelled_receives, self._pending_cancels = self._pending_cancels, []
+        while True:
+            try:
+                request_id, reason = self._refusals.get_nowait()
+            except queue.Empty:
+                break
+            if request_id in self._receiving:
+                meta.failed_receives.append((request_id, reason))
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """On an abort while waiting, cancel the transfer and keep the blocks until the workers confirm."""
+        request_id = request.request_id
+        leg = self._legs.pop(request_id, None)
+        if leg is not None:
+            # Never allocated: nothing can be written here, but prefill should stop pushing.
+            self._directory.cancel_transfer(leg.transfer_id, "decode request finished before allocation")
+            return False, None
+        receive = self._receiving.get(request_id)
+        if receive is None:
+            return False, None
+        self._directory.cancel_transfer(receive.transfer_id, "decode request aborted while waiting for KV")
+        self._pending_cancels.append(request_id)
+        return True, None
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Forget receives the workers reported finished (completed, failed or cancelled)."""
+        for request_id in connector_output.finished_recving or ():
+            self._receiving.pop(request_id, None)
+
+    def has_pending_push_work(self) -> bool:
+        """Decode has no push work of its own; waiting requests keep vLLM stepping."""
+        return False
+
+    def receiving_count(self) -> int:
+        """How many requests wait for pushed KV (for tests and metrics)."""
+        return len(self._receiving)

@@ -1,0 +1,153 @@
+"""Prefill engine, scheduler half: turns vLLM's scheduling decisions into per-step prefill chunks.
+
+Life cycle of a prefill-leg request (kv_transfer_params: transfer_id + do_remote_decode) here:
+  1. `on_new_request`: the request is tracked under its transfer id (malformed params: logged, left local).
+  2. `build_connector_meta`, every step it is scheduled: a `PrefillChunk` says which prompt tokens this
+     step computes and which blocks hold tokens [0, token_end). The first chunk also says how many
+     tokens came from this engine's prefix cache (ready at once, never recomputed, still pushed).
+  3. `request_finished`: if any chunk went to the workers, return (True, params): vLLM keeps the
+     blocks until the workers report the request in finished_sending (pushes done, failed, cancelled or
+     timed out). The params carry the transfer id and the push timeline known so far.
+  4. `update_connector_output`: finished_sending releases the hold; worker timelines are merged.
+`has_pending_push_work` is True while any hold is open, so the engine keeps stepping (and the workers
+keep reporting) after its last request finished. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, PrefillChunk, merge_timeline
+from kvpush.connector.params import TransferParamsError, parse_transfer_params
+from kvpush.observability import get_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+_log = get_logger("connector.scheduler.prefill")
+
+
+@dataclass
+class _TrackedPrefill:
+    """What the scheduler half remembers about one prefill-leg request."""
+
+    request: "Request"
+    transfer_id: str
+    traceparent: str
+    chunks_sent: int = 0
+    preempted: bool = False
+    timeline: dict[str, Any] = field(default_factory=dict)
+
+
+class PrefillScheduler:
+    """Scheduler half for kv_role=kv_producer. See the module docstring for the life cycle."""
+
+    def __init__(self, config: ConnectorConfig, block_size_tokens: int) -> None:
+        self._config = config
+        self._block_size = block_size_tokens
+        self._tracked: dict[str, _TrackedPrefill] = {}
+        # Requests whose blocks we hold for pushes, until finished_sending.
+        self._held: dict[str, float] = {}
+        self._newly_held: list[str] = []
+        self._kv_cache_manager: KVCacheManager | None = None
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        """Keep the cache manager to read each scheduled request's block ids."""
+        self._kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: "Request") -> None:
+        """Track a prefill-leg request by its transfer id."""
+        try:
+            params = parse_transfer_params(request.kv_transfer_params)
+        except TransferParamsError as exc:
+            _log.error("kv_transfer_params refused; request runs without a push", request_id=request.request_id,
+                       error=str(exc))
+            return
+        if params is None or not params.is_prefill_leg:
+            return
+        self._tracked[request.request_id] = _TrackedPrefill(request, params.transfer_id, params.traceparent)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """A prefill engine never loads external KV."""
+        return 0, False
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPushMetadata:
+        """Describe this step's prefill chunks, new holds and preemptions for the workers."""
+        meta = KVPushMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0)
+        for request_id in scheduler_output.preempted_req_ids or ():
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and tracked.chunks_sent:
+                tracked.preempted = True
+                meta.preempted.append(request_id)
+        if self._tracked:
+            self._add_chunks(scheduler_output, meta)
+        meta.held_prefills, self._newly_held = self._newly_held, []
+        return meta
+
+    def _add_chunks(self, scheduler_output: "SchedulerOutput", meta: KVPushMetadata) -> None:
+        now = time.time()
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is None or tracked.preempted:
+                continue
+            request = tracked.request
+            prompt_tokens = request.num_prompt_tokens
+            token_start = request.num_computed_tokens  # build_connector_meta runs before vLLM advances it
+            if token_start >= prompt_tokens:
+                continue  # a decode step: nothing of the prompt left to push
+            token_end = min(token_start + num_tokens, prompt_tokens)
+            assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+            (block_ids, *_) = self._kv_cache_manager.get_block_ids(request_id)
+            needed_blocks = -(-token_end // self._block_size)
+            meta.prefill_chunks.append(PrefillChunk(
+                request_id=request_id, transfer_id=tracked.transfer_id, token_start=token_start,
+                token_end=token_end, prompt_token_count=prompt_tokens,
+                block_ids=tuple(block_ids[:needed_blocks]),
+                cached_token_count=token_start if tracked.chunks_sent == 0 else 0,
+                trace_context=tracked.traceparent,
+            ))
+            if tracked.chunks_sent == 0:
+                tracked.timeline["prefill_start_time"] = now
+                tracked.timeline["cached_token_count"] = token_start
+            tracked.chunks_sent += 1
+            tracked.timeline["chunk_count"] = tracked.chunks_sent
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Hold the blocks while pushes may still read them; return the transfer id and push timeline."""
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        tracked.timeline["request_finished_time"] = time.time()
+        params = {"transfer_id": tracked.transfer_id, "push_timeline": dict(tracked.timeline)}
+        if tracked.chunks_sent == 0:
+            # Nothing ever reached the workers: no write can read these blocks. The transfer ends by its TTL
+            # at the directory (or decode's cancellation).
+            return False, params
+        self._held[request.request_id] = time.monotonic()
+        self._newly_held.append(request.request_id)
+        return True, params
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Release holds the workers reported done; merge their push timelines into tracked requests."""
+        for request_id in connector_output.finished_sending or ():
+            self._held.pop(request_id, None)
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, KVPushWorkerMetadata):
+            for request_id, timeline in worker_meta.timelines.items():
+                tracked = self._tracked.get(request_id)
+                if tracked is not None:
+                    merge_timeline(tracked.timeline, timeline)
+
+    def has_pending_push_work(self) -> bool:
+        """True while any finished request's blocks are held for pushes."""
+        return bool(self._held or self._newly_held)
+
+    def held_request_count(self) -> int:
+        """How many finished requests still hold blocks for pushes (for tests and metrics)."""
+        return len(self._held)
