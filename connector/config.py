@@ -29,8 +29,10 @@ class ConnectorConfig:
     """Everything the connector reads from vLLM's kv_transfer_config, validated.
 
     directory_address: host:port of the KV-directory (required).
-    directory_token: bearer token sent on every directory call (optional).
-    directory_tls_ca / directory_tls_cert / directory_tls_key: PEM file paths for TLS / mutual TLS (optional).
+    directory_settings: every `directory_*` key (token, TLS files, timeouts), passed to the client library's
+        `ChannelConfig.from_dict`, which validates them (directory_token, directory_tls_root_cert,
+        directory_tls_client_cert, directory_tls_client_key, directory_tls_server_name, directory_timeout_s,
+        directory_max_attempts).
     nixl_backends: NIXL backends to create (default ["UCX"]).
     nixl_enable_prog_thread: run NIXL's progress thread (default False: on few cores it busy-spins).
     nixl_num_threads: UCX/LIBFABRIC worker threads (default 0 = backend default).
@@ -42,10 +44,7 @@ class ConnectorConfig:
     role: str
     engine_id: str
     directory_address: str
-    directory_token: str | None = None
-    directory_tls_ca: str | None = None
-    directory_tls_cert: str | None = None
-    directory_tls_key: str | None = None
+    directory_settings: tuple[tuple[str, Any], ...] = ()
     nixl_backends: tuple[str, ...] = ("UCX",)
     nixl_enable_prog_thread: bool = False
     nixl_num_threads: int = 0
@@ -65,12 +64,7 @@ class ConnectorConfig:
 
     def channel_config_dict(self) -> dict[str, Any]:
         """The directory-channel settings as the client library's ChannelConfig.from_dict expects them."""
-        settings: dict[str, Any] = {"directory_address": self.directory_address}
-        for key in ("directory_token", "directory_tls_ca", "directory_tls_cert", "directory_tls_key"):
-            value = getattr(self, key)
-            if value:
-                settings[key] = value
-        return settings
+        return {**dict(self.directory_settings), "directory_address": self.directory_address}
 
     @classmethod
     def from_kv_transfer_config(cls, kv_transfer_config: Any) -> "ConnectorConfig":
@@ -93,8 +87,8 @@ class ConnectorConfig:
             raise ConnectorConfigError(f"role must be {ROLE_PREFILL!r} or {ROLE_DECODE!r}, got {role!r}")
         if not isinstance(extra, Mapping):
             raise ConnectorConfigError(f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)} - {"role", "engine_id"}
-        unknown = sorted(set(extra) - known)
+        known = {f.name for f in dataclasses.fields(cls)} - {"role", "engine_id", "directory_settings"}
+        unknown = sorted(k for k in set(extra) - known if not str(k).startswith("directory_"))
         if unknown:
             raise ConnectorConfigError(f"kv_connector_extra_config has unknown key(s) {unknown}; known: {sorted(known)}")
         if "directory_address" not in extra:
@@ -103,10 +97,7 @@ class ConnectorConfig:
             role=role,
             engine_id=engine_id,
             directory_address=_host_port(extra["directory_address"]),
-            directory_token=_optional_str(extra, "directory_token"),
-            directory_tls_ca=_optional_str(extra, "directory_tls_ca"),
-            directory_tls_cert=_optional_str(extra, "directory_tls_cert"),
-            directory_tls_key=_optional_str(extra, "directory_tls_key"),
+            directory_settings=_directory_settings(extra),
             nixl_backends=_backends(extra.get("nixl_backends", ["UCX"])),
             nixl_enable_prog_thread=_bool(extra, "nixl_enable_prog_thread", False),
             nixl_num_threads=_int(extra, "nixl_num_threads", 0, minimum=0, maximum=256),
@@ -123,6 +114,19 @@ def _host_port(value: Any) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConnectorConfigError(f"directory_address must be 'host:port' with a port in 1..65535, got {value!r}")
     return value
+
+
+def _directory_settings(extra: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    settings = tuple(sorted((k, v) for k, v in extra.items() if k.startswith("directory_") and k != "directory_address"))
+    try:
+        from kvpush.services.client.config import ChannelConfig
+
+        ChannelConfig.from_dict({"directory_address": extra["directory_address"], **dict(settings)})
+    except ImportError:  # the client library is part of kvpush; only a broken install lacks it
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConnectorConfigError(f"directory settings refused: {exc}") from None
+    return settings
 
 
 def _optional_str(extra: Mapping[str, Any], key: str) -> str | None:
