@@ -1,0 +1,32 @@
+"""`python -m kvpush.services.gateway`: run the gateway until SIGINT/SIGTERM, then close cleanly."""
+
+from __future__ import annotations
+
+import sys
+
+from aiohttp import web
+
+from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
+from kvpush.services.gateway.app import create_app
+from kvpush.services.gateway.config import parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, serve, and flush traces on the way out."""
+    config = parse_args(argv)
+    configure_logging()
+    configure_tracing("kvpush-gateway")
+    log = get_logger("gateway")
+    log.info("gateway starting", host=config.host, port=config.port, mode=config.mode,
+             directory=config.directory_address or None)
+    try:
+        # handler_cancellation: a client that disconnects cancels its legs and its transfer.
+        web.run_app(create_app(config), host=config.host, port=config.port, print=None,
+                    handler_cancellation=True, shutdown_timeout=10.0, access_log=None)
+    finally:
+        shutdown_tracing()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Gateway configuration: command-line flags with environment fallbacks, validated once at start-up."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MODES = ("kvpush", "nixl-pull", "nixl-push")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway needs; every wait it makes is bounded by one of these."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    mode: str = "kvpush"
+    directory_address: str = ""
+    directory_token: str = ""
+    # Static engines for the nixl-* baseline modes.
+    prefill_url: str = ""
+    decode_url: str = ""
+    prefill_engine_id: str = ""
+    prefill_side_channel: str = ""  # HOST:PORT of prefill's NIXL side channel (nixl-push)
+    plan_timeout_s: float = 5.0
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 120.0
+    decode_timeout_s: float = 600.0
+    transfer_ttl_s: float = 0.0  # 0: the directory's default
+    max_body_bytes: int = 8 * 1024 * 1024
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting."""
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("plan_timeout_s", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} out of range")
+        if self.mode == "kvpush" and not self.directory_address:
+            raise ValueError("kvpush mode needs --directory HOST:PORT (or KVPUSH_DIRECTORY_ADDRESS)")
+        if self.mode != "kvpush" and not (self.prefill_url and self.decode_url):
+            raise ValueError(f"{self.mode} mode needs --prefill-url and --decode-url")
+        if self.mode == "nixl-push":
+            host, sep, port = self.prefill_side_channel.rpartition(":")
+            if not (self.prefill_engine_id and sep and host and port.isdigit()):
+                raise ValueError("nixl-push mode needs --prefill-engine-id and --prefill-side-channel HOST:PORT")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
+    """Build a config from flags; KVPUSH_DIRECTORY_ADDRESS / KVPUSH_DIRECTORY_TOKEN fill unset ones."""
+    parser = argparse.ArgumentParser(prog="python -m kvpush.services.gateway",
+                                     description="kvpush reference gateway: OpenAI-compatible HTTP and SageMaker "
+                                                 "/ping + /invocations, routing each request to a prefill and a "
+                                                 "decode engine.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--mode", choices=MODES, default="kvpush")
+    parser.add_argument("--directory", default=os.environ.get("KVPUSH_DIRECTORY_ADDRESS", ""),
+                        help="KV directory HOST:PORT (kvpush mode)")
+    parser.add_argument("--directory-token", default=os.environ.get("KVPUSH_DIRECTORY_TOKEN", ""))
+    parser.add_argument("--prefill-url", default="", help="static prefill engine URL (nixl-* modes)")
+    parser.add_argument("--decode-url", default="", help="static decode engine URL (nixl-* modes)")
+    parser.add_argument("--prefill-engine-id", default="", help="prefill's kv_transfer_config.engine_id (nixl-push)")
+    parser.add_argument("--prefill-side-channel", default="", help="prefill's NIXL side channel HOST:PORT (nixl-push)")
+    parser.add_argument("--plan-timeout", type=float, default=5.0, help="seconds for each directory call")
+    parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to an engine")
+    parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for the whole prefill leg")
+    parser.add_argument("--decode-timeout", type=float, default=600.0, help="seconds for the whole decode leg")
+    parser.add_argument("--transfer-ttl", type=float, default=0.0, help="seconds a transfer may live (0: default)")
+    args = parser.parse_args(argv)
+    config = GatewayConfig(host=args.host, port=args.port, mode=args.mode, directory_address=args.directory,
+                           directory_token=args.directory_token, prefill_url=args.prefill_url.rstrip("/"),
+                           decode_url=args.decode_url.rstrip("/"), prefill_engine_id=args.prefill_engine_id,
+                           prefill_side_channel=args.prefill_side_channel, plan_timeout_s=args.plan_timeout,
+                           connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,
+                           decode_timeout_s=args.decode_timeout, transfer_ttl_s=args.transfer_ttl)
+    try:
+        config.validate()
+    except ValueError as error:
+        parser.error(str(error))
+    return config

@@ -1,0 +1,247 @@
+"""One disaggregated request, start to end: plan, send both legs, return the decode answer.
+
+Life cycle (concurrent routes: kvpush, nixl-push):
+  1. `router.plan` (kvpush: PlanTransfer at the directory) gives the engines and the legs' params.
+  2. The prefill leg (max_tokens=1, not streamed) and the decode leg (the client's request) are sent
+     at the same time, both with the same X-Request-Id and the request's traceparent.
+  3. Non-streaming: wait for both; the first failure cancels the other leg and the transfer, and
+     ends the request with that leg's error. Streaming: wait for either the prefill failing or the
+     decode's first chunk; only then are headers sent to the client, so a failed prefill still gets
+     a clean error status; after that, chunks pass through as they come.
+Sequential routes (nixl-pull) run the prefill leg first and build the decode leg from its answer.
+A client that disconnects cancels the handler, which cancels both legs and the transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import propagate, trace
+
+from kvpush.observability import get_logger, get_tracer
+from kvpush.services.gateway import legs
+from kvpush.services.gateway.config import GatewayConfig
+from kvpush.services.gateway.errors import GatewayError
+from kvpush.services.gateway.routing import Route, Router, pull_decode_params
+from kvpush.services.gateway.validation import ClientRequest, decode_body, prefill_body
+
+_log = get_logger("gateway.dispatch")
+_tracer = get_tracer("kvpush.gateway")
+
+TRANSFER_ID_HEADER = "X-KVPush-Transfer-Id"
+
+
+@dataclass
+class Outcome:
+    """What one request did, for the canonical log line and the span."""
+
+    request_id: str
+    transfer_id: str = ""
+    prefill_ms: float = 0.0
+    decode_first_byte_ms: float = 0.0
+    total_ms: float = 0.0
+    status: int = 0
+    error: str = ""
+    prefill_params: dict[str, Any] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def current_traceparent() -> str:
+    """The W3C traceparent of the current span ('' when there is none)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+class Dispatcher:
+    """Runs requests through a router over one shared HTTP client session."""
+
+    def __init__(self, config: GatewayConfig, router: Router, session: aiohttp.ClientSession) -> None:
+        self._config = config
+        self._router = router
+        self._session = session
+
+    async def handle(self, http_request: web.Request, request: ClientRequest, request_id: str) -> web.StreamResponse:
+        """Serve one validated request; raise GatewayError for a clean error response."""
+        outcome = Outcome(request_id=request_id)
+        started = time.monotonic()
+        parent = propagate.extract(dict(http_request.headers))
+        with _tracer.start_as_current_span("gateway.request", context=parent, kind=trace.SpanKind.SERVER) as span:
+            span.set_attribute("http.route", request.path)
+            span.set_attribute("kvpush.request_id", request_id)
+            span.set_attribute("kvpush.gateway.mode", self._config.mode)
+            try:
+                response = await self._run(http_request, request, request_id, outcome)
+                outcome.status = response.status
+                return response
+            except GatewayError as error:
+                outcome.status, outcome.error = error.status, error.message
+                span.set_status(trace.Status(trace.StatusCode.ERROR, error.message))
+                raise
+            except asyncio.CancelledError:
+                outcome.status, outcome.error = 499, "client disconnected"
+                raise
+            finally:
+                outcome.total_ms = (time.monotonic() - started) * 1000
+                span.set_attribute("kvpush.transfer_id", outcome.transfer_id)
+                span.set_attribute("http.status_code", outcome.status)
+                _log.info("request", request_id=request_id, transfer_id=outcome.transfer_id, path=request.path,
+                          stream=request.stream, status=outcome.status, error=outcome.error or None,
+                          prefill_ms=round(outcome.prefill_ms, 1), total_ms=round(outcome.total_ms, 1))
+
+    async def _run(self, http_request: web.Request, request: ClientRequest, request_id: str,
+                   outcome: Outcome) -> web.StreamResponse:
+        traceparent = current_traceparent()
+        with _tracer.start_as_current_span("gateway.plan"):
+            route = await self._router.plan(request_id, request.prompt_token_count, traceparent)
+        outcome.transfer_id = route.transfer_id
+        headers = {"X-Request-Id": request_id}
+        propagate.inject(headers)
+        try:
+            if route.concurrent:
+                return await self._concurrent(http_request, request, route, headers, outcome)
+            return await self._sequential(http_request, request, route, headers, outcome)
+        except BaseException as error:
+            reason = error.message if isinstance(error, GatewayError) else f"gateway: {type(error).__name__}"
+            # Shielded: a cancelled handler must still tell the directory to stop the transfer.
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(self._router.cancel(route, reason))
+            raise
+
+    def _prefill(self, request: ClientRequest, route: Route, headers: dict[str, str], outcome: Outcome):
+        async def run() -> dict[str, Any]:
+            started = time.monotonic()
+            with _tracer.start_as_current_span("gateway.prefill_leg", kind=trace.SpanKind.CLIENT) as span:
+                span.set_attribute("server.address", route.prefill_url)
+                answer = await legs.post_json(self._session, "prefill", route.prefill_url + request.path,
+                                              prefill_body(request, route.prefill_params), headers,
+                                              self._config.prefill_timeout_s, self._config.connect_timeout_s)
+            outcome.prefill_ms = (time.monotonic() - started) * 1000
+            outcome.prefill_params = answer.get("kv_transfer_params")
+            return answer
+        return run()
+
+    async def _concurrent(self, http_request: web.Request, request: ClientRequest, route: Route,
+                          headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
+        assert route.decode_params is not None
+        prefill_task = asyncio.create_task(self._prefill(request, route, headers, outcome))
+        decode_url = route.decode_url + request.path
+        decode = decode_body(request, route.decode_params)
+        try:
+            if not request.stream:
+                decode_task = asyncio.create_task(legs.post_json(
+                    self._session, "decode", decode_url, decode, headers, self._config.decode_timeout_s,
+                    self._config.connect_timeout_s))
+                answer = await _both(prefill_task, decode_task)
+                return self._json_response(answer, route, outcome)
+            stream_task = asyncio.create_task(self._first_chunk(decode_url, decode, headers))
+            response, first_chunk = await _both_until_second(prefill_task, stream_task)
+        except BaseException:
+            if not prefill_task.done():
+                prefill_task.cancel()
+            raise
+        # From here on the prefill leg is left to finish: cancelling it could abort a prefill whose
+        # KV is still being handed over.
+        return await self._pass_through(http_request, response, first_chunk, route, outcome, prefill_task)
+
+    async def _sequential(self, http_request: web.Request, request: ClientRequest, route: Route,
+                          headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
+        prefill_answer = await self._prefill(request, route, headers, outcome)
+        decode = decode_body(request, pull_decode_params(prefill_answer))
+        decode_url = route.decode_url + request.path
+        if not request.stream:
+            answer = await legs.post_json(self._session, "decode", decode_url, decode, headers,
+                                          self._config.decode_timeout_s, self._config.connect_timeout_s)
+            return self._json_response(answer, route, outcome)
+        response, first_chunk = await self._first_chunk(decode_url, decode, headers)
+        return await self._pass_through(http_request, response, first_chunk, route, outcome, None)
+
+    async def _first_chunk(self, url: str, body: dict, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
+        response = await legs.open_stream(self._session, "decode", url, body, headers,
+                                          self._config.decode_timeout_s, self._config.connect_timeout_s)
+        try:
+            return response, await response.content.readany()
+        except BaseException:
+            response.release()
+            raise
+
+    def _json_response(self, answer: dict[str, Any], route: Route, outcome: Outcome) -> web.Response:
+        if route.transfer_id:
+            answer["kvpush"] = {"transfer_id": route.transfer_id,
+                                "prefill_kv_transfer_params": outcome.prefill_params}
+        return web.json_response(answer, headers=_route_headers(route, outcome.request_id))
+
+    async def _pass_through(self, http_request: web.Request, response: aiohttp.ClientResponse, first_chunk: bytes,
+                            route: Route, outcome: Outcome, prefill_task: asyncio.Task | None) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": response.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache", **_route_headers(route, outcome.request_id)})
+        try:
+            await out.prepare(http_request)
+            if first_chunk:
+                await out.write(first_chunk)
+            async for chunk in response.content.iter_any():
+                await out.write(chunk)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            # Headers are gone: the only way left to say it is an SSE error event.
+            message = f"decode stream broke: {error!r}"
+            _log.warning("decode stream broke", transfer_id=route.transfer_id, error=repr(error))
+            await out.write(f'data: {{"error": {{"message": "{message[:200]}", "code": 502}}}}\n\n'.encode())
+        finally:
+            response.release()
+        await out.write_eof()
+        if prefill_task is not None:
+            # Bounded by the leg's own timeout; the client already has its answer.
+            done, _ = await asyncio.wait({prefill_task}, timeout=self._config.prefill_timeout_s)
+            if prefill_task in done and not prefill_task.cancelled() and prefill_task.exception() is not None:
+                _log.warning("prefill leg failed after decode streamed", transfer_id=route.transfer_id,
+                             error=str(prefill_task.exception()))
+        return out
+
+
+def _route_headers(route: Route, request_id: str) -> dict[str, str]:
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if route.transfer_id:
+        headers[TRANSFER_ID_HEADER] = route.transfer_id
+    return headers
+
+
+async def _both(prefill_task: asyncio.Task, decode_task: asyncio.Task) -> dict[str, Any]:
+    """Wait for both legs; the first failure cancels the other and is raised. Returns decode's answer."""
+    try:
+        done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_EXCEPTION)
+        for task in (prefill_task, decode_task):
+            if task in done and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        await asyncio.wait({prefill_task, decode_task})
+        for task in (prefill_task, decode_task):
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return decode_task.result()
+    finally:
+        for task in (prefill_task, decode_task):
+            if not task.done():
+                task.cancel()
+
+
+async def _both_until_second(prefill_task: asyncio.Task, stream_task: asyncio.Task):
+    """Wait until the decode stream's first chunk, failing early if the prefill leg fails first."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({prefill_task, stream_task}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task in done and prefill_task.exception() is not None:
+                raise prefill_task.exception()  # type: ignore[misc]
+            if stream_task in done:
+                return stream_task.result()
+    finally:
+        if not stream_task.done():
+            stream_task.cancel()
+        elif not stream_task.cancelled() and stream_task.exception() is None and prefill_task.done() \
+                and not prefill_task.cancelled() and prefill_task.exception() is not None:
+            stream_task.result()[0].release()

@@ -1,0 +1,46 @@
+"""Gateway errors: one exception type carrying the HTTP status and an OpenAI-shaped error body.
+
+Client mistakes are 4xx with a message that names the field; backend failures are 502 (a backend
+answered badly), 503 (no backend reachable or none registered), 504 (a bound was exceeded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GatewayError(Exception):
+    """An error that ends a request with `status` and an OpenAI-compatible JSON error body."""
+
+    status: int
+    message: str
+    error_type: str = "invalid_request_error"
+    param: str | None = None
+
+    def __str__(self) -> str:
+        return f"HTTP {self.status}: {self.message}"
+
+    def body(self) -> dict:
+        """The response body: {"error": {"message", "type", "param", "code"}} as OpenAI sends it."""
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.status}}
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    """400 for malformed client input."""
+    return GatewayError(400, message, "invalid_request_error", param)
+
+
+def bad_gateway(message: str) -> GatewayError:
+    """502: a backend (engine or directory) answered with an error or garbage."""
+    return GatewayError(502, message, "bad_gateway")
+
+
+def unavailable(message: str) -> GatewayError:
+    """503: no backend could take the request now (unreachable, none registered, at capacity)."""
+    return GatewayError(503, message, "service_unavailable")
+
+
+def timeout(message: str) -> GatewayError:
+    """504: a backend did not answer within its bound."""
+    return GatewayError(504, message, "gateway_timeout")

@@ -1,0 +1,235 @@
+"""Routing strategies: where a request's two legs go and what kv_transfer_params each carries.
+
+One strategy per deployment (`GatewayConfig.mode`):
+- `kvpush`      plans at the KV directory (PlanTransfer mints the transfer id and picks the engines);
+                both legs go out at once; a failed leg cancels the transfer (CancelTransfer).
+- `nixl-pull`   vLLM's NixlConnector proxy logic: prefill leg first, then the decode leg carrying
+                the prefill response's kv_transfer_params (sequential by design).
+- `nixl-push`   vLLM's NixlPushConnector: both legs at once, matched by the shared X-Request-Id;
+                decode learns prefill's engine id and side channel from static configuration.
+The two NIXL modes exist so that benchmarks compare kvpush with vLLM's own connectors through the
+same gateway code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf import duration_pb2
+
+from kvpush.observability import get_logger
+from kvpush.services.gateway.config import GatewayConfig
+from kvpush.services.gateway.errors import GatewayError, bad_gateway, unavailable
+from kvpush.v1 import directory_pb2, directory_pb2_grpc, types_pb2
+
+_log = get_logger("gateway.routing")
+
+
+@dataclass
+class Route:
+    """Where one request's legs go, and the parameters each leg carries."""
+
+    prefill_url: str
+    decode_url: str
+    prefill_params: dict[str, Any]
+    # None: the decode leg waits for the prefill response and carries its kv_transfer_params (pull).
+    decode_params: dict[str, Any] | None
+    transfer_id: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def concurrent(self) -> bool:
+        """True when both legs are sent at the same time."""
+        return self.decode_params is not None
+
+
+class Router(Protocol):
+    """A routing strategy (see the module docstring)."""
+
+    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str) -> Route:
+        """Choose engines and build both legs' parameters; raise GatewayError when impossible."""
+
+    async def cancel(self, route: Route, reason: str) -> None:
+        """Give up a route after a failed leg (never raises)."""
+
+    async def healthy(self) -> tuple[bool, str]:
+        """Whether requests can be routed now, and why not."""
+
+    async def model_source_url(self) -> str | None:
+        """An engine URL whose /v1/models answers for the deployment."""
+
+    async def close(self) -> None:
+        """Release connections."""
+
+
+# ---------------------------------------------------------------- kvpush (directory)
+
+# gRPC codes from PlanTransfer, mapped to what the client sees.
+_PLAN_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.NOT_FOUND: 503,
+    grpc.StatusCode.FAILED_PRECONDITION: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.UNAUTHENTICATED: 502,
+    grpc.StatusCode.PERMISSION_DENIED: 502,
+    grpc.StatusCode.INVALID_ARGUMENT: 502,
+}
+
+
+class DirectoryRouter:
+    """kvpush routing: PlanTransfer at the directory, concurrent legs, CancelTransfer on failure."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        if not config.directory_address:
+            raise ValueError("kvpush mode needs a directory address (--directory or KVPUSH_DIRECTORY_ADDRESS)")
+        self._config = config
+        self._channel = grpc.aio.insecure_channel(config.directory_address)
+        self._stub = directory_pb2_grpc.KVDirectoryServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {config.directory_token}"),) if config.directory_token else ()
+
+    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str) -> Route:
+        """PlanTransfer, then build the kvpush legs' params from the transfer id and endpoints."""
+        request = directory_pb2.PlanTransferRequest(request_id=request_id, prompt_token_count=prompt_token_count,
+                                                    trace_context=traceparent)
+        if self._config.transfer_ttl_s:
+            request.ttl.CopyFrom(duration_pb2.Duration(seconds=int(self._config.transfer_ttl_s)))
+        try:
+            response = await self._stub.PlanTransfer(request, timeout=self._config.plan_timeout_s,
+                                                     metadata=self._metadata)
+        except grpc.aio.AioRpcError as error:
+            status = _PLAN_STATUS.get(error.code(), 502)
+            raise GatewayError(status, f"directory PlanTransfer failed: {error.code().name}: {error.details()}",
+                               "service_unavailable" if status == 503 else "bad_gateway") from error
+        transfer = response.transfer
+        if not response.prefill_endpoint or not response.decode_endpoint:
+            await self.cancel(Route("", "", {}, {}, transfer.transfer_id), "engine has no endpoint")
+            raise unavailable(f"planned engines have no HTTP endpoint (prefill {transfer.prefill_engine_id!r}: "
+                              f"{response.prefill_endpoint!r}, decode {transfer.decode_engine_id!r}: "
+                              f"{response.decode_endpoint!r}); set engine_endpoint in kv_connector_extra_config")
+        common = {"transfer_id": transfer.transfer_id, "traceparent": traceparent}
+        return Route(prefill_url=response.prefill_endpoint.rstrip("/"), decode_url=response.decode_endpoint.rstrip("/"),
+                     prefill_params={**common, "do_remote_decode": True, "do_remote_prefill": False},
+                     decode_params={**common, "do_remote_prefill": True, "do_remote_decode": False},
+                     transfer_id=transfer.transfer_id,
+                     extra={"prefill_engine_id": transfer.prefill_engine_id,
+                            "decode_engine_id": transfer.decode_engine_id})
+
+    async def cancel(self, route: Route, reason: str) -> None:
+        """CancelTransfer with a bound; a failure to cancel is logged (the transfer's TTL still ends it)."""
+        if not route.transfer_id:
+            return
+        try:
+            await self._stub.CancelTransfer(
+                directory_pb2.CancelTransferRequest(transfer_id=route.transfer_id, reason=reason[:500]),
+                timeout=self._config.plan_timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as error:
+            _log.warning("cancel transfer failed", transfer_id=route.transfer_id, code=error.code().name,
+                         details=error.details())
+
+    async def get_transfer(self, transfer_id: str) -> types_pb2.Transfer:
+        """GetTransfer (for timelines)."""
+        response = await self._stub.GetTransfer(directory_pb2.GetTransferRequest(transfer_id=transfer_id),
+                                                timeout=self._config.plan_timeout_s, metadata=self._metadata)
+        return response.transfer
+
+    async def _workers(self, role: int) -> list[types_pb2.Engine]:
+        response = await self._stub.ListEngines(directory_pb2.ListEnginesRequest(page_size=1000, role=role),
+                                                timeout=self._config.plan_timeout_s, metadata=self._metadata)
+        return list(response.workers)
+
+    async def healthy(self) -> tuple[bool, str]:
+        """Healthy when the directory answers and lists at least one prefill and one decode engine."""
+        try:
+            prefill = await self._workers(types_pb2.ENGINE_ROLE_PREFILL)
+            decode = await self._workers(types_pb2.ENGINE_ROLE_DECODE)
+        except grpc.aio.AioRpcError as error:
+            return False, f"directory unreachable: {error.code().name}: {error.details()}"
+        if not prefill or not decode:
+            return False, f"directory lists {len(prefill)} prefill and {len(decode)} decode workers; need both"
+        return True, f"{len(prefill)} prefill and {len(decode)} decode workers registered"
+
+    async def directory_reachable(self) -> tuple[bool, str]:
+        """Whether the directory answers at all (the gateway's own liveness)."""
+        try:
+            await self._workers(types_pb2.ENGINE_ROLE_UNSPECIFIED)
+        except grpc.aio.AioRpcError as error:
+            return False, f"directory unreachable: {error.code().name}: {error.details()}"
+        return True, "directory reachable"
+
+    async def model_source_url(self) -> str | None:
+        """The first registered decode engine's endpoint."""
+        try:
+            for worker in await self._workers(types_pb2.ENGINE_ROLE_DECODE):
+                if worker.endpoint:
+                    return worker.endpoint.rstrip("/")
+        except grpc.aio.AioRpcError:
+            return None
+        return None
+
+    async def close(self) -> None:
+        """Close the gRPC channel."""
+        await self._channel.close()
+
+
+# ---------------------------------------------------------------- vLLM NIXL baselines (static engines)
+
+
+class StaticRouter:
+    """One fixed prefill and decode engine, with vLLM's NixlConnector (pull) or NixlPushConnector params."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        if not config.prefill_url or not config.decode_url:
+            raise ValueError(f"mode {config.mode} needs --prefill-url and --decode-url")
+        if config.mode == "nixl-push" and not (config.prefill_engine_id and config.prefill_side_channel):
+            raise ValueError("nixl-push needs --prefill-engine-id and --prefill-side-channel HOST:PORT")
+        self._config = config
+
+    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str) -> Route:
+        """Static engines; params as vLLM's own proxies build them."""
+        config = self._config
+        prefill_params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                          "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        if config.mode == "nixl-pull":
+            return Route(config.prefill_url, config.decode_url, prefill_params, None)
+        host, _, port = config.prefill_side_channel.rpartition(":")
+        decode_params = {"do_remote_prefill": True, "do_remote_decode": False,
+                         "remote_engine_id": config.prefill_engine_id, "remote_request_id": request_id,
+                         "remote_host": host, "remote_port": int(port), "tp_size": 1, "pp_size": 1}
+        return Route(config.prefill_url, config.decode_url, prefill_params, decode_params)
+
+    async def cancel(self, route: Route, reason: str) -> None:
+        """Nothing to cancel: vLLM's connectors rely on leases and watchdogs."""
+
+    async def healthy(self) -> tuple[bool, str]:
+        """Static engines are assumed present; their own /health is the real check."""
+        return True, "static engines"
+
+    async def model_source_url(self) -> str | None:
+        """The decode engine."""
+        return self._config.decode_url
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+def make_router(config: GatewayConfig) -> Router:
+    """The strategy for `config.mode`; ValueError for an unknown mode or missing settings."""
+    if config.mode == "kvpush":
+        return DirectoryRouter(config)
+    if config.mode in ("nixl-pull", "nixl-push"):
+        return StaticRouter(config)
+    raise ValueError(f"unknown gateway mode {config.mode!r}: use kvpush, nixl-pull or nixl-push")
+
+
+def pull_decode_params(prefill_response: dict) -> dict:
+    """The decode leg's params in pull mode: the prefill response's kv_transfer_params; 502 if missing."""
+    params = prefill_response.get("kv_transfer_params") if isinstance(prefill_response, dict) else None
+    if not isinstance(params, dict):
+        raise bad_gateway("prefill response carries no kv_transfer_params (is the prefill engine a kv_producer?)")
+    return params
+
+
+__all__ = ["Route", "Router", "DirectoryRouter", "StaticRouter", "make_router", "pull_decode_params"]

@@ -1,0 +1,119 @@
+"""Validate client requests before anything is planned, and derive the two legs' bodies.
+
+A request that fails here gets a 400 naming the field, and no transfer is planned. The checks are
+the ones the gateway itself depends on (a prompt or messages, one choice, a sane max_tokens, no
+client-supplied kv_transfer_params); everything else is left to the engines, whose 400s are passed
+through unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.services.gateway.errors import bad_request
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+MAX_TOKENS_CAP = 1_000_000
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    """A validated client request: the endpoint path, the JSON body and derived facts."""
+
+    path: str
+    body: dict[str, Any]
+    stream: bool
+    prompt_token_count: int  # 0 when unknown (text prompts; the gateway has no tokenizer)
+
+
+def request_id_from(header_value: str | None) -> str:
+    """The client's X-Request-Id if well-formed, a fresh one if absent; 400 if malformed."""
+    if header_value is None or header_value == "":
+        return f"kvpush-{uuid.uuid4().hex}"
+    if not _REQUEST_ID.match(header_value):
+        raise bad_request("X-Request-Id must be 1-128 characters of [A-Za-z0-9._:-]", "X-Request-Id")
+    return header_value
+
+
+def validate(path: str, body: Any) -> ClientRequest:
+    """Check a /v1/completions or /v1/chat/completions body; raise a 400 GatewayError on bad input."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    if "kv_transfer_params" in body:
+        raise bad_request("kv_transfer_params is set by the gateway, not by clients", "kv_transfer_params")
+    _check_optional_positive_int(body, "max_tokens")
+    _check_optional_positive_int(body, "max_completion_tokens")
+    n = body.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise bad_request("n must be 1: a disaggregated request produces one choice", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be a boolean", "stream")
+    if path == COMPLETIONS:
+        count = _check_prompt(body.get("prompt"))
+    elif path == CHAT_COMPLETIONS:
+        _check_messages(body.get("messages"))
+        count = 0
+    else:
+        raise bad_request(f"unsupported path {path}")
+    return ClientRequest(path=path, body=body, stream=stream, prompt_token_count=count)
+
+
+def _check_optional_positive_int(body: dict, name: str) -> None:
+    if name not in body or body[name] is None:
+        return
+    value = body[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_CAP:
+        raise bad_request(f"{name} must be an integer in [1, {MAX_TOKENS_CAP}], got {value!r}", name)
+
+
+def _check_prompt(prompt: Any) -> int:
+    """Accept one prompt: a non-empty string or a non-empty list of token ids (returns its length)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return 0
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise bad_request("prompt token ids must be non-negative", "prompt")
+        return len(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return _check_prompt(prompt[0])
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("only one prompt per request: a batch of prompts cannot share one transfer", "prompt")
+    raise bad_request("prompt is required: a string or a list of token ids", "prompt")
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages is required: a non-empty list", "messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"messages[{index}] must be an object with a string role", "messages")
+
+
+def prefill_body(request: ClientRequest, kv_transfer_params: dict) -> dict:
+    """The prefill leg: the client's request computing one token, not streamed, with transfer params."""
+    body = copy.deepcopy(request.body)
+    body["max_tokens"] = 1
+    if request.path == CHAT_COMPLETIONS and "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    for key in ("stream_options", "min_tokens"):
+        body.pop(key, None)
+    body["kv_transfer_params"] = kv_transfer_params
+    return body
+
+
+def decode_body(request: ClientRequest, kv_transfer_params: dict) -> dict:
+    """The decode leg: the client's request unchanged except for the transfer params."""
+    body = copy.deepcopy(request.body)
+    body["kv_transfer_params"] = kv_transfer_params
+    return body
