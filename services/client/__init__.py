@@ -1,0 +1,28 @@
+"""Client library of the KV-directory, used by the vLLM connector and by custom gateways.
+
+- `ChannelConfig`: address, token, TLS files, deadlines and retry policy (env / dict / arguments).
+- `DirectoryClient`: async unary calls with deadlines and backoff retry on UNAVAILABLE.
+- `EngineRegistration`: register a worker and keep its lease alive (re-registers after restarts).
+- `PrefillSession`: StreamPrefill with batching and automatic reconnect.
+- `watch_transfers`: a decode engine's terminal events, resumed across reconnects.
+- `SyncDirectoryClient`: all of the above from threads, on a private event-loop thread.
+- `DirectoryCallError`: the exception every refused call raises (`.code`, `.details`).
+"""
+
+from kvpush.services.client.client import DirectoryClient
+from kvpush.services.client.config import ChannelConfig
+from kvpush.services.client.errors import DirectoryCallError
+from kvpush.services.client.lease import EngineRegistration
+from kvpush.services.client.prefill import PrefillSession
+from kvpush.services.client.sync import SyncDirectoryClient
+from kvpush.services.client.watch import watch_transfers
+
+__all__ = [
+    "ChannelConfig",
+    "DirectoryCallError",
+    "DirectoryClient",
+    "EngineRegistration",
+    "PrefillSession",
+    "SyncDirectoryClient",
+    "watch_transfers",
+]

@@ -1,0 +1,220 @@
+"""`kvpush`: run the KV-directory and inspect it over gRPC.
+
+    kvpush directory [flags]            serve (flags override KVPUSH_DIRECTORY_* env)
+    kvpush engines [--role R] [--json]  registered workers
+    kvpush transfers [ID] [--state S] [--engine E] [--limit N] [--json]
+    kvpush health [--json]              exit 0 when SERVING
+
+Client commands reach the directory through `--address`/`--token`/`--tls-*` or the
+`KVPUSH_DIRECTORY_ADDRESS`/`KVPUSH_DIRECTORY_TOKEN`/`KVPUSH_DIRECTORY_TLS_*` variables. Exit codes:
+0 success, 1 a refused call or unhealthy server, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+
+from google.protobuf import json_format
+
+from kvpush.services.client import ChannelConfig, DirectoryCallError, DirectoryClient
+from kvpush.v1 import types_pb2 as tpb
+
+# flag -> (environment variable, default, type) for `kvpush directory`.
+_SERVE_FLAGS: dict[str, tuple[str, object, type]] = {
+    "host": ("KVPUSH_DIRECTORY_HOST", "127.0.0.1", str),
+    "port": ("KVPUSH_DIRECTORY_PORT", 50051, int),
+    "token": ("KVPUSH_DIRECTORY_TOKEN", "", str),
+    "tls_cert": ("KVPUSH_DIRECTORY_TLS_CERT", "", str),
+    "tls_key": ("KVPUSH_DIRECTORY_TLS_KEY", "", str),
+    "tls_client_ca": ("KVPUSH_DIRECTORY_TLS_CLIENT_CA", "", str),
+    "lease_ttl_s": ("KVPUSH_DIRECTORY_LEASE_TTL_S", 10.0, float),
+    "transfer_ttl_s": ("KVPUSH_DIRECTORY_TRANSFER_TTL_S", 60.0, float),
+    "max_transfer_ttl_s": ("KVPUSH_DIRECTORY_MAX_TRANSFER_TTL_S", 3600.0, float),
+    "max_active_transfers_per_engine": ("KVPUSH_DIRECTORY_MAX_ACTIVE_TRANSFERS_PER_ENGINE", 4096, int),
+    "max_live_transfers": ("KVPUSH_DIRECTORY_MAX_LIVE_TRANSFERS", 100_000, int),
+    "max_workers": ("KVPUSH_DIRECTORY_MAX_WORKERS", 4096, int),
+    "max_block_ids": ("KVPUSH_DIRECTORY_MAX_BLOCK_IDS", 65_536, int),
+    "max_events_per_batch": ("KVPUSH_DIRECTORY_MAX_EVENTS_PER_BATCH", 4096, int),
+    "retained_transfers": ("KVPUSH_DIRECTORY_RETAINED_TRANSFERS", 10_000, int),
+    "retained_watch_events": ("KVPUSH_DIRECTORY_RETAINED_WATCH_EVENTS", 10_000, int),
+    "max_message_bytes": ("KVPUSH_DIRECTORY_MAX_MESSAGE_BYTES", 16 * 1024 * 1024, int),
+    "reap_interval_s": ("KVPUSH_DIRECTORY_REAP_INTERVAL_S", 0.1, float),
+    "grace_s": ("KVPUSH_DIRECTORY_GRACE_S", 5.0, float),
+    "max_connection_age_s": ("KVPUSH_DIRECTORY_MAX_CONNECTION_AGE_S", 0.0, float),
+}
+
+
+def _env_default(name: str) -> object:
+    variable, default, kind = _SERVE_FLAGS[name]
+    raw = os.environ.get(variable)
+    if raw in (None, ""):
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise SystemExit(f"kvpush: {variable}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="kvpush", description="kvpush KV-directory and inspection tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("directory", help="run the KV-directory server")
+    for name, (variable, _default, kind) in _SERVE_FLAGS.items():
+        serve.add_argument(f"--{name.replace('_', '-')}", type=kind, default=_env_default(name),
+                           help=f"(env {variable}; default %(default)s)")
+    serve.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True,
+                       help="run on uvloop when installed (default on)")
+
+    def client_flags(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--address", help="directory host:port (env KVPUSH_DIRECTORY_ADDRESS)")
+        sub.add_argument("--token", help="bearer token (env KVPUSH_DIRECTORY_TOKEN)")
+        sub.add_argument("--tls-root-cert", help="CA to verify the server (env KVPUSH_DIRECTORY_TLS_ROOT_CERT)")
+        sub.add_argument("--tls-client-cert", help="client certificate for mutual TLS")
+        sub.add_argument("--tls-client-key", help="client key for mutual TLS")
+        sub.add_argument("--timeout-s", type=float, help="deadline per call")
+        sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    engines = commands.add_parser("engines", help="list registered engine workers")
+    client_flags(engines)
+    engines.add_argument("--role", choices=["prefill", "decode"])
+
+    transfers = commands.add_parser("transfers", help="list transfers, or show one")
+    client_flags(transfers)
+    transfers.add_argument("transfer_id", nargs="?", help="show this transfer only")
+    transfers.add_argument("--state", help="filter: planned, allocated, streaming, complete, failed, cancelled, expired")
+    transfers.add_argument("--engine", default="", help="filter: transfers of this engine (either side)")
+    transfers.add_argument("--limit", type=int, default=100, help="at most this many (newest first)")
+
+    health = commands.add_parser("health", help="check the directory's health")
+    client_flags(health)
+    return parser
+
+
+def _channel_config(args: argparse.Namespace) -> ChannelConfig:
+    overrides = {key: value for key, value in {
+        "address": args.address, "token": args.token, "root_cert_file": args.tls_root_cert,
+        "client_cert_file": args.tls_client_cert, "client_key_file": args.tls_client_key,
+        "timeout_s": args.timeout_s}.items() if value not in (None, "")}
+    return ChannelConfig.from_env(max_attempts=2, **overrides)
+
+
+def _ts(timestamp) -> str:
+    if not timestamp.seconds and not timestamp.nanos:
+        return "-"
+    return datetime.fromtimestamp(timestamp.ToNanoseconds() / 1e9, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _table(headers: Sequence[str], rows: list[Sequence[object]]) -> str:
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def _to_json(messages) -> str:
+    return json.dumps([json_format.MessageToDict(m, preserving_proto_field_name=True) for m in messages], indent=2)
+
+
+def _short_enum(enum, value: int, prefix: str) -> str:
+    return enum.Name(value).removeprefix(prefix).lower()
+
+
+async def _engines(args: argparse.Namespace) -> int:
+    role = {"prefill": tpb.ENGINE_ROLE_PREFILL, "decode": tpb.ENGINE_ROLE_DECODE}.get(args.role or "", 0)
+    async with DirectoryClient(_channel_config(args)) as client:
+        workers = await client.list_engines(role=role)
+    if args.json:
+        for worker in workers:
+            worker.ClearField("agent_metadata")  # binary NIXL metadata is no use on a terminal
+        print(_to_json(workers))
+        return 0
+    rows = [(w.engine_id, _short_enum(tpb.EngineRole, w.role, "ENGINE_ROLE_"), f"{w.tp_rank}/{w.tp_size}",
+             w.agent_name, w.layout.layer_count, w.layout.block_count,
+             w.load.free_block_count if w.HasField("load") else "-", w.active_transfer_count,
+             _ts(w.lease_expire_time), w.endpoint or "-") for w in workers]
+    print(_table(["ENGINE", "ROLE", "RANK", "AGENT", "LAYERS", "BLOCKS", "FREE", "ACTIVE", "LEASE_UNTIL",
+                  "ENDPOINT"], rows))
+    return 0
+
+
+async def _transfers(args: argparse.Namespace) -> int:
+    state = 0
+    if args.state:
+        name = f"TRANSFER_STATE_{args.state.upper()}"
+        if name not in tpb.TransferState.keys():
+            print(f"kvpush: unknown state {args.state!r}", file=sys.stderr)
+            return 2
+        state = tpb.TransferState.Value(name)
+    async with DirectoryClient(_channel_config(args)) as client:
+        if args.transfer_id:
+            transfers = [await client.get_transfer(args.transfer_id)]
+        else:
+            transfers = await client.list_transfers(state=state, engine_id=args.engine, limit=args.limit)
+    if args.json:
+        print(_to_json(transfers))
+        return 0
+    rows = [(t.transfer_id, _short_enum(tpb.TransferState, t.state, "TRANSFER_STATE_"), t.prefill_engine_id,
+             t.decode_engine_id, t.prompt_token_count, len(t.decode_block_ids), t.bytes_written,
+             _ts(t.create_time), _ts(t.end_time), t.failure_reason or "-") for t in transfers]
+    print(_table(["TRANSFER", "STATE", "PREFILL", "DECODE", "TOKENS", "BLOCKS", "BYTES", "CREATED", "ENDED",
+                  "REASON"], rows))
+    return 0
+
+
+async def _health(args: argparse.Namespace) -> int:
+    async with DirectoryClient(_channel_config(args)) as client:
+        status = await client.health()
+    print(json.dumps({"status": status}) if args.json else status)
+    return 0 if status == "SERVING" else 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvpush.services.directory.server import DirectoryConfig, serve
+    from kvpush.services.directory.state import Limits
+
+    try:
+        limits = Limits(
+            lease_ttl_s=args.lease_ttl_s, transfer_ttl_s=args.transfer_ttl_s,
+            max_transfer_ttl_s=args.max_transfer_ttl_s,
+            max_active_transfers_per_engine=args.max_active_transfers_per_engine,
+            max_live_transfers=args.max_live_transfers, max_workers=args.max_workers,
+            max_block_ids=args.max_block_ids, max_events_per_batch=args.max_events_per_batch,
+            retained_terminal_transfers=args.retained_transfers,
+            retained_watch_events_per_engine=args.retained_watch_events)
+        config = DirectoryConfig(
+            host=args.host, port=args.port, token=args.token, tls_cert_file=args.tls_cert,
+            tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca, limits=limits,
+            max_message_bytes=args.max_message_bytes, reap_interval_s=args.reap_interval_s, grace_s=args.grace_s,
+            max_connection_age_ms=int(args.max_connection_age_s * 1000))
+    except ValueError as error:
+        print(f"kvpush: {error}", file=sys.stderr)
+        return 2
+    serve(config, use_uvloop=args.uvloop)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    if args.command == "directory":
+        return _serve(args)
+    handler = {"engines": _engines, "transfers": _transfers, "health": _health}[args.command]
+    try:
+        return asyncio.run(handler(args))
+    except DirectoryCallError as error:
+        print(f"kvpush: {error.code.name}: {error.details}", file=sys.stderr)
+        return 1
+    except ValueError as error:
+        print(f"kvpush: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

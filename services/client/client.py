@@ -1,0 +1,163 @@
+"""`DirectoryClient`: typed async calls to the KV-directory with deadlines and retries.
+
+Every unary call has a deadline (`ChannelConfig.timeout_s` per attempt) and is retried with
+exponential backoff and full jitter on UNAVAILABLE only, at most `max_attempts` times; any other
+status raises `DirectoryCallError` at once. Streams live in their own helpers, built from here:
+`EngineRegistration` (lease keep-alive), `PrefillSession` (StreamPrefill), `watch_transfers`.
+
+Create the client on the event loop that will use it (grpc.aio channels are bound to a loop);
+from threads use `SyncDirectoryClient`, which owns a private loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+from google.protobuf import duration_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpush.services.client.config import ChannelConfig
+from kvpush.services.client.errors import DirectoryCallError
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import directory_pb2_grpc as dgrpc
+from kvpush.v1 import types_pb2 as tpb
+
+
+class DirectoryClient:
+    """Async client of KVDirectoryService over one channel."""
+
+    def __init__(self, config: ChannelConfig | None = None) -> None:
+        self.config = config or ChannelConfig.from_env()
+        self.channel = self.config.create_channel()
+        self.stub = dgrpc.KVDirectoryServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def close(self) -> None:
+        """Close the channel (ends every stream opened on it)."""
+        await self.channel.close()
+
+    async def __aenter__(self) -> DirectoryClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def _unary(self, method: str, request, timeout_s: float | None = None):
+        """Call one unary RPC with a deadline, retrying on UNAVAILABLE with backoff."""
+        call = getattr(self.stub, method)
+        timeout = timeout_s or self.config.timeout_s
+        for attempt in range(self.config.max_attempts):
+            try:
+                return await call(request, timeout=timeout, metadata=self.config.metadata)
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 == self.config.max_attempts:
+                    raise DirectoryCallError.from_rpc_error(method, error) from None
+                await asyncio.sleep(self.config.backoff_s(attempt))
+        raise AssertionError("unreachable")
+
+    # ---------------------------------------------------------------- engines
+
+    async def register_engine(self, request: dpb.RegisterEngineRequest,
+                              timeout_s: float | None = None) -> dpb.RegisterEngineResponse:
+        """Register one worker; returns its lease id and TTL."""
+        return await self._unary("RegisterEngine", request, timeout_s)
+
+    async def deregister_engine(self, engine_id: str, tp_rank: int, lease_id: str,
+                                timeout_s: float | None = None) -> None:
+        """Remove one worker registration."""
+        await self._unary("DeregisterEngine", dpb.DeregisterEngineRequest(
+            engine_id=engine_id, tp_rank=tp_rank, lease_id=lease_id), timeout_s)
+
+    async def get_engine(self, engine_id: str, timeout_s: float | None = None) -> list[tpb.Engine]:
+        """One engine's workers in rank order."""
+        response = await self._unary("GetEngine", dpb.GetEngineRequest(engine_id=engine_id), timeout_s)
+        return list(response.workers)
+
+    async def list_engines(self, role: int = tpb.ENGINE_ROLE_UNSPECIFIED, page_size: int = 0,
+                           timeout_s: float | None = None) -> list[tpb.Engine]:
+        """Every registered worker (all pages), ordered by engine id then rank."""
+        workers: list[tpb.Engine] = []
+        token = ""
+        while True:
+            response = await self._unary("ListEngines", dpb.ListEnginesRequest(
+                page_size=page_size, page_token=token, role=role), timeout_s)
+            workers.extend(response.workers)
+            token = response.next_page_token
+            if not token:
+                return workers
+
+    # ---------------------------------------------------------------- transfers
+
+    async def plan_transfer(self, request_id: str = "", prompt_token_count: int = 0, prefill_engine_id: str = "",
+                            decode_engine_id: str = "", trace_context: str = "", ttl_s: float | None = None,
+                            timeout_s: float | None = None) -> dpb.PlanTransferResponse:
+        """Pick engines and mint a transfer (state PLANNED)."""
+        request = dpb.PlanTransferRequest(
+            request_id=request_id, prompt_token_count=prompt_token_count, prefill_engine_id=prefill_engine_id,
+            decode_engine_id=decode_engine_id, trace_context=trace_context)
+        if ttl_s is not None:
+            request.ttl.CopyFrom(_duration(ttl_s))
+        return await self._unary("PlanTransfer", request, timeout_s)
+
+    async def report_allocation(self, transfer_id: str, engine_id: str, block_ids: Sequence[int],
+                                prompt_token_count: int, prefix_hit_token_count: int = 0,
+                                timeout_s: float | None = None) -> tpb.Transfer:
+        """Report decode's blocks for a transfer; returns the transfer after the report."""
+        response = await self._unary("ReportAllocation", dpb.ReportAllocationRequest(
+            transfer_id=transfer_id, engine_id=engine_id, block_ids=block_ids,
+            prompt_token_count=prompt_token_count, prefix_hit_token_count=prefix_hit_token_count), timeout_s)
+        return response.transfer
+
+    async def cancel_transfer(self, transfer_id: str, reason: str = "",
+                              timeout_s: float | None = None) -> tpb.Transfer:
+        """Cancel a transfer; returns it (CANCELLED, or still live with the cancellation pending)."""
+        response = await self._unary("CancelTransfer", dpb.CancelTransferRequest(
+            transfer_id=transfer_id, reason=reason), timeout_s)
+        return response.transfer
+
+    async def get_transfer(self, transfer_id: str, timeout_s: float | None = None) -> tpb.Transfer:
+        """One transfer."""
+        response = await self._unary("GetTransfer", dpb.GetTransferRequest(transfer_id=transfer_id), timeout_s)
+        return response.transfer
+
+    async def list_transfers(self, state: int = tpb.TRANSFER_STATE_UNSPECIFIED, engine_id: str = "",
+                             limit: int = 100, timeout_s: float | None = None) -> list[tpb.Transfer]:
+        """Up to `limit` transfers, newest first, following pages as needed."""
+        transfers: list[tpb.Transfer] = []
+        token = ""
+        while len(transfers) < limit:
+            response = await self._unary("ListTransfers", dpb.ListTransfersRequest(
+                page_size=min(1000, limit - len(transfers)), page_token=token, state=state,
+                engine_id=engine_id), timeout_s)
+            transfers.extend(response.transfers)
+            token = response.next_page_token
+            if not token:
+                break
+        return transfers
+
+    async def health(self, service: str = "", timeout_s: float | None = None) -> str:
+        """The server's health status name for a service ("" = the whole server), e.g. "SERVING"."""
+        try:
+            response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                                timeout=timeout_s or self.config.timeout_s,
+                                                metadata=self.config.metadata)
+        except grpc.aio.AioRpcError as error:
+            raise DirectoryCallError.from_rpc_error("Health.Check", error) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    # ---------------------------------------------------------------- streams
+
+    def watch_transfers(self, engine_id: str, after_sequence_number: int = 0,
+                        on_gap: Callable[[int], None] | None = None) -> AsyncIterator[dpb.TransferEvent]:
+        """Terminal events of a decode engine's transfers; reconnects and resumes (see `watch`)."""
+        from kvpush.services.client.watch import watch_transfers
+
+        return watch_transfers(self, engine_id, after_sequence_number, on_gap)
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    duration = duration_pb2.Duration()
+    duration.FromNanoseconds(int(seconds * 1e9))
+    return duration
