@@ -1,0 +1,121 @@
+"""The connector's only gRPC: a thin layer over the client library's `SyncDirectoryClient`.
+
+Life cycle (one `DirectoryLink` per process that needs the directory):
+  1. Construction starts the client's private event-loop thread (no connection yet).
+  2. Scheduler process (decode): `report_allocation` / `cancel_transfer` submit and return at once;
+     refusals come back through a callback on the client thread.
+  3. Worker process: `register` (blocking, bounded; engine start-up only) returns the registration
+     whose lease the client renews; prefill workers then `open_prefill_session`, decode workers
+     `watch` their transfer events. Callbacks run on the client thread and must only enqueue.
+  4. `close()` stops streams and the loop thread (bounded), deregistering the worker.
+No engine thread ever waits on the network here except at start-up and shutdown.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.observability import get_logger
+from kvpush.services.client.config import ChannelConfig
+from kvpush.services.client.errors import DirectoryCallError
+from kvpush.services.client.lease import EngineRegistration
+from kvpush.services.client.prefill import PrefillSession
+from kvpush.services.client.sync import SyncDirectoryClient
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import types_pb2 as tpb
+
+_log = get_logger("connector.directory_link")
+
+
+class DirectoryLink:
+    """One process's connection to the KV-directory (see the module docstring)."""
+
+    def __init__(self, config: ConnectorConfig, thread_name: str = "kvpush-connector-directory") -> None:
+        self._config = config
+        self.client = SyncDirectoryClient(ChannelConfig.from_dict(config.channel_config_dict()), thread_name)
+        self.registration: EngineRegistration | None = None
+        self.session: PrefillSession | None = None
+        self._watch: concurrent.futures.Future | None = None
+
+    # ---------------------------------------------------------------- scheduler-side calls (never wait)
+
+    def report_allocation(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
+                          prefix_hit_token_count: int, on_refused: Callable[[str], None]) -> None:
+        """Submit ReportAllocation for this engine; on_refused(reason) runs on the client thread on failure."""
+        future = self.client.submit(self.client.client.report_allocation(
+            transfer_id, self._config.engine_id, block_ids, prompt_token_count, prefix_hit_token_count))
+
+        def done(f: concurrent.futures.Future) -> None:
+            error = f.exception()
+            if error is not None:
+                _log.warning("allocation report refused", transfer_id=transfer_id, error=str(error))
+                on_refused(str(error))
+
+        future.add_done_callback(done)
+
+    def cancel_transfer(self, transfer_id: str, reason: str,
+                        on_done: Callable[[tpb.Transfer | None, str], None] | None = None) -> None:
+        """Submit CancelTransfer; on_done(transfer or None, error) runs on the client thread when it returns."""
+        future = self.client.submit(self.client.client.cancel_transfer(transfer_id, reason))
+
+        def done(f: concurrent.futures.Future) -> None:
+            error = f.exception()
+            if error is not None:
+                _log.info("cancel not accepted", transfer_id=transfer_id, error=str(error))
+            if on_done is not None:
+                on_done(None if error is not None else f.result(), str(error or ""))
+
+        future.add_done_callback(done)
+
+    def get_transfer(self, transfer_id: str, on_done: Callable[[tpb.Transfer | None, str], None]) -> None:
+        """Submit GetTransfer; on_done(transfer or None, error) runs on the client thread."""
+        future = self.client.submit(self.client.client.get_transfer(transfer_id))
+        future.add_done_callback(
+            lambda f: on_done(None, str(f.exception())) if f.exception() else on_done(f.result(), ""))
+
+    # ---------------------------------------------------------------- worker start-up and streams
+
+    def register(self, role: int, tp_rank: int, tp_size: int, agent_name: str, agent_metadata: bytes,
+                 layout: tpb.KVLayout, on_lease_lost: Callable[[str, str], None] | None = None) -> EngineRegistration:
+        """Register this worker and keep its lease alive (blocking, bounded by the client's retry budget)."""
+        request = dpb.RegisterEngineRequest(
+            engine_id=self._config.engine_id, role=role, tp_rank=tp_rank, tp_size=tp_size, agent_name=agent_name,
+            agent_metadata=agent_metadata, layout=layout, endpoint=self._config.engine_endpoint)
+        try:
+            self.registration = self.client.start_registration(request, on_lease_lost=on_lease_lost)
+        except (DirectoryCallError, TimeoutError) as exc:
+            raise RuntimeError(
+                f"kvpush: cannot register engine {self._config.engine_id!r} rank {tp_rank} with the directory at "
+                f"{self._config.directory_address}: {exc}") from exc
+        return self.registration
+
+    def open_prefill_session(self, on_instruction: Callable[[dpb.PushInstruction], None],
+                             on_cancellation: Callable[[dpb.Cancellation], None],
+                             on_rejection: Callable[[dpb.EventRejection], None],
+                             on_reconnect: Callable[[], None]) -> PrefillSession:
+        """Open the StreamPrefill session of this (registered) prefill worker."""
+        assert self.registration is not None, "register() first"
+        self.session = self.client.open_prefill_session(
+            self.registration, on_instruction=on_instruction, on_cancellation=on_cancellation,
+            on_rejection=on_rejection, on_reconnect=on_reconnect)
+        return self.session
+
+    def watch(self, on_event: Callable[[dpb.TransferEvent], None], on_gap: Callable[[int], None]) -> None:
+        """Follow this decode engine's terminal transfer events (callbacks on the client thread)."""
+        self._watch = self.client.watch(self._config.engine_id, on_event, on_gap=on_gap)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop streams, deregister and stop the client thread (each step bounded)."""
+        if self._watch is not None:
+            self._watch.cancel()
+        try:
+            if self.session is not None:
+                self.client.run(self.session.stop(timeout_s), timeout_s + 1)
+            if self.registration is not None:
+                self.client.run(self.registration.stop(), timeout_s + 1)
+        except Exception as exc:  # shutdown is best effort: the lease lapses on its own
+            _log.info("directory link shutdown incomplete", error=str(exc))
+        finally:
+            self.client.close(timeout_s)

@@ -1,0 +1,255 @@
+"""The per-transfer push state machine of a prefill worker: what may be written, and when it is done.
+
+Pure bookkeeping (no NIXL, no gRPC, no threads), so it is unit-tested on its own. One `PushTransfer`
+per transfer, driven by the prefill worker on the engine thread:
+
+  1. Readiness: `mark_ready(layer, tokens_ready)` records that prompt tokens [0, tokens_ready) of a
+     layer are computed (a chunk's forward, or this engine's prefix cache at once for every layer).
+  2. Instruction: `set_instruction(...)` records decode's blocks and its prefix hit (skip) once.
+  3. `next_writes()` returns the writes that have become possible: for each layer, the blocks from
+     where the last write stopped up to the last *full* block computed, or up to the partial last
+     block once the whole prompt is computed. A block of a layer is therefore written exactly once
+     (a chunk ending mid-block leaves that block to a later chunk), and nothing before decode's
+     prefix hit is written. The write that completes every layer carries the notification.
+  4. Outcomes: `write_finished(ok, ...)` counts completions; the transfer is DONE when every planned
+     write landed, FAILED on the first failure; `stop(...)` (cancellation, abort, timeout) stops new
+     writes. `quiescent` is true once nothing is in flight: only then may the blocks be released.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+STATE_ACTIVE = "active"
+STATE_DONE = "done"
+STATE_FAILED = "failed"
+STATE_CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class PlannedWrite:
+    """One write: tokens [token_start, token_end) of one layer, block lists in token order from token 0."""
+
+    layer: int
+    token_start: int
+    token_end: int
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    notify: bool
+
+
+@dataclass
+class PushTiming:
+    """What the worker measured for one transfer (unix seconds); becomes a TransferTiming."""
+
+    first_write_start_time: float | None = None
+    last_write_end_time: float | None = None
+    prefill_end_time: float | None = None
+    post_duration_s: float = 0.0
+    write_count: int = 0
+    descriptor_count: int = 0
+    bytes_written: int = 0
+    # Layer writes (one layer of one chunk's blocks each) that landed before prefill ended.
+    writes_before_prefill_end_count: int = 0
+    write_end_times: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        """Plain values for kv_transfer_params / worker metadata."""
+        return {
+            "first_write_start_time": self.first_write_start_time,
+            "last_write_end_time": self.last_write_end_time,
+            "prefill_end_time": self.prefill_end_time,
+            "post_duration_s": self.post_duration_s,
+            "write_count": self.write_count,
+            "descriptor_count": self.descriptor_count,
+            "bytes_written": self.bytes_written,
+            "layers_written_before_prefill_end_count": self.writes_before_prefill_end_count,
+        }
+
+
+class PushTransfer:
+    """One transfer's push state on one prefill worker (see the module docstring)."""
+
+    def __init__(self, transfer_id: str, request_id: str, prompt_token_count: int, layer_count: int,
+                 block_size_tokens: int) -> None:
+        if prompt_token_count <= 0 or layer_count <= 0 or block_size_tokens <= 0:
+            raise ValueError("prompt_token_count, layer_count and block_size_tokens must be positive")
+        self.transfer_id = transfer_id
+        self.request_id = request_id
+        self.prompt_token_count = prompt_token_count
+        self.layer_count = layer_count
+        self.block_size = block_size_tokens
+        self.src_block_ids: tuple[int, ...] = ()
+        self.tokens_ready = [0] * layer_count
+        self.state = STATE_ACTIVE
+        self.reason = ""
+        self.in_flight = 0
+        self.timing = PushTiming()
+        # Set by the instruction.
+        self.peer_agent = ""
+        self.dst_block_ids: tuple[int, ...] = ()
+        self.skip_tokens = 0
+        self.notification = b""
+        self._blocks_planned: list[int] = []  # per layer: blocks [0, n) are written or in flight
+        self._writes_planned = 0
+        self._writes_landed = 0
+        self._notify_planned = False
+
+    # ---------------------------------------------------------------- inputs
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks holding the prompt."""
+        return -(-self.prompt_token_count // self.block_size)
+
+    @property
+    def has_instruction(self) -> bool:
+        """True once decode's blocks are known."""
+        return bool(self.peer_agent)
+
+    @property
+    def fully_computed(self) -> bool:
+        """True once every layer of every prompt token is computed."""
+        return min(self.tokens_ready) >= self.prompt_token_count
+
+    @property
+    def quiescent(self) -> bool:
+        """True when no write of this transfer is in flight."""
+        return self.in_flight == 0
+
+    @property
+    def terminal(self) -> bool:
+        """True once DONE, FAILED or CANCELLED."""
+        return self.state != STATE_ACTIVE
+
+    def set_source_blocks(self, block_ids: tuple[int, ...]) -> None:
+        """Record this engine's blocks for tokens [0, n) (each chunk extends the list; earlier ids never change)."""
+        if block_ids[: len(self.src_block_ids)] != self.src_block_ids[: len(block_ids)]:
+            raise ValueError(f"transfer {self.transfer_id}: source blocks changed under a live push")
+        if len(block_ids) > len(self.src_block_ids):
+            self.src_block_ids = tuple(block_ids)
+
+    def mark_ready(self, layer: int, tokens_ready: int) -> None:
+        """Tokens [0, tokens_ready) of `layer` are computed (monotonic; clamps to the prompt)."""
+        if not 0 <= layer < self.layer_count:
+            raise ValueError(f"layer {layer} out of range [0, {self.layer_count})")
+        tokens_ready = min(tokens_ready, self.prompt_token_count)
+        if tokens_ready > self.tokens_ready[layer]:
+            self.tokens_ready[layer] = tokens_ready
+
+    def set_instruction(self, peer_agent: str, dst_block_ids: tuple[int, ...], skip_tokens: int,
+                        prompt_token_count: int, notification: bytes) -> None:
+        """Record where to write; raise ValueError if it cannot fit this transfer."""
+        if self.has_instruction:
+            raise ValueError(f"transfer {self.transfer_id} already has an instruction")
+        if not peer_agent:
+            raise ValueError("instruction has no decode agent")
+        if prompt_token_count != self.prompt_token_count:
+            raise ValueError(
+                f"decode expects {prompt_token_count} prompt tokens, this prefill computes {self.prompt_token_count}")
+        if not 0 <= skip_tokens <= self.prompt_token_count:
+            raise ValueError(f"skip_token_count {skip_tokens} outside [0, {self.prompt_token_count}]")
+        if len(dst_block_ids) < self.total_blocks:
+            raise ValueError(f"{len(dst_block_ids)} decode blocks cannot hold {self.prompt_token_count} tokens")
+        self.peer_agent = peer_agent
+        self.dst_block_ids = tuple(dst_block_ids[: self.total_blocks])
+        self.skip_tokens = skip_tokens
+        self.notification = notification
+        first_block = skip_tokens // self.block_size
+        self._blocks_planned = [first_block] * self.layer_count
+
+    # ---------------------------------------------------------------- planning
+
+    def _writable_blocks(self, layer: int) -> int:
+        ready = self.tokens_ready[layer]
+        if ready >= self.prompt_token_count:
+            return self.total_blocks
+        return ready // self.block_size
+
+    def next_writes(self) -> list[PlannedWrite]:
+        """Writes that became possible since the last call (empty without an instruction or once stopped)."""
+        if self.terminal or not self.has_instruction:
+            return []
+        writes: list[PlannedWrite] = []
+        for layer in range(self.layer_count):
+            start_block = self._blocks_planned[layer]
+            end_block = self._writable_blocks(layer)
+            if end_block <= start_block:
+                continue
+            token_start = max(start_block * self.block_size, self.skip_tokens)
+            token_end = min(end_block * self.block_size, self.prompt_token_count)
+            self._blocks_planned[layer] = end_block
+            if token_end <= token_start:
+                continue
+            if len(self.src_block_ids) < end_block:
+                raise ValueError(f"transfer {self.transfer_id}: no source block ids for tokens up to {token_end}")
+            writes.append(PlannedWrite(layer, token_start, token_end, self.src_block_ids[:end_block],
+                                       self.dst_block_ids[:end_block], notify=False))
+        if writes and self._all_planned():
+            last = writes[-1]
+            writes[-1] = PlannedWrite(last.layer, last.token_start, last.token_end, last.src_block_ids,
+                                      last.dst_block_ids, notify=True)
+            self._notify_planned = True
+        self._writes_planned += len(writes)
+        self.in_flight += len(writes)
+        return writes
+
+    def _all_planned(self) -> bool:
+        return all(planned >= self.total_blocks for planned in self._blocks_planned)
+
+    def nothing_to_write(self) -> bool:
+        """True when the instruction leaves nothing to push (decode's prefix hit covers the prompt)."""
+        return self.has_instruction and self.skip_tokens >= self.prompt_token_count
+
+    # ---------------------------------------------------------------- outcomes
+
+    def write_started(self, start_time: float) -> None:
+        """Record a post (the earliest one is the first write start)."""
+        if self.timing.first_write_start_time is None or start_time < self.timing.first_write_start_time:
+            self.timing.first_write_start_time = start_time
+
+    def write_finished(self, ok: bool, error: str = "", end_time: float | None = None, post_duration_s: float = 0.0,
+                       descriptor_count: int = 0, bytes_written: int = 0) -> None:
+        """Count one planned write's outcome; the first failure makes the transfer FAILED."""
+        end_time = time.time() if end_time is None else end_time
+        self.in_flight -= 1
+        if self.in_flight < 0:
+            raise AssertionError(f"transfer {self.transfer_id}: more outcomes than writes")
+        if not ok:
+            self.stop(STATE_FAILED, error or "write failed")
+            return
+        self._writes_landed += 1
+        self.timing.write_count += 1
+        self.timing.post_duration_s += post_duration_s
+        self.timing.descriptor_count += descriptor_count
+        self.timing.bytes_written += bytes_written
+        self.timing.write_end_times.append(end_time)
+        if self.timing.last_write_end_time is None or end_time > self.timing.last_write_end_time:
+            self.timing.last_write_end_time = end_time
+        if self.state == STATE_ACTIVE and self._notify_planned and self._writes_landed == self._writes_planned:
+            self.state = STATE_DONE
+
+    def prefill_ended(self, end_time: float) -> None:
+        """Record when the last layer of the last chunk was computed."""
+        if self.timing.prefill_end_time is None:
+            self.timing.prefill_end_time = end_time
+
+    def finalize_timing(self) -> PushTiming:
+        """Fill the derived counts and return the timing."""
+        end = self.timing.prefill_end_time
+        if end is not None:
+            self.timing.writes_before_prefill_end_count = sum(1 for t in self.timing.write_end_times if t < end)
+        return self.timing
+
+    def stop(self, state: str, reason: str) -> None:
+        """End the push (FAILED / CANCELLED / DONE with nothing to write); later outcomes still count in_flight."""
+        if self.state == STATE_ACTIVE:
+            self.state = state
+            self.reason = reason
+
+    def layers_written(self) -> int:
+        """Layers fully written for every token owed (for progress reports)."""
+        if not self.has_instruction:
+            return 0
+        return sum(1 for planned in self._blocks_planned if planned >= self.total_blocks) if self.quiescent else 0
