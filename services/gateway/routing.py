@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
-from google.protobuf import duration_pb2
 
 from kvpush.observability import get_logger
+from kvpush.services.client import ChannelConfig, DirectoryCallError, DirectoryClient
 from kvpush.services.gateway.config import GatewayConfig
 from kvpush.services.gateway.errors import GatewayError, bad_gateway, unavailable
-from kvpush.v1 import directory_pb2, directory_pb2_grpc, types_pb2
+from kvpush.v1 import types_pb2
 
 _log = get_logger("gateway.routing")
 
@@ -80,28 +80,29 @@ _PLAN_STATUS: dict[grpc.StatusCode, int] = {
 
 
 class DirectoryRouter:
-    """kvpush routing: PlanTransfer at the directory, concurrent legs, CancelTransfer on failure."""
+    """kvpush routing: PlanTransfer at the directory, concurrent legs, CancelTransfer on failure.
+
+    Goes through the client library (`DirectoryClient`): per-call deadlines, one retry on UNAVAILABLE.
+    """
 
     def __init__(self, config: GatewayConfig) -> None:
         if not config.directory_address:
             raise ValueError("kvpush mode needs a directory address (--directory or KVPUSH_DIRECTORY_ADDRESS)")
         self._config = config
-        self._channel = grpc.aio.insecure_channel(config.directory_address)
-        self._stub = directory_pb2_grpc.KVDirectoryServiceStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {config.directory_token}"),) if config.directory_token else ()
+        overrides = {"address": config.directory_address, "timeout_s": config.plan_timeout_s, "max_attempts": 2}
+        if config.directory_token:
+            overrides["token"] = config.directory_token
+        self._client = DirectoryClient(ChannelConfig.from_env(**overrides))
 
     async def plan(self, request_id: str, prompt_token_count: int, traceparent: str) -> Route:
         """PlanTransfer, then build the kvpush legs' params from the transfer id and endpoints."""
-        request = directory_pb2.PlanTransferRequest(request_id=request_id, prompt_token_count=prompt_token_count,
-                                                    trace_context=traceparent)
-        if self._config.transfer_ttl_s:
-            request.ttl.CopyFrom(duration_pb2.Duration(seconds=int(self._config.transfer_ttl_s)))
         try:
-            response = await self._stub.PlanTransfer(request, timeout=self._config.plan_timeout_s,
-                                                     metadata=self._metadata)
-        except grpc.aio.AioRpcError as error:
-            status = _PLAN_STATUS.get(error.code(), 502)
-            raise GatewayError(status, f"directory PlanTransfer failed: {error.code().name}: {error.details()}",
+            response = await self._client.plan_transfer(
+                request_id=request_id, prompt_token_count=prompt_token_count, trace_context=traceparent,
+                ttl_s=self._config.transfer_ttl_s or None)
+        except DirectoryCallError as error:
+            status = _PLAN_STATUS.get(error.code, 502)
+            raise GatewayError(status, f"directory PlanTransfer failed: {error.code.name}: {error.details}",
                                "service_unavailable" if status == 503 else "bad_gateway") from error
         transfer = response.transfer
         if not response.prefill_endpoint or not response.decode_endpoint:
@@ -122,31 +123,22 @@ class DirectoryRouter:
         if not route.transfer_id:
             return
         try:
-            await self._stub.CancelTransfer(
-                directory_pb2.CancelTransferRequest(transfer_id=route.transfer_id, reason=reason[:500]),
-                timeout=self._config.plan_timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as error:
-            _log.warning("cancel transfer failed", transfer_id=route.transfer_id, code=error.code().name,
-                         details=error.details())
+            await self._client.cancel_transfer(route.transfer_id, reason[:500])
+        except DirectoryCallError as error:
+            _log.warning("cancel transfer failed", transfer_id=route.transfer_id, code=error.code.name,
+                         details=error.details)
 
     async def get_transfer(self, transfer_id: str) -> types_pb2.Transfer:
-        """GetTransfer (for timelines)."""
-        response = await self._stub.GetTransfer(directory_pb2.GetTransferRequest(transfer_id=transfer_id),
-                                                timeout=self._config.plan_timeout_s, metadata=self._metadata)
-        return response.transfer
-
-    async def _workers(self, role: int) -> list[types_pb2.Engine]:
-        response = await self._stub.ListEngines(directory_pb2.ListEnginesRequest(page_size=1000, role=role),
-                                                timeout=self._config.plan_timeout_s, metadata=self._metadata)
-        return list(response.workers)
+        """GetTransfer (for timelines); raises DirectoryCallError."""
+        return await self._client.get_transfer(transfer_id)
 
     async def healthy(self) -> tuple[bool, str]:
         """Healthy when the directory answers and lists at least one prefill and one decode engine."""
         try:
-            prefill = await self._workers(types_pb2.ENGINE_ROLE_PREFILL)
-            decode = await self._workers(types_pb2.ENGINE_ROLE_DECODE)
-        except grpc.aio.AioRpcError as error:
-            return False, f"directory unreachable: {error.code().name}: {error.details()}"
+            prefill = await self._client.list_engines(types_pb2.ENGINE_ROLE_PREFILL)
+            decode = await self._client.list_engines(types_pb2.ENGINE_ROLE_DECODE)
+        except DirectoryCallError as error:
+            return False, f"directory unreachable: {error}"
         if not prefill or not decode:
             return False, f"directory lists {len(prefill)} prefill and {len(decode)} decode workers; need both"
         return True, f"{len(prefill)} prefill and {len(decode)} decode workers registered"
@@ -154,24 +146,24 @@ class DirectoryRouter:
     async def directory_reachable(self) -> tuple[bool, str]:
         """Whether the directory answers at all (the gateway's own liveness)."""
         try:
-            await self._workers(types_pb2.ENGINE_ROLE_UNSPECIFIED)
-        except grpc.aio.AioRpcError as error:
-            return False, f"directory unreachable: {error.code().name}: {error.details()}"
-        return True, "directory reachable"
+            status = await self._client.health()
+        except DirectoryCallError as error:
+            return False, f"directory unreachable: {error}"
+        return status == "SERVING", f"directory health {status}"
 
     async def model_source_url(self) -> str | None:
         """The first registered decode engine's endpoint."""
         try:
-            for worker in await self._workers(types_pb2.ENGINE_ROLE_DECODE):
+            for worker in await self._client.list_engines(types_pb2.ENGINE_ROLE_DECODE):
                 if worker.endpoint:
                     return worker.endpoint.rstrip("/")
-        except grpc.aio.AioRpcError:
+        except DirectoryCallError:
             return None
         return None
 
     async def close(self) -> None:
         """Close the gRPC channel."""
-        await self._channel.close()
+        await self._client.close()
 
 
 # ---------------------------------------------------------------- vLLM NIXL baselines (static engines)
