@@ -335,6 +335,11 @@ class DirectoryState:
         now = self.clock.monotonic()
         group = self._groups.get(request.engine_id)
         if group is not None:
+            if group.role != request.role or group.tp_size != request.tp_size:
+                raise InvalidArgument(
+                    f"engine {request.engine_id!r} is registered with role {tpb.EngineRole.Name(group.role)} "
+                    f"and tp_size {group.tp_size}; this request says {tpb.EngineRole.Name(request.role)} "
+                    f"and {request.tp_size}")
             existing = group.workers.get(request.tp_rank)
             if existing is not None and existing.lease_deadline >= now:
                 if existing.agent_name != request.agent_name:
@@ -343,11 +348,6 @@ class DirectoryState:
                         f"{existing.agent_name!r}")
                 self._extend_lease(existing, now)
                 return existing, fx
-            if group.role != request.role or group.tp_size != request.tp_size:
-                raise InvalidArgument(
-                    f"engine {request.engine_id!r} is registered with role {tpb.EngineRole.Name(group.role)} "
-                    f"and tp_size {group.tp_size}; this request says {tpb.EngineRole.Name(request.role)} "
-                    f"and {request.tp_size}")
             if existing is not None:  # lapsed but not reaped yet: end it first
                 self._remove_worker(existing, "lease expired", fx)
         if self._worker_count >= self.limits.max_workers:

@@ -1,0 +1,452 @@
+"""Unit tests of `kvpush.services.directory.state`: the directory's state machine, no gRPC."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.services.directory.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from kvpush.services.directory.state import DirectoryState, Limits
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.directory import (
+    DECODE,
+    PREFILL,
+    ManualClock,
+    allocation,
+    make_layout,
+    ready,
+    register_request,
+    result,
+)
+
+DONE = dpb.WRITE_RESULT_STATUS_DONE
+FAILED = dpb.WRITE_RESULT_STATUS_FAILED
+CANCELLED = dpb.WRITE_RESULT_STATUS_CANCELLED
+PROGRESS = dpb.WRITE_RESULT_STATUS_PROGRESS
+S = tpb
+
+
+class Directory:
+    """A state with one prefill engine p1 and one decode engine d1, plus shortcuts."""
+
+    def __init__(self, limits: Limits | None = None, tp_size: int = 1) -> None:
+        self.time = ManualClock()
+        self.state = DirectoryState(limits or Limits(lease_ttl_s=10, transfer_ttl_s=60), self.time.clock())
+        self.leases = {}
+        for rank in range(tp_size):
+            for engine, role in (("p1", PREFILL), ("d1", DECODE)):
+                worker, _ = self.state.register(register_request(engine, role, rank, tp_size))
+                self.leases[(engine, rank)] = worker.lease_id
+        self.sessions = {rank: self.state.open_session("p1", rank, self.leases[("p1", rank)])[0]
+                         for rank in range(tp_size)}
+
+    def plan(self, **fields) -> str:
+        return self.state.plan(dpb.PlanTransferRequest(**fields), None).transfer_id
+
+    def outbox(self, rank: int = 0) -> list[dpb.StreamPrefillResponse]:
+        return self.state.drain_outbox("p1", rank, self.sessions[rank])
+
+    def events(self, after: int = 0) -> list[dpb.TransferEvent]:
+        return self.state.watch_events("d1", after)
+
+    def ready(self, transfer_id: str, first: int, last: int, rank: int = 0, **kw):
+        effects, refused = self.state.report_ready("p1", rank, [ready(transfer_id, first, last, **kw)])
+        return effects, refused
+
+    def transfer(self, transfer_id: str):
+        return self.state.get_transfer(transfer_id)
+
+
+def test_allocation_then_readiness_dispatches_one_instruction():
+    """Allocation first, then readiness: STREAMING and exactly one instruction covering the transfer."""
+    d = Directory()
+    tid = d.plan()
+    record, effects = d.state.report_allocation(allocation(tid))
+    assert record.state == S.TRANSFER_STATE_ALLOCATED and not effects.prefill_outboxes
+    effects, refused = d.ready(tid, 0, 0)
+    assert not refused and effects.prefill_outboxes == {("p1", 0)}
+    messages = d.outbox()
+    assert [m.WhichOneof("message") for m in messages] == ["instruction"]
+    instruction = messages[0].instruction
+    assert instruction.transfer_id == tid and list(instruction.decode_block_ids) == [1, 2, 3]
+    assert instruction.notification == tid.encode() and instruction.decode_agent_metadata == b"nixl-md-d1-0"
+    assert instruction.decode_layout.layer_count == 4 and instruction.prompt_token_count == 40
+    assert d.transfer(tid).state == S.TRANSFER_STATE_STREAMING
+    d.ready(tid, 1, 3)
+    assert d.outbox() == []
+
+
+def test_readiness_then_allocation_dispatches_on_allocation():
+    """Readiness first stays PLANNED; the allocation then dispatches the instruction."""
+    d = Directory()
+    tid = d.plan()
+    effects, refused = d.ready(tid, 0, 1)
+    assert not refused and not effects and d.transfer(tid).state == S.TRANSFER_STATE_PLANNED
+    assert d.transfer(tid).first_ready_wall is not None
+    record, effects = d.state.report_allocation(allocation(tid, prefix=16))
+    assert record.state == S.TRANSFER_STATE_STREAMING and effects.prefill_outboxes == {("p1", 0)}
+    (message,) = d.outbox()
+    assert message.instruction.skip_token_count == 16
+
+
+def test_completion_tells_decode_with_sequence_numbers():
+    """DONE from the only rank completes the transfer and appends a numbered event to decode's log."""
+    d = Directory()
+    first, second = d.plan(), d.plan()
+    for tid, blocks in ((first, (1, 2, 3)), (second, (4, 5, 6))):
+        d.state.report_allocation(allocation(tid, block_ids=blocks))
+        d.ready(tid, 0, 3)
+    d.state.report_result("p1", 0, result(first, PROGRESS, layers=2, bytes_written=10))
+    assert d.transfer(first).state == S.TRANSFER_STATE_STREAMING
+    effects = d.state.report_result("p1", 0, result(first, DONE, layers=4, bytes_written=99))
+    d.state.report_result("p1", 0, result(second, FAILED, error="nixl post failed"))
+    assert effects.watch_engines == {"d1"}
+    events = d.events()
+    assert [(e.sequence_number, e.transfer_id, e.state) for e in events] == [
+        (1, first, S.TRANSFER_STATE_COMPLETE), (2, second, S.TRANSFER_STATE_FAILED)]
+    assert events[0].bytes_written == 99 and "nixl post failed" in events[1].reason
+    assert [e.transfer_id for e in d.events(after=1)] == [second]
+    proto = d.transfer(first).to_proto()
+    assert proto.layers_written_count == 4 and proto.bytes_written == 99 and proto.HasField("end_time")
+
+
+def test_duplicate_events_are_idempotent():
+    """Repeated allocation, readiness and DONE change nothing and produce nothing."""
+    d = Directory()
+    tid = d.plan()
+    d.state.report_allocation(allocation(tid))
+    d.ready(tid, 0, 3)
+    d.outbox()
+    record, effects = d.state.report_allocation(allocation(tid))
+    assert not effects and record.state == S.TRANSFER_STATE_STREAMING
+    effects, refused = d.ready(tid, 1, 2)
+    assert not effects and not refused and d.outbox() == []
+    d.state.report_result("p1", 0, result(tid, DONE))
+    assert not d.state.report_result("p1", 0, result(tid, DONE))
+    assert len(d.events()) == 1
+
+
+def test_readiness_after_terminal_is_rejected_failed_precondition():
+    """Readiness for a finished transfer is refused with FAILED_PRECONDITION, state unchanged."""
+    d = Directory()
+    tid = d.plan()
+    d.state.cancel(tid, "gateway timeout")
+    _, refused = d.ready(tid, 0, 0)
+    assert isinstance(refused[0][1], FailedPrecondition)
+    assert d.transfer(tid).state == S.TRANSFER_STATE_CANCELLED
+
+
+def test_bad_events_are_refused_precisely_and_change_nothing():
+    """Unknown transfer, wrong engine, layer out of range, mismatched prompt: each refused, state intact."""
+    d = Directory()
+    d.state.register(register_request("p2", PREFILL))
+    tid = d.plan(prefill_engine_id="p1")
+    d.ready(tid, 0, 0, prompt=40)
+    before = d.transfer(tid).to_proto()
+    _, refused = d.state.report_ready("p1", 0, [
+        ready("nope", 0, 0), ready(tid, 0, 4), ready(tid, 1, 1, prompt=41)])
+    assert [type(e) for _, e in refused] == [NotFound, InvalidArgument, InvalidArgument]
+    _, refused = d.state.report_ready("p2", 0, [ready(tid, 1, 1)])
+    assert isinstance(refused[0][1], PermissionDenied)
+    with pytest.raises(FailedPrecondition):  # no instruction yet
+        d.state.report_result("p1", 0, result(tid, DONE))
+    with pytest.raises(InvalidArgument):
+        d.state.report_result("p1", 0, result(tid, dpb.WRITE_RESULT_STATUS_UNSPECIFIED))
+    assert d.transfer(tid).to_proto() == before
+
+
+def test_allocation_errors_change_nothing():
+    """Allocation refusals: unknown, wrong engine, too few blocks, out-of-range, conflict, changed repeat."""
+    d = Directory()
+    d.state.register(register_request("d2", DECODE))
+    first = d.plan(decode_engine_id="d1")
+    second = d.plan(decode_engine_id="d1")
+    with pytest.raises(NotFound):
+        d.state.report_allocation(allocation("nope"))
+    with pytest.raises(NotFound):
+        d.state.report_allocation(allocation(first, engine_id="ghost"))
+    with pytest.raises(PermissionDenied):
+        d.state.report_allocation(allocation(first, engine_id="d2"))
+    with pytest.raises(InvalidArgument):
+        d.state.report_allocation(allocation(first, block_ids=(1, 2)))  # 40 tokens need 3 blocks of 16
+    with pytest.raises(InvalidArgument):
+        d.state.report_allocation(allocation(first, block_ids=(1, 2, 64)))
+    with pytest.raises(InvalidArgument):
+        d.state.report_allocation(allocation(first, block_ids=(1, 2, 2)))
+    assert d.transfer(first).allocation is None
+    d.state.report_allocation(allocation(first, block_ids=(1, 2, 3)))
+    with pytest.raises(FailedPrecondition):
+        d.state.report_allocation(allocation(second, block_ids=(3, 4, 5)))
+    with pytest.raises(FailedPrecondition):
+        d.state.report_allocation(allocation(first, block_ids=(7, 8, 9)))
+    assert d.transfer(second).allocation is None and d.state.check_invariants() == []
+
+
+def test_prefix_hit_blocks_may_be_shared():
+    """Blocks wholly inside decode's prefix hit are not owned, so two transfers may share them."""
+    d = Directory()
+    first, second = d.plan(), d.plan()
+    d.state.report_allocation(allocation(first, block_ids=(0, 1, 2), prefix=16))
+    d.state.report_allocation(allocation(second, block_ids=(0, 3, 4), prefix=16))
+    assert d.state.check_invariants() == []
+
+
+def test_blocks_are_released_when_a_transfer_ends():
+    """After a transfer ends its decode blocks may be allocated to another transfer."""
+    d = Directory()
+    first, second = d.plan(), d.plan()
+    d.state.report_allocation(allocation(first))
+    d.state.cancel(first, "")
+    d.state.report_allocation(allocation(second))
+    assert d.transfer(second).state == S.TRANSFER_STATE_ALLOCATED
+
+
+def test_cancel_before_dispatch_is_immediate():
+    """Cancelling a transfer with no instruction out ends it CANCELLED at once and tells decode."""
+    d = Directory()
+    tid = d.plan()
+    d.state.report_allocation(allocation(tid))
+    record, effects = d.state.cancel(tid, "client went away")
+    assert record.state == S.TRANSFER_STATE_CANCELLED and effects.watch_engines == {"d1"}
+    assert d.events()[0].reason == "client went away"
+    assert d.state.cancel(tid, "again")[0].failure_reason == "client went away"
+
+
+def test_cancel_after_dispatch_waits_for_prefill():
+    """After dispatch, cancel tells prefill and CANCELLED reaches decode only once prefill confirms."""
+    d = Directory()
+    tid = d.plan()
+    d.state.report_allocation(allocation(tid))
+    d.ready(tid, 0, 0)
+    d.outbox()
+    record, effects = d.state.cancel(tid, "abort")
+    assert record.state == S.TRANSFER_STATE_STREAMING and not effects.watch_engines
+    (message,) = d.outbox()
+    assert message.cancellation.transfer_id == tid
+    assert d.events() == []
+    effects = d.state.report_result("p1", 0, result(tid, CANCELLED))
+    assert d.transfer(tid).state == S.TRANSFER_STATE_CANCELLED
+    assert [e.state for e in d.events()] == [S.TRANSFER_STATE_CANCELLED]
+
+
+def test_cancel_pending_becomes_cancelled_when_prefill_lease_lapses():
+    """A pending cancellation ends CANCELLED when the prefill engine's lease lapses."""
+    d = Directory()
+    tid = d.plan()
+    d.state.report_allocation(allocation(tid))
+    d.ready(tid, 0, 0)
+    d.state.cancel(tid, "abort")
+    d.time.advance(5)
+    d.state.renew(d.leases[("d1", 0)], None)
+    d.time.advance(6)
+    d.state.reap()
+    assert d.transfer(tid).state == S.TRANSFER_STATE_CANCELLED
+
+
+def test_tp2_completes_only_when_every_rank_is_done():
+    """With TP=2 each rank gets its own instruction (decode rank = prefill rank); COMPLETE needs both DONE."""
+    d = Directory(tp_size=2)
+    tid = d.plan()
+    d.state.report_allocation(allocation(tid))
+    effects, _ = d.ready(tid, 0, 0, rank=1)
+    assert effects.prefill_outboxes == {("p1", 0), ("p1", 1)}
+    assert [m.instruction.decode_tp_rank for m in d.outbox(0) + d.outbox(1)] == [0, 1]
+    assert d.outbox(1) == []
+    d.state.report_result("p1", 0, result(tid, DONE))
+    assert d.transfer(tid).state == S.TRANSFER_STATE_STREAMING
+    d.state.report_result("p1", 1, result(tid, DONE))
+    assert d.transfer(tid).state == S.TRANSFER_STATE_COMPLETE
+
+
+def test_tp2_failure_waits_for_the_other_rank_to_stop():
+    """One rank FAILED: the other is told to stop; FAILED reaches decode when it confirms."""
+    d = Directory(tp_size=2)
+    tid = d.plan()
+    d.state.report_allocation(allocation(tid))
+    d.ready(tid, 0, 0)
+    d.outbox(0), d.outbox(1)
+    d.state.report_result("p1", 0, result(tid, FAILED, error="post failed"))
+    assert [m.cancellation.transfer_id for m in d.outbox(1)] == [tid] and d.outbox(0) == []
+    assert d.events() == []
+    d.state.report_result("p1", 1, result(tid, CANCELLED))
+    assert d.transfer(tid).state == S.TRANSFER_STATE_FAILED and "post failed" in d.events()[0].reason
+
+
+def test_lease_lapse_fails_transfers_and_tells_both_sides():
+    """A decode engine whose lease lapses is removed; its transfers fail; prefill gets a cancellation."""
+    d = Directory()
+    tid = d.plan()
+    d.state.report_allocation(allocation(tid))
+    d.ready(tid, 0, 0)
+    d.outbox()
+    d.time.advance(6)
+    d.state.renew(d.leases[("p1", 0)], tpb.EngineLoad(free_block_count=3))
+    d.time.advance(5)
+    effects = d.state.reap()
+    assert effects.prefill_outboxes == {("p1", 0)} and effects.watch_engines == {"d1"}
+    record = d.transfer(tid)
+    assert record.state == S.TRANSFER_STATE_FAILED and "lease expired" in record.failure_reason
+    assert d.outbox()[0].cancellation.transfer_id == tid
+    with pytest.raises(NotFound):
+        d.state.get_engine("d1")
+    with pytest.raises(NotFound):
+        d.state.renew(d.leases[("d1", 0)], None)
+    assert d.state.get_engine("p1")[0].load.free_block_count == 3
+
+
+def test_transfer_deadline_expires_and_tells_both_sides():
+    """A transfer past its deadline becomes EXPIRED; decode gets the event, prefill a cancellation."""
+    d = Directory(Limits(lease_ttl_s=100, transfer_ttl_s=5))
+    tid = d.plan()
+    d.state.report_allocation(allocation(tid))
+    d.ready(tid, 0, 0)
+    d.outbox()
+    d.time.advance(4)
+    assert not d.state.reap()
+    d.time.advance(2)
+    d.state.reap()
+    assert d.transfer(tid).state == S.TRANSFER_STATE_EXPIRED
+    assert d.events()[0].state == S.TRANSFER_STATE_EXPIRED
+    assert d.outbox()[0].cancellation.transfer_id == tid
+    assert d.state.check_invariants() == []
+
+
+def test_stream_close_fails_begun_transfers_only():
+    """Closing the current prefill session fails the transfers it began; untouched plans survive."""
+    d = Directory()
+    begun, untouched = d.plan(), d.plan()
+    d.ready(begun, 0, 0)
+    d.state.close_session("p1", 0, d.sessions[0], "prefill stream broken")
+    assert d.transfer(begun).state == S.TRANSFER_STATE_FAILED
+    assert d.transfer(untouched).state == S.TRANSFER_STATE_PLANNED
+    assert not d.state.close_session("p1", 0, d.sessions[0], "again")
+
+
+def test_stale_session_close_changes_nothing():
+    """A replaced session's end does not fail the worker's transfers."""
+    d = Directory()
+    tid = d.plan()
+    d.ready(tid, 0, 0)
+    new_session, _ = d.state.open_session("p1", 0, d.leases[("p1", 0)])
+    assert not d.state.close_session("p1", 0, d.sessions[0], "old stream")
+    assert d.transfer(tid).state == S.TRANSFER_STATE_PLANNED
+
+
+def test_registration_rules():
+    """Same agent re-registers to the same lease; another agent is ALREADY_EXISTS; roles must agree."""
+    d = Directory()
+    again, _ = d.state.register(register_request("p1", PREFILL))
+    assert again.lease_id == d.leases[("p1", 0)]
+    with pytest.raises(AlreadyExists):
+        d.state.register(register_request("p1", PREFILL, agent_name="other"))
+    with pytest.raises(InvalidArgument):
+        d.state.register(register_request("p1", DECODE, tp_rank=0))
+    d.time.advance(11)  # lapsed: a new agent may take the rank
+    worker, _ = d.state.register(register_request("p1", PREFILL, agent_name="other"))
+    assert worker.lease_id != d.leases[("p1", 0)]
+
+
+def test_deregister_needs_the_lease():
+    """Deregistration with a wrong lease is NOT_FOUND and changes nothing; with the lease it removes."""
+    d = Directory()
+    with pytest.raises(NotFound):
+        d.state.deregister("p1", 0, "wrong")
+    assert d.state.get_engine("p1")
+    d.state.deregister("p1", 0, d.leases[("p1", 0)])
+    with pytest.raises(NotFound):
+        d.state.get_engine("p1")
+
+
+def test_planning_prefers_free_blocks_then_fewest_transfers():
+    """Decode with the most free blocks wins; prefill with the fewest active transfers wins."""
+    d = Directory()
+    d.state.register(register_request("p2", PREFILL))
+    lease, _ = d.state.register(register_request("d2", DECODE))
+    d.state.renew(lease.lease_id, tpb.EngineLoad(free_block_count=60))
+    d.state.renew(d.leases[("d1", 0)], tpb.EngineLoad(free_block_count=10))
+    first = d.state.plan(dpb.PlanTransferRequest(), None)
+    second = d.state.plan(dpb.PlanTransferRequest(), None)
+    assert first.decode_engine_id == "d2" and second.decode_engine_id == "d2"
+    assert {first.prefill_engine_id, second.prefill_engine_id} == {"p1", "p2"}
+    with pytest.raises(ResourceExhausted):  # 1000 tokens need 63 blocks; nobody has them
+        d.state.plan(dpb.PlanTransferRequest(prompt_token_count=1000), None)
+
+
+def test_planning_refuses_incompatible_and_missing_engines():
+    """Pinned unknown engine: NOT_FOUND; layouts or TP sizes that differ: FAILED_PRECONDITION; none: RESOURCE_EXHAUSTED."""
+    d = Directory()
+    with pytest.raises(NotFound):
+        d.state.plan(dpb.PlanTransferRequest(prefill_engine_id="ghost"), None)
+    d.state.register(register_request("d8", DECODE, layout=make_layout(layer_count=8)))
+    with pytest.raises(FailedPrecondition):
+        d.state.plan(dpb.PlanTransferRequest(decode_engine_id="d8"), None)
+    d.state.register(register_request("dtp", DECODE, tp_size=2))
+    with pytest.raises(FailedPrecondition):  # only rank 0 of 2 registered
+        d.state.plan(dpb.PlanTransferRequest(decode_engine_id="dtp"), None)
+    empty = DirectoryState(Limits(), ManualClock().clock())
+    with pytest.raises(ResourceExhausted):
+        empty.plan(dpb.PlanTransferRequest(), None)
+    with pytest.raises(InvalidArgument):
+        d.state.plan(dpb.PlanTransferRequest(), 10_000.0)
+
+
+def test_transfer_cap_per_engine():
+    """The per-engine active transfer cap refuses further plans with RESOURCE_EXHAUSTED until one ends."""
+    d = Directory(Limits(max_active_transfers_per_engine=2))
+    first, _ = d.plan(), d.plan()
+    with pytest.raises(ResourceExhausted):
+        d.plan()
+    d.state.cancel(first, "")
+    d.plan()
+
+
+def test_retention_and_listing():
+    """Terminal transfers beyond the retention cap are forgotten; listing pages newest first with filters."""
+    d = Directory(Limits(retained_terminal_transfers=3))
+    ids = [d.plan() for _ in range(6)]
+    for tid in ids[:5]:
+        d.state.cancel(tid, "")
+    with pytest.raises(NotFound):
+        d.state.get_transfer(ids[0])
+    page, token = d.state.list_transfers(2, "", 0, "")
+    assert [r.transfer_id for r in page] == [ids[5], ids[4]]
+    page, token = d.state.list_transfers(2, token, 0, "")
+    assert [r.transfer_id for r in page] == [ids[3], ids[2]] and token == ""
+    live, _ = d.state.list_transfers(10, "", S.TRANSFER_STATE_PLANNED, "d1")
+    assert [r.transfer_id for r in live] == [ids[5]]
+    with pytest.raises(InvalidArgument):
+        d.state.list_transfers(2, "garbage", 0, "")
+
+
+def test_watch_log_is_bounded_and_reports_gaps():
+    """The watch log keeps the newest events; resuming from a dropped or future number is OUT_OF_RANGE."""
+    d = Directory(Limits(retained_watch_events_per_engine=2))
+    for _ in range(4):
+        d.state.cancel(d.plan(), "")
+    assert [e.sequence_number for e in d.events()] == [3, 4]
+    assert [e.sequence_number for e in d.events(3)] == [4]
+    with pytest.raises(OutOfRange):
+        d.events(1)
+    with pytest.raises(OutOfRange):
+        d.events(99)
+    with pytest.raises(NotFound):
+        d.state.watch_events("p1", 0)
+
+
+def test_worker_listing_pages():
+    """Workers list by (engine, rank) across pages and filter by role."""
+    d = Directory(tp_size=2)
+    page, token = d.state.list_workers(3, "", 0)
+    assert [(w.engine_id, w.tp_rank) for w in page] == [("d1", 0), ("d1", 1), ("p1", 0)]
+    page, token = d.state.list_workers(3, token, 0)
+    assert [(w.engine_id, w.tp_rank) for w in page] == [("p1", 1)] and token == ""
+    page, _ = d.state.list_workers(10, "", PREFILL)
+    assert {w.engine_id for w in page} == {"p1"}
