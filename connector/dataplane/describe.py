@@ -1,0 +1,221 @@
+"""Infer a `KVLayoutSpec` from the per-layer KV tensors vLLM hands to `register_kv_caches`.
+
+Tensors are duck-typed (`.data_ptr()`, `.element_size()`, `.shape`, `.stride()`, optional `.dtype`,
+`.device`), so torch is never imported here. Strides decide NHD versus HND, so permuted views
+(vLLM allocates in physical order and permutes back to the logical shape) are read correctly.
+
+Layouts understood (`layout_hint` names in brackets; None guesses from rank and device):
+
+* 4-D `(num_blocks, kv_heads, block_size, 2 * head)`, K and V side by side in the last dim, the
+  vLLM 0.32 GPU form for FlashAttention/FlashInfer/Triton (["fused_kv"]; default on accelerators).
+  Strides may put heads inside tokens (LBNHC, NHD) or tokens inside heads (LBHNC, HND).
+* 4-D `(num_blocks, kv_heads, block_size, 2 * head_size)` of vLLM CPU attention (["cpu_attn"];
+  default for host tensors): same shape, different meaning. `cpu_attn.py` views it as
+  `(num_blocks, kv_heads, 2 * block_size, head_size)` and splits dim 2, so per block and head the
+  K rows of every token come first, then the V rows: one fused plane whose segments are
+  (K head 0, V head 0, K head 1, ...), `block_size * head_size` elements apart.
+* 5-D `(2, num_blocks, block_size, kv_heads, head)`: K/V-first FlashAttention form, NHD or its HND
+  permutation (["kv_first"]).
+* 5-D `(num_blocks, 2, block_size, kv_heads, head)`: blocks-first (["blocks_first"]).
+* 3-D `(num_blocks, block_size, dim)`: MLA latent cache (["mla"]).
+
+Every layer must have the same shape, strides and dtype; the call refuses anything else with a
+LayoutError naming the offending layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvpush.connector.dataplane.layout import MEMORY_DRAM, MEMORY_VRAM, KVLayoutSpec, KVPlaneSpec, LayoutError
+
+LAYOUT_FUSED_KV = "fused_kv"
+LAYOUT_CPU_ATTN = "cpu_attn"
+LAYOUT_KV_FIRST = "kv_first"
+LAYOUT_BLOCKS_FIRST = "blocks_first"
+LAYOUT_MLA = "mla"
+LAYOUT_HINTS = (LAYOUT_FUSED_KV, LAYOUT_CPU_ATTN, LAYOUT_KV_FIRST, LAYOUT_BLOCKS_FIRST, LAYOUT_MLA)
+
+
+def _memory_of(tensor: Any) -> tuple[str, int]:
+    device = getattr(tensor, "device", None)
+    kind = getattr(device, "type", "cpu")
+    if kind == "cpu":
+        return MEMORY_DRAM, 0
+    index = getattr(device, "index", None)
+    return MEMORY_VRAM, int(index or 0)
+
+
+def _dtype_name(tensor: Any) -> str:
+    dtype = getattr(tensor, "dtype", None)
+    if dtype is None:
+        return f"bytes{tensor.element_size()}"
+    return str(dtype).removeprefix("torch.")
+
+
+def _byte_strides(tensor: Any) -> tuple[int, ...]:
+    size = int(tensor.element_size())
+    return tuple(int(s) * size for s in tensor.stride())
+
+
+def _head_token_plane(
+    offset: int,
+    block_stride: int,
+    token_stride: int,
+    head_stride: int,
+    heads: int,
+    block_size: int,
+    head_bytes: int,
+) -> KVPlaneSpec:
+    """A plane of `heads` heads x `block_size` tokens x `head_bytes`, NHD or HND by strides."""
+    if head_stride == head_bytes and token_stride == heads * head_bytes:
+        return KVPlaneSpec(offset, block_stride, block_size * heads * head_bytes, 1, 0, token_stride, heads * head_bytes)
+    if token_stride == head_bytes and head_stride == block_size * head_bytes:
+        return KVPlaneSpec(
+            offset, block_stride, block_size * heads * head_bytes, heads, head_stride if heads > 1 else 0,
+            token_stride, head_bytes,
+        )
+    if heads == 1 and token_stride >= head_bytes:
+        return KVPlaneSpec(offset, block_stride, (block_size - 1) * token_stride + head_bytes, 1, 0, token_stride, head_bytes)
+    raise LayoutError(
+        f"token stride {token_stride} B and head stride {head_stride} B are neither NHD nor HND "
+        f"for {heads} heads of {head_bytes} B and {block_size} tokens per block"
+    )
+
+
+def _planes_4d(shape, strides, elem, block_size, hint) -> tuple[list[KVPlaneSpec], str]:
+    blocks, heads, tokens, content = shape
+    if tokens != block_size:
+        raise LayoutError(f"dim 2 is {tokens}, expected block_size {block_size} for a 4-D KV cache")
+    if strides[3] != elem:
+        raise LayoutError("the last dim of a 4-D KV cache must be contiguous")
+    if hint == LAYOUT_CPU_ATTN:
+        head_bytes = content // 2 * elem
+        block_bytes = heads * block_size * content * elem
+        if strides != (block_bytes, block_size * content * elem, content * elem, elem):
+            raise LayoutError("vLLM CPU attention KV caches must be contiguous (num_blocks, heads, block, 2*head)")
+        plane = KVPlaneSpec(0, strides[0], block_bytes, 2 * heads, block_size * head_bytes, head_bytes, head_bytes)
+        return [plane], LAYOUT_CPU_ATTN
+    plane = _head_token_plane(0, strides[0], strides[2], strides[1], heads, block_size, content * elem)
+    return [plane], LAYOUT_FUSED_KV + ("_hnd" if plane.segment_count > 1 else "_nhd")
+
+
+def _planes_5d(shape, strides, elem, block_size, num_kv_heads, hint) -> tuple[list[KVPlaneSpec], str]:
+    if hint is None:
+        if shape[0] == 2 and shape[1] != 2:
+            hint = LAYOUT_KV_FIRST
+        elif shape[1] == 2 and shape[0] != 2:
+            hint = LAYOUT_BLOCKS_FIRST
+        else:
+            raise LayoutError(f"5-D KV cache {shape} is ambiguous: pass layout_hint kv_first or blocks_first")
+    if hint == LAYOUT_KV_FIRST:
+        kv_dim, block_dim = 0, 1
+    elif hint == LAYOUT_BLOCKS_FIRST:
+        kv_dim, block_dim = 1, 0
+    else:
+        raise LayoutError(f"layout_hint {hint!r} does not fit a 5-D KV cache")
+    if shape[kv_dim] != 2:
+        raise LayoutError(f"dim {kv_dim} of a {hint} KV cache must be 2 (K, V), got {shape[kv_dim]}")
+    # Logical order is (.., block_size, kv_heads, head); a physical-order HND tensor swaps the two.
+    if shape[2] == block_size and shape[3] == num_kv_heads:
+        token_dim, head_dim = 2, 3
+    elif shape[2] == num_kv_heads and shape[3] == block_size:
+        token_dim, head_dim = 3, 2
+    else:
+        raise LayoutError(
+            f"dims 2-3 of {shape} match neither (block_size={block_size}, kv_heads={num_kv_heads}) nor its swap"
+        )
+    if strides[4] != elem:
+        raise LayoutError("the head_size dim of a KV cache must be contiguous")
+    head_bytes = shape[4] * elem
+    planes = [
+        _head_token_plane(
+            kv * strides[kv_dim], strides[block_dim], strides[token_dim], strides[head_dim],
+            num_kv_heads, block_size, head_bytes,
+        )
+        for kv in (0, 1)
+    ]
+    return planes, hint + ("_hnd" if planes[0].segment_count > 1 else "_nhd")
+
+
+def _planes_3d(shape, strides, elem, block_size) -> tuple[list[KVPlaneSpec], str]:
+    blocks, tokens, dim = shape
+    if tokens != block_size:
+        raise LayoutError(f"dim 1 is {tokens}, expected block_size {block_size} for an MLA KV cache")
+    if strides[2] != elem:
+        raise LayoutError("the last dim of an MLA KV cache must be contiguous")
+    plane = _head_token_plane(0, strides[0], strides[1], dim * elem, 1, block_size, dim * elem)
+    return [plane], LAYOUT_MLA
+
+
+def describe_kv_caches(
+    kv_caches: Mapping[str, Any],
+    block_size_tokens: int,
+    num_kv_heads: int,
+    head_size: int,
+    layout_hint: str | None = None,
+) -> tuple[KVLayoutSpec, list[Any]]:
+    """Describe vLLM's per-layer KV tensors; return the layout and the tensors in layer order.
+
+    Layer order is the mapping's order (vLLM passes layers in model order). `head_size` is checked
+    against the content dim where the layout carries one.
+    """
+    if not kv_caches:
+        raise LayoutError("kv_caches is empty")
+    if layout_hint is not None and layout_hint not in LAYOUT_HINTS:
+        raise LayoutError(f"layout_hint {layout_hint!r} is not one of {LAYOUT_HINTS}")
+    names = list(kv_caches)
+    tensors = [kv_caches[n] for n in names]
+    first = tensors[0]
+    shape = tuple(int(d) for d in first.shape)
+    strides = _byte_strides(first)
+    dtype = _dtype_name(first)
+    memory_kind, device_id = _memory_of(first)
+    for name, tensor in zip(names, tensors, strict=True):
+        other = (tuple(int(d) for d in tensor.shape), _byte_strides(tensor), _dtype_name(tensor), _memory_of(tensor))
+        if other != (shape, strides, dtype, (memory_kind, device_id)):
+            raise LayoutError(
+                f"layer {name!r} has shape {other[0]}, strides {other[1]}, {other[2]} on {other[3]}; "
+                f"layer {names[0]!r} has {shape}, {strides}, {dtype} on {(memory_kind, device_id)}: layers must share one layout"
+            )
+    elem = int(first.element_size())
+    if len(shape) == 4:
+        hint = layout_hint or (LAYOUT_CPU_ATTN if memory_kind == MEMORY_DRAM else LAYOUT_FUSED_KV)
+        if hint not in (LAYOUT_CPU_ATTN, LAYOUT_FUSED_KV):
+            raise LayoutError(f"layout_hint {hint!r} does not fit a 4-D KV cache")
+        if shape[1] != num_kv_heads or shape[3] != 2 * head_size:
+            raise LayoutError(f"4-D KV cache {shape} does not match kv_heads={num_kv_heads}, 2*head_size={2 * head_size}")
+        planes, name = _planes_4d(shape, strides, elem, block_size_tokens, hint)
+    elif len(shape) == 5:
+        if shape[4] != head_size:
+            raise LayoutError(f"5-D KV cache {shape} does not end in head_size={head_size}")
+        planes, name = _planes_5d(shape, strides, elem, block_size_tokens, num_kv_heads, layout_hint)
+    elif len(shape) == 3:
+        if layout_hint not in (None, LAYOUT_MLA):
+            raise LayoutError(f"layout_hint {layout_hint!r} does not fit a 3-D (MLA) KV cache")
+        planes, name = _planes_3d(shape, strides, elem, block_size_tokens)
+    else:
+        raise LayoutError(f"KV cache of rank {len(shape)} ({shape}) is not a layout vLLM uses")
+    block_count = shape[1] if (len(shape) == 5 and name.startswith(LAYOUT_KV_FIRST)) else shape[0]
+    region = _region_bytes(shape, strides, elem)
+    layout = KVLayoutSpec(
+        layer_count=len(tensors),
+        block_size_tokens=block_size_tokens,
+        block_count=block_count,
+        block_bytes_per_layer=sum(p.block_bytes for p in planes),
+        dtype=dtype,
+        memory_kind=memory_kind,
+        device_id=device_id,
+        planes=tuple(planes),
+        layer_base_addresses=tuple(int(t.data_ptr()) for t in tensors),
+        layer_region_bytes=region,
+        layer_names=tuple(names),
+        layout_name=name,
+    ).validate()
+    return layout, tensors
+
+
+def _region_bytes(shape: Sequence[int], strides: Sequence[int], elem: int) -> int:
+    """Bytes from a tensor's first element to just past its last one."""
+    return sum((d - 1) * s for d, s in zip(shape, strides, strict=True) if d > 0) + elem

@@ -1,0 +1,316 @@
+"""KV layout descriptions: where every (layer, block, plane, segment, token) of a worker's KV lies.
+
+Life cycle: a worker builds a `KVLayoutSpec` from its KV tensors (`describe.describe_kv_caches`),
+validates it, sends it to the directory as `types_pb2.KVLayout` (`to_proto`), and the directory
+forwards it to the peers that will write into that worker; they rebuild it (`from_proto`) and derive
+NIXL descriptors from it (`plan`). The spec is immutable and pure data: no NIXL, no torch.
+
+Addressing (same as the proto's `KVPlane` comment): token t of block b in plane p, segment s starts at
+
+    layer_base + p.offset_bytes + b * p.block_stride_bytes + s * p.segment_stride_bytes
+               + t * p.token_stride_bytes
+
+and is `p.segment_bytes_per_token` long. NHD layouts have one segment per token (all heads); HND
+layouts one segment per KV head; vLLM CPU's fused block has 2 segments per head (K rows, V rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpush.v1 import types_pb2
+
+MEMORY_DRAM = "DRAM"
+MEMORY_VRAM = "VRAM"
+_MEMORY_TO_PROTO = {MEMORY_DRAM: types_pb2.MEMORY_KIND_DRAM, MEMORY_VRAM: types_pb2.MEMORY_KIND_VRAM}
+_PROTO_TO_MEMORY = {v: k for k, v in _MEMORY_TO_PROTO.items()}
+
+
+class LayoutError(ValueError):
+    """A KV layout is malformed, or two layouts cannot exchange KV."""
+
+
+@dataclass(frozen=True)
+class KVPlaneSpec:
+    """One plane (K, V, or fused KV) of every block of a layer; mirrors `types_pb2.KVPlane`."""
+
+    offset_bytes: int
+    block_stride_bytes: int
+    block_bytes: int
+    segment_count: int
+    segment_stride_bytes: int
+    token_stride_bytes: int
+    segment_bytes_per_token: int
+
+    def validate(self, block_size_tokens: int) -> None:
+        """Raise LayoutError unless the plane is self-consistent for blocks of `block_size_tokens`."""
+        if self.offset_bytes < 0:
+            raise LayoutError(f"plane offset_bytes must be >= 0, got {self.offset_bytes}")
+        for name in ("block_stride_bytes", "block_bytes", "token_stride_bytes", "segment_bytes_per_token"):
+            if getattr(self, name) <= 0:
+                raise LayoutError(f"plane {name} must be positive, got {getattr(self, name)}")
+        if self.segment_count < 1:
+            raise LayoutError(f"plane segment_count must be >= 1, got {self.segment_count}")
+        if self.segment_count == 1 and self.segment_stride_bytes != 0:
+            raise LayoutError("plane segment_stride_bytes must be 0 when segment_count is 1")
+        if self.segment_count > 1 and self.segment_stride_bytes <= 0:
+            raise LayoutError("plane segment_stride_bytes must be positive when segment_count > 1")
+        if self.token_stride_bytes < self.segment_bytes_per_token:
+            raise LayoutError(
+                f"plane token_stride_bytes {self.token_stride_bytes} < segment_bytes_per_token "
+                f"{self.segment_bytes_per_token}: tokens would overlap"
+            )
+        if self.block_stride_bytes < self.block_bytes:
+            raise LayoutError(
+                f"plane block_stride_bytes {self.block_stride_bytes} < block_bytes {self.block_bytes}: blocks overlap"
+            )
+        extent = self.extent_bytes(block_size_tokens)
+        if extent > self.block_bytes:
+            raise LayoutError(
+                f"plane block_bytes {self.block_bytes} is smaller than the {extent} bytes its "
+                f"{self.segment_count} segment(s) of {block_size_tokens} tokens span"
+            )
+
+    def extent_bytes(self, block_size_tokens: int) -> int:
+        """Bytes from a block's plane start to the end of its last token's last segment."""
+        return (
+            (self.segment_count - 1) * self.segment_stride_bytes
+            + (block_size_tokens - 1) * self.token_stride_bytes
+            + self.segment_bytes_per_token
+        )
+
+    @property
+    def tokens_contiguous(self) -> bool:
+        """True when consecutive tokens of one segment are adjacent, so a token run is one descriptor."""
+        return self.token_stride_bytes == self.segment_bytes_per_token
+
+    def to_proto(self) -> types_pb2.KVPlane:
+        """Return the wire form."""
+        return types_pb2.KVPlane(
+            offset_bytes=self.offset_bytes,
+            block_stride_bytes=self.block_stride_bytes,
+            block_bytes=self.block_bytes,
+            segment_count=self.segment_count,
+            segment_stride_bytes=self.segment_stride_bytes,
+            token_stride_bytes=self.token_stride_bytes,
+            segment_bytes_per_token=self.segment_bytes_per_token,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: types_pb2.KVPlane) -> KVPlaneSpec:
+        """Build from the wire form (not validated; call `KVLayoutSpec.validate`)."""
+        return cls(
+            offset_bytes=msg.offset_bytes,
+            block_stride_bytes=msg.block_stride_bytes,
+            block_bytes=msg.block_bytes,
+            segment_count=msg.segment_count,
+            segment_stride_bytes=msg.segment_stride_bytes,
+            token_stride_bytes=msg.token_stride_bytes,
+            segment_bytes_per_token=msg.segment_bytes_per_token,
+        )
+
+
+@dataclass(frozen=True)
+class KVLayoutSpec:
+    """How one worker's KV cache lies in memory; mirrors `types_pb2.KVLayout`.
+
+    `memory_kind` is "DRAM" or "VRAM" (NIXL's names). `layer_base_addresses` are addresses in the
+    owning process; a peer only uses them to build remote descriptors.
+    """
+
+    layer_count: int
+    block_size_tokens: int
+    block_count: int
+    block_bytes_per_layer: int
+    dtype: str
+    memory_kind: str
+    device_id: int
+    planes: tuple[KVPlaneSpec, ...]
+    layer_base_addresses: tuple[int, ...]
+    layer_region_bytes: int
+    layer_names: tuple[str, ...] = ()
+    compatibility_hash: str = ""
+    # Not on the wire: which describer produced it (for logs and errors only).
+    layout_name: str = field(default="", compare=False)
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self) -> KVLayoutSpec:
+        """Raise LayoutError unless every field is consistent; return self for chaining."""
+        if self.layer_count <= 0:
+            raise LayoutError(f"layer_count must be positive, got {self.layer_count}")
+        if self.block_size_tokens <= 0:
+            raise LayoutError(f"block_size_tokens must be positive, got {self.block_size_tokens}")
+        if self.block_count <= 0:
+            raise LayoutError(f"block_count must be positive, got {self.block_count}")
+        if self.block_bytes_per_layer <= 0:
+            raise LayoutError(f"block_bytes_per_layer must be positive, got {self.block_bytes_per_layer}")
+        if self.memory_kind not in _MEMORY_TO_PROTO:
+            raise LayoutError(f"memory_kind must be DRAM or VRAM, got {self.memory_kind!r}")
+        if self.device_id < 0:
+            raise LayoutError(f"device_id must be >= 0, got {self.device_id}")
+        if not self.dtype:
+            raise LayoutError("dtype must be set")
+        if not self.planes:
+            raise LayoutError("a layout needs at least one plane")
+        if len(self.layer_base_addresses) != self.layer_count:
+            raise LayoutError(
+                f"layer_base_addresses has {len(self.layer_base_addresses)} entries for {self.layer_count} layers"
+            )
+        if self.layer_names and len(self.layer_names) != self.layer_count:
+            raise LayoutError(f"layer_names has {len(self.layer_names)} entries for {self.layer_count} layers")
+        if any(addr <= 0 for addr in self.layer_base_addresses):
+            raise LayoutError("layer_base_addresses must all be positive")
+        if self.layer_region_bytes <= 0:
+            raise LayoutError(f"layer_region_bytes must be positive, got {self.layer_region_bytes}")
+        plane_bytes = 0
+        for plane in self.planes:
+            plane.validate(self.block_size_tokens)
+            end = plane.offset_bytes + (self.block_count - 1) * plane.block_stride_bytes + plane.block_bytes
+            if end > self.layer_region_bytes:
+                raise LayoutError(
+                    f"plane at offset {plane.offset_bytes} ends at byte {end}, past layer_region_bytes "
+                    f"{self.layer_region_bytes} for {self.block_count} blocks"
+                )
+            plane_bytes += plane.block_bytes
+        if plane_bytes != self.block_bytes_per_layer:
+            raise LayoutError(
+                f"block_bytes_per_layer {self.block_bytes_per_layer} != sum of plane block_bytes {plane_bytes}"
+            )
+        return self
+
+    # ---- addressing -------------------------------------------------------------------------
+    def check_layer(self, layer: int) -> None:
+        """Raise LayoutError unless `layer` is a valid layer index."""
+        if not 0 <= layer < self.layer_count:
+            raise LayoutError(f"layer {layer} out of range [0, {self.layer_count})")
+
+    def check_block(self, block: int) -> None:
+        """Raise LayoutError unless `block` is a valid block id."""
+        if not 0 <= block < self.block_count:
+            raise LayoutError(f"block {block} out of range [0, {self.block_count})")
+
+    def plane_block_address(self, layer: int, block: int, plane: int) -> int:
+        """Address of the first byte of `plane` of `block` in `layer`."""
+        p = self.planes[plane]
+        return self.layer_base_addresses[layer] + p.offset_bytes + block * p.block_stride_bytes
+
+    def block_descriptor(self, layer: int, block: int, plane: int) -> tuple[int, int]:
+        """(address, length) of one whole block of one plane of one layer; bounds-checked."""
+        self.check_layer(layer)
+        self.check_block(block)
+        if not 0 <= plane < len(self.planes):
+            raise LayoutError(f"plane {plane} out of range [0, {len(self.planes)})")
+        return self.plane_block_address(layer, block, plane), self.planes[plane].block_bytes
+
+    def token_segment_descriptor(
+        self, layer: int, block: int, plane: int, segment: int, token: int, token_count: int = 1
+    ) -> tuple[int, int]:
+        """(address, length) of `token_count` tokens of one segment, starting at `token` inside `block`.
+
+        Only tokens-contiguous planes allow token_count > 1 (every vLLM layout is).
+        """
+        self.check_layer(layer)
+        self.check_block(block)
+        p = self.planes[plane]
+        if not 0 <= segment < p.segment_count:
+            raise LayoutError(f"segment {segment} out of range [0, {p.segment_count})")
+        if token < 0 or token_count < 1 or token + token_count > self.block_size_tokens:
+            raise LayoutError(
+                f"tokens [{token}, {token + token_count}) not inside a block of {self.block_size_tokens}"
+            )
+        if token_count > 1 and not p.tokens_contiguous:
+            raise LayoutError("a multi-token run needs a plane whose tokens are contiguous")
+        addr = (
+            self.plane_block_address(layer, block, plane)
+            + segment * p.segment_stride_bytes
+            + token * p.token_stride_bytes
+        )
+        return addr, token_count * p.segment_bytes_per_token
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of KV the layout describes (all layers, all blocks, all planes)."""
+        return self.layer_count * self.block_count * self.block_bytes_per_layer
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """Payload bytes one token occupies in one layer, all planes and segments together."""
+        return sum(p.segment_count * p.segment_bytes_per_token for p in self.planes)
+
+    def memory_regions(self) -> list[tuple[int, int]]:
+        """Disjoint (address, length) spans covering every layer region, for NIXL registration.
+
+        Layers that share storage (layer-inside-block layouts) overlap; overlapping or touching
+        spans are merged so each byte is registered once.
+        """
+        spans = sorted((addr, addr + self.layer_region_bytes) for addr in self.layer_base_addresses)
+        merged: list[list[int]] = []
+        for start, end in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return [(start, end - start) for start, end in merged]
+
+    # ---- wire form --------------------------------------------------------------------------
+    def to_proto(self) -> types_pb2.KVLayout:
+        """Return the wire form sent to the directory."""
+        return types_pb2.KVLayout(
+            layer_count=self.layer_count,
+            block_size_tokens=self.block_size_tokens,
+            block_count=self.block_count,
+            block_bytes_per_layer=self.block_bytes_per_layer,
+            dtype=self.dtype,
+            memory_kind=_MEMORY_TO_PROTO[self.memory_kind],
+            device_id=self.device_id,
+            planes=[p.to_proto() for p in self.planes],
+            layer_base_addresses=list(self.layer_base_addresses),
+            layer_region_bytes=self.layer_region_bytes,
+            layer_names=list(self.layer_names),
+            compatibility_hash=self.compatibility_hash,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: types_pb2.KVLayout) -> KVLayoutSpec:
+        """Build from the wire form and validate it (LayoutError on anything malformed)."""
+        if msg.memory_kind not in _PROTO_TO_MEMORY:
+            raise LayoutError(f"memory_kind {msg.memory_kind} is not DRAM or VRAM")
+        return cls(
+            layer_count=msg.layer_count,
+            block_size_tokens=msg.block_size_tokens,
+            block_count=msg.block_count,
+            block_bytes_per_layer=msg.block_bytes_per_layer,
+            dtype=msg.dtype,
+            memory_kind=_PROTO_TO_MEMORY[msg.memory_kind],
+            device_id=msg.device_id,
+            planes=tuple(KVPlaneSpec.from_proto(p) for p in msg.planes),
+            layer_base_addresses=tuple(msg.layer_base_addresses),
+            layer_region_bytes=msg.layer_region_bytes,
+            layer_names=tuple(msg.layer_names),
+            compatibility_hash=msg.compatibility_hash,
+        ).validate()
+
+
+def check_compatible(src: KVLayoutSpec, dst: KVLayoutSpec) -> None:
+    """Raise LayoutError unless KV can be written from `src` into `dst` token by token.
+
+    Block sizes may differ; everything that shapes one token's bytes must match.
+    """
+    if src.dtype != dst.dtype:
+        raise LayoutError(f"dtype differs: source {src.dtype}, destination {dst.dtype}")
+    if src.compatibility_hash and dst.compatibility_hash and src.compatibility_hash != dst.compatibility_hash:
+        raise LayoutError(
+            f"compatibility_hash differs: source {src.compatibility_hash}, destination {dst.compatibility_hash}"
+        )
+    if len(src.planes) != len(dst.planes):
+        raise LayoutError(f"plane count differs: source {len(src.planes)}, destination {len(dst.planes)}")
+    for i, (sp, dp) in enumerate(zip(src.planes, dst.planes, strict=True)):
+        if sp.segment_count != dp.segment_count or sp.segment_bytes_per_token != dp.segment_bytes_per_token:
+            raise LayoutError(
+                f"plane {i} token shape differs: source {sp.segment_count} x {sp.segment_bytes_per_token} B, "
+                f"destination {dp.segment_count} x {dp.segment_bytes_per_token} B (NHD vs HND, or other heads)"
+            )
+    if src.block_size_tokens != dst.block_size_tokens:
+        for i, (sp, dp) in enumerate(zip(src.planes, dst.planes, strict=True)):
+            if not (sp.tokens_contiguous and dp.tokens_contiguous):
+                raise LayoutError(f"plane {i}: block-size mapping needs token-contiguous segments on both sides")

@@ -1,0 +1,368 @@
+"""Descriptor maths: which bytes a push moves, as indices into prepared NIXL descriptor tables.
+
+Pure functions, no NIXL: everything here is unit-tested on its own and runs before anything is posted,
+so bad input is refused (`WriteRequestError`) with nothing in flight.
+
+Tables (prepared once per layout, `prep_xfer_dlist` with compressed Nx5 rows
+`(address, length, device, stride, count)`; NIXL keeps them compressed, so even millions of entries
+prepare in milliseconds):
+
+* **block table** of a layout: one entry per (layer, plane, block), a whole plane-block. Entry index
+  `(layer * planes + plane) * block_count + block`; one Nx5 row per (layer, plane).
+* **chunk table** of a layout at granule `g` tokens (g divides the block size): one entry per
+  (layer, plane, segment, chunk-in-block, block), `g` tokens of one segment. Entry index
+  `row(layer, plane, segment, chunk) * block_count + block`; one Nx5 row per (layer, plane, segment,
+  chunk), striding over blocks.
+
+A write of tokens [token_start, token_end) of some layers, from source blocks to destination blocks:
+
+1. `g = gcd(src block size, dst block size)`. Equal block sizes use the block tables (one descriptor
+   per plane-block, merged by NIXL when neighbours are contiguous on both sides); different sizes
+   (e.g. prefill 16, decode 128) use both sides' chunk tables at `g`, so every source granule lands
+   at the right token offset of the right destination block.
+2. Granules fully inside the token range go through the tables; the partial granules at either end
+   (a partial last block, a start that is not granule-aligned) become explicit token-exact
+   descriptors, so a write never touches a token outside its range: another write of the same
+   transfer may be in flight for those tokens, and NIXL does not order handles.
+3. Pairs are sorted by source address so that NIXL's merge of adjacent, contiguous descriptors
+   finds every run (blocks-first layouts merge K and V of consecutive blocks, for instance);
+   `descriptor_count` is the count after that merge, computed here the way NIXL merges.
+
+Tensor parallelism: prefill TP = decode TP pairs rank r with rank r and everything above holds
+per rank. TP differing (not implemented) would work on head segments: with HND layouts each KV head
+is its own segment, so prefill rank r (heads [r*H/tp_p, (r+1)*H/tp_p)) writes segment s of its
+layout into segment s + offset of decode rank r * tp_d // tp_p (tp_d < tp_p), or splits its
+segments over tp_d // tp_p decode ranks (tp_d > tp_p), each a separate peer with its own tables;
+NHD layouts would need sub-token descriptors (one per head per token) and are better permuted first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpush.connector.dataplane.layout import KVLayoutSpec, LayoutError, check_compatible
+
+TABLE_BLOCK = "block"
+TABLE_CHUNK = "chunk"
+# NIXL takes int32 indices.
+_MAX_TABLE_ENTRIES = 2**31 - 1
+
+
+class WriteRequestError(ValueError):
+    """A write cannot be planned: ids, layers or token range out of range or inconsistent."""
+
+
+# ---- tables ----------------------------------------------------------------------------------
+def block_table_rows(layout: KVLayoutSpec) -> np.ndarray:
+    """Nx5 rows (address, length, device, stride, count) of the block table of `layout`."""
+    rows = []
+    for layer in range(layout.layer_count):
+        for plane_index, plane in enumerate(layout.planes):
+            rows.append(
+                (
+                    layout.plane_block_address(layer, 0, plane_index),
+                    plane.block_bytes,
+                    layout.device_id,
+                    plane.block_stride_bytes,
+                    layout.block_count,
+                )
+            )
+    _check_table_size(layout.layer_count * len(layout.planes) * layout.block_count)
+    return np.array(rows, dtype=np.uint64)
+
+
+def _chunk_row_bases(layout: KVLayoutSpec, granule: int) -> np.ndarray:
+    """Row number of (layer, plane, segment 0, chunk 0), shape (layers, planes)."""
+    chunks = layout.block_size_tokens // granule
+    per_plane = np.array([p.segment_count * chunks for p in layout.planes], dtype=np.int64)
+    plane_prefix = np.concatenate([[0], np.cumsum(per_plane)[:-1]])
+    rows_per_layer = int(per_plane.sum())
+    return np.arange(layout.layer_count, dtype=np.int64)[:, None] * rows_per_layer + plane_prefix[None, :]
+
+
+def chunk_table_rows(layout: KVLayoutSpec, granule: int) -> np.ndarray:
+    """Nx5 rows of the chunk table of `layout` at `granule` tokens per entry."""
+    if granule <= 0 or layout.block_size_tokens % granule:
+        raise LayoutError(f"granule {granule} does not divide block size {layout.block_size_tokens}")
+    chunks = layout.block_size_tokens // granule
+    rows = []
+    for layer in range(layout.layer_count):
+        for plane_index, plane in enumerate(layout.planes):
+            if granule > 1 and not plane.tokens_contiguous:
+                raise LayoutError("a chunk table with granule > 1 needs token-contiguous segments")
+            base = layout.plane_block_address(layer, 0, plane_index)
+            for segment in range(plane.segment_count):
+                for chunk in range(chunks):
+                    rows.append(
+                        (
+                            base + segment * plane.segment_stride_bytes + chunk * granule * plane.token_stride_bytes,
+                            granule * plane.segment_bytes_per_token,
+                            layout.device_id,
+                            plane.block_stride_bytes,
+                            layout.block_count,
+                        )
+                    )
+    _check_table_size(len(rows) * layout.block_count)
+    return np.array(rows, dtype=np.uint64)
+
+
+def _check_table_size(entries: int) -> None:
+    if entries > _MAX_TABLE_ENTRIES:
+        raise LayoutError(f"descriptor table of {entries} entries exceeds NIXL's int32 index range")
+
+
+def granule_tokens(src: KVLayoutSpec, dst: KVLayoutSpec) -> int:
+    """Tokens per table entry for a (src, dst) pair: the gcd of the two block sizes."""
+    return math.gcd(src.block_size_tokens, dst.block_size_tokens)
+
+
+# ---- the plan --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WritePlan:
+    """What one write moves: table indices plus token-exact edge descriptors.
+
+    `table` is "block" or "chunk" (with `granule` tokens); `local_indices[i]` in the source table
+    pairs with `remote_indices[i]` in the destination table. `explicit` rows are
+    (source address, destination address, length) for the partial granules at the edges.
+    """
+
+    table: str
+    granule: int
+    local_indices: np.ndarray
+    remote_indices: np.ndarray
+    explicit: np.ndarray
+    total_bytes: int
+    descriptor_count: int
+
+    @property
+    def table_descriptor_count(self) -> int:
+        """Table entries before merging."""
+        return int(self.local_indices.size)
+
+
+def _check_ids(name: str, ids: Sequence[int], needed: int, block_count: int) -> np.ndarray:
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if arr.size < needed:
+        raise WriteRequestError(f"{name} has {arr.size} block ids but the token range needs {needed}")
+    used = arr[:needed]
+    bad = used[(used < 0) | (used >= block_count)]
+    if bad.size:
+        raise WriteRequestError(f"{name} block id {int(bad[0])} out of range [0, {block_count})")
+    if np.unique(used).size != used.size:
+        raise WriteRequestError(f"{name} repeats a block id within the written range")
+    return used
+
+
+def _check_layers(layers: Sequence[int], src: KVLayoutSpec, dst: KVLayoutSpec) -> np.ndarray:
+    arr = np.asarray(list(layers), dtype=np.int64)
+    if arr.size == 0:
+        raise WriteRequestError("layers is empty")
+    limit = min(src.layer_count, dst.layer_count)
+    bad = arr[(arr < 0) | (arr >= limit)]
+    if bad.size:
+        raise WriteRequestError(
+            f"layer {int(bad[0])} out of range [0, {limit}) (source {src.layer_count}, destination {dst.layer_count})"
+        )
+    if np.unique(arr).size != arr.size:
+        raise WriteRequestError("layers repeats a layer")
+    return arr
+
+
+def validate_write(
+    src: KVLayoutSpec,
+    dst: KVLayoutSpec,
+    layers: Sequence[int],
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    token_start: int,
+    token_end: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Refuse a bad write (WriteRequestError); return (layers, used src ids, used dst ids).
+
+    `src_block_ids` and `dst_block_ids` list blocks in token order from token 0; each must cover
+    [0, token_end); entries past that are ignored.
+    """
+    try:
+        check_compatible(src, dst)
+    except LayoutError as exc:
+        raise WriteRequestError(f"layouts cannot exchange KV: {exc}") from exc
+    if not 0 <= token_start < token_end:
+        raise WriteRequestError(f"token range [{token_start}, {token_end}) is empty or negative")
+    layer_arr = _check_layers(layers, src, dst)
+    src_ids = _check_ids("src_block_ids", src_block_ids, -(-token_end // src.block_size_tokens), src.block_count)
+    dst_ids = _check_ids("dst_block_ids", dst_block_ids, -(-token_end // dst.block_size_tokens), dst.block_count)
+    return layer_arr, src_ids, dst_ids
+
+
+def plan_write(
+    src: KVLayoutSpec,
+    dst: KVLayoutSpec,
+    layers: Sequence[int],
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    token_start: int,
+    token_end: int,
+) -> WritePlan:
+    """Plan the write of tokens [token_start, token_end) of `layers` from `src` blocks to `dst` blocks."""
+    layer_arr, src_ids, dst_ids = validate_write(
+        src, dst, layers, src_block_ids, dst_block_ids, token_start, token_end
+    )
+    g = granule_tokens(src, dst)
+    first_full = -(-token_start // g)
+    end_full = token_end // g
+    table = TABLE_BLOCK if src.block_size_tokens == dst.block_size_tokens else TABLE_CHUNK
+
+    local_idx = np.empty(0, dtype=np.int64)
+    remote_idx = np.empty(0, dtype=np.int64)
+    local_addr = np.empty(0, dtype=np.int64)
+    remote_addr = np.empty(0, dtype=np.int64)
+    lengths = np.empty(0, dtype=np.int64)
+    layer_of = np.empty(0, dtype=np.int64)
+    if end_full > first_full:
+        granules = np.arange(first_full, end_full, dtype=np.int64)
+        parts = (
+            _block_pairs(src, dst, layer_arr, src_ids, dst_ids, granules)
+            if table == TABLE_BLOCK
+            else _chunk_pairs(src, dst, layer_arr, src_ids, dst_ids, granules, g)
+        )
+        local_idx, remote_idx, local_addr, remote_addr, lengths, layer_of = parts
+        order = np.lexsort((local_addr, layer_of))
+        local_idx, remote_idx = local_idx[order], remote_idx[order]
+        local_addr, remote_addr, lengths, layer_of = local_addr[order], remote_addr[order], lengths[order], layer_of[order]
+
+    edges: list[tuple[int, int]] = []
+    if end_full <= first_full:
+        edges.append((token_start, token_end))
+    else:
+        if token_start < first_full * g:
+            edges.append((token_start, first_full * g))
+        if end_full * g < token_end:
+            edges.append((end_full * g, token_end))
+    explicit = _explicit_pairs(src, dst, layer_arr, src_ids, dst_ids, edges)
+
+    table_merged = _merged_count(local_addr, remote_addr, lengths, layer_of)
+    total = int(lengths.sum()) + int(explicit[:, 2].sum()) if explicit.size else int(lengths.sum())
+    return WritePlan(
+        table=table,
+        granule=g,
+        local_indices=local_idx.astype(np.int32),
+        remote_indices=remote_idx.astype(np.int32),
+        explicit=explicit,
+        total_bytes=total,
+        descriptor_count=table_merged + int(explicit.shape[0]),
+    )
+
+
+def _block_pairs(src, dst, layers, src_ids, dst_ids, blocks):
+    """Block-table pairs for whole blocks `blocks` (request-relative block numbers) of `layers`."""
+    n_planes = len(src.planes)
+    sb = src_ids[blocks]
+    db = dst_ids[blocks]
+    lay = np.repeat(layers, n_planes)  # (layers*planes,)
+    pl = np.tile(np.arange(n_planes, dtype=np.int64), layers.size)
+    local = ((lay * n_planes + pl)[:, None] * src.block_count + sb[None, :]).ravel()
+    remote = ((lay * n_planes + pl)[:, None] * dst.block_count + db[None, :]).ravel()
+    s_base = np.array([src.layer_base_addresses[i] for i in layers], dtype=np.int64)
+    d_base = np.array([dst.layer_base_addresses[i] for i in layers], dtype=np.int64)
+    s_off = np.array([p.offset_bytes for p in src.planes], dtype=np.int64)
+    d_off = np.array([p.offset_bytes for p in dst.planes], dtype=np.int64)
+    s_bs = np.array([p.block_stride_bytes for p in src.planes], dtype=np.int64)
+    d_bs = np.array([p.block_stride_bytes for p in dst.planes], dtype=np.int64)
+    ln = np.array([p.block_bytes for p in src.planes], dtype=np.int64)
+    li = np.repeat(np.arange(layers.size), n_planes)
+    s_addr = ((s_base[li] + s_off[pl])[:, None] + s_bs[pl][:, None] * sb[None, :]).ravel()
+    d_addr = ((d_base[li] + d_off[pl])[:, None] + d_bs[pl][:, None] * db[None, :]).ravel()
+    lengths = np.repeat(ln[pl], blocks.size)
+    layer_of = np.repeat(lay, blocks.size)
+    return local, remote, s_addr, d_addr, lengths, layer_of
+
+
+def _chunk_pairs(src, dst, layers, src_ids, dst_ids, granules, g):
+    """Chunk-table pairs for whole granules `granules` (request-relative granule numbers)."""
+    tokens = granules * g
+    sb = src_ids[tokens // src.block_size_tokens]
+    sc = (tokens % src.block_size_tokens) // g
+    db = dst_ids[tokens // dst.block_size_tokens]
+    dc = (tokens % dst.block_size_tokens) // g
+    s_rows = _chunk_row_bases(src, g)
+    d_rows = _chunk_row_bases(dst, g)
+    s_chunks = src.block_size_tokens // g
+    d_chunks = dst.block_size_tokens // g
+    local_parts, remote_parts, sa_parts, da_parts, len_parts, layer_parts = [], [], [], [], [], []
+    for li, layer in enumerate(layers):
+        for pi, (sp, dp) in enumerate(zip(src.planes, dst.planes, strict=True)):
+            seg = np.arange(sp.segment_count, dtype=np.int64)[:, None]
+            s_row = s_rows[layer, pi] + seg * s_chunks + sc[None, :]
+            d_row = d_rows[layer, pi] + seg * d_chunks + dc[None, :]
+            local_parts.append((s_row * src.block_count + sb[None, :]).ravel())
+            remote_parts.append((d_row * dst.block_count + db[None, :]).ravel())
+            s_base = src.layer_base_addresses[layer] + sp.offset_bytes
+            d_base = dst.layer_base_addresses[layer] + dp.offset_bytes
+            sa_parts.append(
+                (s_base + sb[None, :] * sp.block_stride_bytes + seg * sp.segment_stride_bytes
+                 + sc[None, :] * g * sp.token_stride_bytes).ravel()
+            )
+            da_parts.append(
+                (d_base + db[None, :] * dp.block_stride_bytes + seg * dp.segment_stride_bytes
+                 + dc[None, :] * g * dp.token_stride_bytes).ravel()
+            )
+            count = sp.segment_count * granules.size
+            len_parts.append(np.full(count, g * sp.segment_bytes_per_token, dtype=np.int64))
+            layer_parts.append(np.full(count, layer, dtype=np.int64))
+    return tuple(np.concatenate(p) for p in (local_parts, remote_parts, sa_parts, da_parts, len_parts, layer_parts))
+
+
+def _explicit_pairs(src, dst, layers, src_ids, dst_ids, edges) -> np.ndarray:
+    """Token-exact (src addr, dst addr, length) rows for the token ranges in `edges`, merged."""
+    rows: list[tuple[int, int, int]] = []
+    for start, end in edges:
+        # Split [start, end) where either side crosses a block boundary.
+        cuts = sorted(
+            {start, end}
+            | set(range(-(-start // src.block_size_tokens) * src.block_size_tokens, end, src.block_size_tokens))
+            | set(range(-(-start // dst.block_size_tokens) * dst.block_size_tokens, end, dst.block_size_tokens))
+        )
+        pieces = [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
+        for layer in layers:
+            for pi, (sp, dp) in enumerate(zip(src.planes, dst.planes, strict=True)):
+                for a, b in pieces:
+                    s_block = int(src_ids[a // src.block_size_tokens])
+                    d_block = int(dst_ids[a // dst.block_size_tokens])
+                    s_tok = a % src.block_size_tokens
+                    d_tok = a % dst.block_size_tokens
+                    runs = [(0, b - a)] if sp.tokens_contiguous and dp.tokens_contiguous else [
+                        (k, 1) for k in range(b - a)
+                    ]
+                    for seg in range(sp.segment_count):
+                        for k, n in runs:
+                            s_addr, length = src.token_segment_descriptor(int(layer), s_block, pi, seg, s_tok + k, n)
+                            d_addr, _ = dst.token_segment_descriptor(int(layer), d_block, pi, seg, d_tok + k, n)
+                            rows.append((s_addr, d_addr, length))
+    if not rows:
+        return np.zeros((0, 3), dtype=np.int64)
+    rows.sort()
+    merged = [list(rows[0])]
+    for s, d, n in rows[1:]:
+        last = merged[-1]
+        if s == last[0] + last[2] and d == last[1] + last[2]:
+            last[2] += n
+        else:
+            merged.append([s, d, n])
+    return np.array(merged, dtype=np.int64)
+
+
+def _merged_count(local_addr, remote_addr, lengths, layer_of) -> int:
+    """Descriptors left after merging neighbours contiguous on both sides within one layer."""
+    n = int(lengths.size)
+    if n == 0:
+        return 0
+    contiguous = (
+        (local_addr[1:] == local_addr[:-1] + lengths[:-1])
+        & (remote_addr[1:] == remote_addr[:-1] + lengths[:-1])
+        & (layer_of[1:] == layer_of[:-1])
+    )
+    return n - int(contiguous.sum())

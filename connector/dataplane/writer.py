@@ -1,0 +1,546 @@
+"""PushWriter: posts a prefill worker's KV WRITEs into decode blocks, on the agent's I/O thread.
+
+Life of a write (`WriteRequest`, one per layer or layer group of a transfer):
+1. `submit()` (any thread) plans it (`plan.plan_write`): bad layers, block ids, token ranges or an
+   unknown peer raise `WriteRequestError` there and then, before anything is queued.
+2. The I/O thread queues it FIFO. At the head of the queue it waits for `ready_event` (polled with
+   `.query()` when it has one, else `.synchronize()`; bounded by `post_timeout_s`), so no byte is read
+   before the kernel that computes it finished.
+3. Posting: one `make_prepped_xfer` over the cached tables (+ one `initialize_xfer` for token-exact
+   edge descriptors, when the range has partial granules), then `transfer()`. Every handle is fresh,
+   so NIXL's sticky per-handle notification never repeats.
+4. Completion: `check_xfer_state` on every in-flight handle, only while some are in flight, with a
+   sleep between rounds (the agent's back-off); DONE, ERR, an exception or `transfer_timeout_s`
+   ends the handle; handles are released (a release that fails is retried, never forgotten).
+5. Outcomes: `on_request_done(WriteOutcome)` per write as soon as it completes or fails;
+   `on_transfer_done(WriteOutcome)` once per transfer after its closing write (one with `notify`,
+   or `ends_transfer`) and every earlier write completed, or after a failure/cancel once none of its
+   handles is in flight: only then may the source blocks be reused.
+
+Notification: the decode side must see `notify` only after *every* write of the transfer landed,
+and NIXL does not order notifications across handles. If the closing write is a single handle and
+no other write of the transfer is in flight when it is posted, the notification rides on its
+`transfer()` (arrives with the data, no extra round); otherwise the writer sends it with
+`send_notif` once all the transfer's handles are DONE.
+
+A failed write fails its transfer: its queued writes are dropped (each reported), its in-flight
+handles are left to finish or time out. Nothing is retried here; the connector decides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from kvpush.connector.dataplane.agent import TransferAgent
+from kvpush.connector.dataplane.plan import WritePlan, WriteRequestError, plan_write
+from kvpush.observability import get_logger, get_tracer
+
+_log = get_logger("kvpush.dataplane.writer")
+_ENDED_MEMORY = 4096
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+@dataclass(frozen=True)
+class WriteRequest:
+    """Write the KV of tokens [token_start, token_end) of `layers` into a peer's blocks.
+
+    src_block_ids: this worker's blocks holding tokens [0, token_end), in token order.
+    dst_block_ids: the peer's blocks for the whole prompt, in token order from token 0.
+    notify: sent to the peer after this and every earlier write of the transfer completed;
+        makes this the transfer's closing write.
+    ready_event: optional object with `.query()` and/or `.synchronize()` (a CUDA event recorded
+        after the layer's KV write); waited on before posting.
+    ends_transfer: close the transfer after this write without a notification.
+    trace_context: W3C traceparent of the request, parent of this write's span.
+    """
+
+    transfer_id: str
+    peer_agent: str
+    layers: Sequence[int]
+    src_block_ids: Sequence[int]
+    dst_block_ids: Sequence[int]
+    token_start: int
+    token_end: int
+    notify: bytes | None = None
+    ready_event: Any = None
+    ends_transfer: bool = False
+    trace_context: str = ""
+
+    @property
+    def closes_transfer(self) -> bool:
+        """True when the transfer ends with this write."""
+        return self.notify is not None or self.ends_transfer
+
+
+@dataclass(frozen=True)
+class WriteOutcome:
+    """How one write (per-request callback) or one whole transfer (per-transfer callback) ended.
+
+    bytes / descriptor_count: moved (descriptors after merging; NIXL's count when telemetry is on).
+    post_seconds: time spent in make_prepped_xfer + transfer(); summed over writes for a transfer.
+    transfer_seconds: first post to observed completion.
+    error: why it failed (None when ok).
+    """
+
+    transfer_id: str
+    ok: bool
+    bytes: int
+    descriptor_count: int
+    post_seconds: float
+    transfer_seconds: float
+    error: str | None = None
+    peer_agent: str = ""
+    write_count: int = 1
+    layers: tuple[int, ...] = ()
+    notified: bool = False
+    telemetry: dict[str, float] | None = None
+
+
+@dataclass
+class _Write:
+    request: WriteRequest
+    plan: WritePlan
+    submitted_at: float
+    handles: list[Any] = field(default_factory=list)
+    open_handles: list[Any] = field(default_factory=list)
+    posted_at: float = 0.0
+    post_seconds: float = 0.0
+    error: str | None = None
+    reported: bool = False
+    notif_attached: bool = False
+    telemetry: dict[str, float] | None = None
+    wall_start_ns: int = 0
+
+
+@dataclass
+class _Transfer:
+    transfer_id: str
+    peer: str
+    queued: int = 0
+    in_flight: list[_Write] = field(default_factory=list)
+    failed: str | None = None
+    closing: _Write | None = None
+    closed_for_submit: bool = False
+    bytes: int = 0
+    descriptors: int = 0
+    post_seconds: float = 0.0
+    writes: int = 0
+    first_post: float | None = None
+    last_done: float | None = None
+    layers: set[int] = field(default_factory=set)
+    waiters: list[Future[WriteOutcome]] = field(default_factory=list)
+
+
+class PushWriter:
+    """Posts WriteRequests on a TransferAgent's I/O thread and reports their outcomes."""
+
+    def __init__(
+        self,
+        agent: TransferAgent,
+        on_request_done: Callable[[WriteOutcome], None] | None = None,
+        on_transfer_done: Callable[[WriteOutcome], None] | None = None,
+    ) -> None:
+        """Attach to `agent`; callbacks run on its I/O thread and must not block."""
+        self._agent = agent
+        self._config = agent.config
+        self._on_request_done = on_request_done
+        self._on_transfer_done = on_transfer_done
+        self._pending: deque[_Write] = deque()
+        self._transfers: dict[str, _Transfer] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._zombies: list[tuple[Any, float]] = []
+        self._tracer = get_tracer("kvpush.dataplane")
+        agent.attach(self)
+
+    # ---- caller side ----------------------------------------------------------------------------
+    def submit(self, request: WriteRequest) -> WritePlan:
+        """Validate and plan `request`, queue it for the I/O thread; return the plan.
+
+        Raises WriteRequestError (nothing queued) for an unknown peer, layers or block ids out of
+        range, a source or destination list too short for the token range, or an empty range.
+        """
+        try:
+            peer_layout = self._agent.peer_layout(request.peer_agent)
+        except KeyError:
+            raise WriteRequestError(f"unknown peer {request.peer_agent!r}") from None
+        if not request.transfer_id:
+            raise WriteRequestError("transfer_id is empty")
+        plan = plan_write(
+            self._agent.layout,
+            peer_layout,
+            request.layers,
+            request.src_block_ids,
+            request.dst_block_ids,
+            request.token_start,
+            request.token_end,
+        )
+        submitted_at = time.monotonic()
+        self._agent.call_soon(lambda: self._enqueue(_Write(request, plan, submitted_at)))
+        return plan
+
+    def cancel(self, transfer_id: str) -> Future[WriteOutcome]:
+        """Drop the transfer's queued writes; the Future resolves once none of its handles is in flight.
+
+        Later writes for this transfer id are refused (reported as failed).
+        """
+        future: Future[WriteOutcome] = Future()
+
+        def do() -> None:
+            transfer = self._transfers.get(transfer_id)
+            if transfer is None:
+                self._remember_ended(transfer_id, "cancelled")
+                future.set_result(WriteOutcome(transfer_id, False, 0, 0, 0.0, 0.0, "cancelled", write_count=0))
+                return
+            transfer.waiters.append(future)
+            self._fail_transfer(transfer, "cancelled")
+
+        self._agent.call_soon(do)
+        return future
+
+    # ---- I/O thread: LoopParticipant ------------------------------------------------------------
+    def poll(self, now: float) -> bool:
+        """Post what is ready, check in-flight handles; True while anything is pending or in flight."""
+        self._post_ready(now)
+        in_flight = self._check_in_flight(time.monotonic())
+        self._retry_zombies(now)
+        return bool(self._pending) or in_flight or bool(self._zombies)
+
+    def on_peer_leaving(self, peer: str, reason: str) -> None:
+        """Fail every transfer to `peer`; their in-flight handles finish or time out."""
+        for transfer in [t for t in self._transfers.values() if t.peer == peer]:
+            self._fail_transfer(transfer, reason)
+            for write in transfer.in_flight:
+                self._report_failure(write, reason)
+
+    def peer_in_flight(self, peer: str) -> int:
+        """Writes with handles still in flight towards `peer`."""
+        return sum(len(t.in_flight) for t in self._transfers.values() if t.peer == peer)
+
+    def shutdown(self, reason: str) -> None:
+        """Fail every transfer; queued writes are dropped and reported."""
+        for transfer in list(self._transfers.values()):
+            self._fail_transfer(transfer, reason)
+
+    # ---- I/O thread internals -------------------------------------------------------------------
+    def _enqueue(self, write: _Write) -> None:
+        req = write.request
+        ended = self._ended.get(req.transfer_id)
+        if ended is not None:
+            self._report_failure(write, f"transfer already ended ({ended})")
+            return
+        transfer = self._transfers.get(req.transfer_id)
+        if transfer is None:
+            transfer = self._transfers[req.transfer_id] = _Transfer(req.transfer_id, req.peer_agent)
+        if transfer.peer != req.peer_agent:
+            self._report_failure(write, f"transfer writes to {transfer.peer!r}, not {req.peer_agent!r}")
+            return
+        if transfer.closed_for_submit:
+            self._report_failure(write, "transfer already has its closing write")
+            return
+        if transfer.failed is not None:
+            self._report_failure(write, transfer.failed)
+            return
+        transfer.closed_for_submit = req.closes_transfer
+        transfer.queued += 1
+        self._pending.append(write)
+
+    def _post_ready(self, now: float) -> None:
+        while self._pending:
+            write = self._pending[0]
+            if not self._is_ready(write, now):
+                return
+            self._pending.popleft()
+            transfer = self._transfers[write.request.transfer_id]
+            transfer.queued -= 1
+            self._post(write, transfer)
+
+    def _is_ready(self, write: _Write, now: float) -> bool:
+        event = write.request.ready_event
+        if event is None:
+            return True
+        if hasattr(event, "query"):
+            if event.query():
+                return True
+            if now - write.submitted_at > self._config.post_timeout_s:
+                write.request = _without_event(write.request)
+                write.error = f"ready_event not complete within {self._config.post_timeout_s}s"
+                return True  # _post reports it
+            return False
+        event.synchronize()
+        return True
+
+    def _post(self, write: _Write, transfer: _Transfer) -> None:
+        req = write.request
+        if write.error is not None:
+            self._report_failure(write, write.error)
+            self._fail_transfer(transfer, write.error)
+            return
+        peer = self._agent.peer(req.peer_agent)
+        if peer is None or peer.leaving:
+            reason = peer.leaving_reason if peer is not None else f"peer {req.peer_agent!r} is not loaded"
+            self._report_failure(write, reason)
+            self._fail_transfer(transfer, reason)
+            return
+        nixl = self._agent.nixl
+        plan = write.plan
+        attach = req.notify is not None and not transfer.in_flight and (
+            (plan.local_indices.size > 0) != (plan.explicit.shape[0] > 0)
+        )
+        write.wall_start_ns = time.time_ns()
+        started = time.perf_counter()
+        write.posted_at = time.monotonic()
+        if transfer.first_post is None:
+            transfer.first_post = write.posted_at
+        try:
+            if plan.local_indices.size:
+                local = self._agent.local_tables().table(plan.table, plan.granule)
+                remote = peer.tables.table(plan.table, plan.granule)
+                write.handles.append(
+                    nixl.make_prepped_xfer("WRITE", local, plan.local_indices, remote, plan.remote_indices)
+                )
+            if plan.explicit.shape[0]:
+                local_layout = self._agent.layout
+                ex = plan.explicit
+                local_descs = np.stack(
+                    [ex[:, 0], ex[:, 2], np.full(len(ex), local_layout.device_id)], axis=1
+                ).astype(np.uint64)
+                remote_descs = np.stack(
+                    [ex[:, 1], ex[:, 2], np.full(len(ex), peer.layout.device_id)], axis=1
+                ).astype(np.uint64)
+                write.handles.append(
+                    nixl.initialize_xfer(
+                        "WRITE",
+                        nixl.get_xfer_descs(local_descs, local_layout.memory_kind),
+                        nixl.get_xfer_descs(remote_descs, peer.layout.memory_kind),
+                        req.peer_agent,
+                    )
+                )
+            for handle in write.handles:
+                state = nixl.transfer(handle, req.notify if attach else b"")
+                write.open_handles.append(handle)
+                if state == "ERR":
+                    raise RuntimeError("transfer() returned ERR")
+            write.notif_attached = attach
+        except Exception as exc:  # noqa: BLE001 - every binding error becomes a failed write
+            write.post_seconds = time.perf_counter() - started
+            # Handles never posted can be released now; posted ones are tracked until they end.
+            for handle in write.handles:
+                if handle not in write.open_handles:
+                    self._release(handle)
+            reason = f"post failed: {exc!r}"
+            if write.open_handles:
+                transfer.in_flight.append(write)
+            self._report_failure(write, reason)
+            self._fail_transfer(transfer, reason)
+            return
+        write.post_seconds = time.perf_counter() - started
+        transfer.post_seconds += write.post_seconds
+        transfer.in_flight.append(write)
+
+    def _check_in_flight(self, now: float) -> bool:
+        nixl = self._agent.nixl
+        any_open = False
+        for transfer in list(self._transfers.values()):
+            for write in list(transfer.in_flight):
+                for handle in list(write.open_handles):
+                    try:
+                        state = nixl.check_xfer_state(handle)
+                    except Exception as exc:  # noqa: BLE001 - e.g. the remote disconnected
+                        state, detail = "ERR", repr(exc)
+                    else:
+                        detail = "transfer state ERR"
+                    if state == "DONE":
+                        write.open_handles.remove(handle)
+                        self._collect_telemetry(write, handle)
+                        self._release(handle)
+                    elif state == "ERR":
+                        write.open_handles.remove(handle)
+                        self._release(handle)
+                        self._report_failure(write, detail)
+                        self._fail_transfer(transfer, detail)
+                    elif now - write.posted_at > self._config.transfer_timeout_s:
+                        write.open_handles.remove(handle)
+                        self._release(handle)
+                        reason = f"transfer not done within {self._config.transfer_timeout_s}s"
+                        self._report_failure(write, reason)
+                        self._fail_transfer(transfer, reason)
+                if write.open_handles:
+                    any_open = True
+                    continue
+                transfer.in_flight.remove(write)
+                if write.error is None:
+                    self._report_success(write, transfer, now)
+            self._maybe_finish(transfer, now)
+        return any_open
+
+    def _collect_telemetry(self, write: _Write, handle: Any) -> None:
+        if not self._config.capture_telemetry:
+            return
+        try:
+            t = self._agent.nixl.get_xfer_telemetry(handle)
+        except Exception:  # noqa: BLE001 - telemetry is optional; NIXL raises when it has none
+            return
+        acc = write.telemetry or {"post_us": 0.0, "xfer_us": 0.0, "bytes": 0.0, "descriptors": 0.0}
+        acc["post_us"] += float(t.postDuration)
+        acc["xfer_us"] = max(acc["xfer_us"], float(t.xferDuration))
+        acc["bytes"] += float(t.totalBytes)
+        acc["descriptors"] += float(t.descCount)
+        write.telemetry = acc
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.nixl.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - still active: retry later, never drop it silently
+            self._zombies.append((handle, time.monotonic()))
+
+    def _retry_zombies(self, now: float) -> None:
+        if not self._zombies:
+            return
+        keep = []
+        for handle, since in self._zombies:
+            try:
+                self._agent.nixl.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001
+                if now - since < self._config.transfer_timeout_s:
+                    keep.append((handle, since))
+                else:
+                    _log.error("xfer_handle_abandoned", handle=repr(handle))
+        self._zombies = keep
+
+    def _descriptor_count(self, write: _Write) -> int:
+        if write.telemetry is not None:
+            return int(write.telemetry["descriptors"])
+        return write.plan.descriptor_count
+
+    def _report_success(self, write: _Write, transfer: _Transfer, now: float) -> None:
+        req = write.request
+        write.reported = True
+        descriptors = self._descriptor_count(write)
+        transfer.bytes += write.plan.total_bytes
+        transfer.descriptors += descriptors
+        transfer.writes += 1
+        transfer.layers.update(int(layer) for layer in req.layers)
+        transfer.last_done = now
+        if req.closes_transfer:
+            transfer.closing = write
+        outcome = WriteOutcome(
+            req.transfer_id, True, write.plan.total_bytes, descriptors, write.post_seconds, now - write.posted_at,
+            None, req.peer_agent, 1, tuple(int(x) for x in req.layers), write.notif_attached, write.telemetry,
+        )
+        self._span(write, outcome)
+        self._emit(self._on_request_done, outcome)
+
+    def _report_failure(self, write: _Write, reason: str) -> None:
+        if write.reported:
+            return
+        write.reported = True
+        write.error = reason
+        req = write.request
+        elapsed = time.monotonic() - write.posted_at if write.posted_at else 0.0
+        outcome = WriteOutcome(
+            req.transfer_id, False, 0, 0, write.post_seconds, elapsed, reason, req.peer_agent, 1,
+            tuple(int(x) for x in req.layers),
+        )
+        _log.warning("write_failed", transfer_id=req.transfer_id, peer=req.peer_agent, error=reason)
+        self._span(write, outcome)
+        self._emit(self._on_request_done, outcome)
+
+    def _fail_transfer(self, transfer: _Transfer, reason: str) -> None:
+        if transfer.failed is None:
+            transfer.failed = reason
+        if transfer.queued:
+            keep: deque[_Write] = deque()
+            for write in self._pending:
+                if write.request.transfer_id == transfer.transfer_id:
+                    self._report_failure(write, f"dropped: {reason}")
+                else:
+                    keep.append(write)
+            self._pending = keep
+            transfer.queued = 0
+        self._maybe_finish(transfer, time.monotonic())
+
+    def _maybe_finish(self, transfer: _Transfer, now: float) -> None:
+        if self._transfers.get(transfer.transfer_id) is not transfer:
+            return  # already finished
+        if transfer.in_flight or transfer.queued:
+            return
+        if transfer.failed is None and transfer.closing is None:
+            return
+        notified = False
+        error = transfer.failed
+        if error is None and transfer.closing is not None:
+            closing = transfer.closing
+            notified = closing.notif_attached
+            if closing.request.notify is not None and not notified:
+                try:
+                    self._agent.nixl.send_notif(transfer.peer, closing.request.notify)
+                    notified = True
+                except Exception as exc:  # noqa: BLE001 - the peer never learns; that is a failure
+                    error = f"send_notif failed: {exc!r}"
+        outcome = WriteOutcome(
+            transfer.transfer_id,
+            error is None,
+            transfer.bytes,
+            transfer.descriptors,
+            transfer.post_seconds,
+            (transfer.last_done or now) - transfer.first_post if transfer.first_post is not None else 0.0,
+            error,
+            transfer.peer,
+            transfer.writes,
+            tuple(sorted(transfer.layers)),
+            notified,
+        )
+        del self._transfers[transfer.transfer_id]
+        self._remember_ended(transfer.transfer_id, "ok" if error is None else error)
+        self._emit(self._on_transfer_done, outcome)
+        for waiter in transfer.waiters:
+            if not waiter.done():
+                waiter.set_result(outcome)
+
+    def _remember_ended(self, transfer_id: str, how: str) -> None:
+        self._ended[transfer_id] = how
+        while len(self._ended) > _ENDED_MEMORY:
+            self._ended.popitem(last=False)
+
+    def _emit(self, callback: Callable[[WriteOutcome], None] | None, outcome: WriteOutcome) -> None:
+        if callback is None:
+            return
+        try:
+            callback(outcome)
+        except Exception as exc:  # noqa: BLE001 - a callback bug must not kill the I/O thread
+            _log.error("outcome_callback_failed", transfer_id=outcome.transfer_id, error=repr(exc))
+
+    def _span(self, write: _Write, outcome: WriteOutcome) -> None:
+        req = write.request
+        context = _PROPAGATOR.extract({"traceparent": req.trace_context}) if req.trace_context else None
+        start = write.wall_start_ns or time.time_ns()
+        span = self._tracer.start_span("kvpush.dataplane.write", context=context, start_time=start)
+        if span.is_recording():
+            span.set_attribute("kvpush.transfer_id", req.transfer_id)
+            span.set_attribute("kvpush.peer_agent", req.peer_agent)
+            layers = [int(x) for x in req.layers]
+            span.set_attribute("kvpush.layer_first", layers[0] if layers else -1)
+            span.set_attribute("kvpush.layer_count", len(layers))
+            span.set_attribute("kvpush.token_start", req.token_start)
+            span.set_attribute("kvpush.token_end", req.token_end)
+            span.set_attribute("kvpush.bytes", outcome.bytes)
+            span.set_attribute("kvpush.descriptor_count", outcome.descriptor_count)
+            span.set_attribute("kvpush.post_seconds", outcome.post_seconds)
+            if not outcome.ok:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, outcome.error or "failed"))
+        span.end()
+
+
+def _without_event(request: WriteRequest) -> WriteRequest:
+    from dataclasses import replace
+
+    return replace(request, ready_event=None)
