@@ -1,0 +1,372 @@
+"""Integration tests of the directory server: a real grpc.aio server on 127.0.0.1, real channels."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration
+from kvpush.services.directory.state import Limits
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.directory import (
+    DECODE,
+    PREFILL,
+    allocation,
+    make_layout,
+    ready,
+    register_request,
+    result,
+    running_directory,
+)
+from tests.integration.directory.helpers import code_of, open_prefill, read, run, send_ready, stub
+
+OK = grpc.StatusCode.OK
+DONE = dpb.WRITE_RESULT_STATUS_DONE
+
+
+async def _pair(s):
+    """Register prefill p1 and decode d1; return their leases."""
+    p = await s.RegisterEngine(register_request("p1", PREFILL))
+    d = await s.RegisterEngine(register_request("d1", DECODE))
+    return p.lease_id, d.lease_id
+
+
+def test_transfer_flows_end_to_end_and_metadata_is_sent_once():
+    """Plan, readiness, allocation, instruction (metadata only the first time), DONE, watch event, COMPLETE."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            p_lease, _ = await _pair(s)
+            watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
+            prefill = await open_prefill(s, "p1", p_lease)
+            first = (await s.PlanTransfer(dpb.PlanTransferRequest(request_id="r1"))).transfer.transfer_id
+            second = (await s.PlanTransfer(dpb.PlanTransferRequest(request_id="r2"))).transfer.transfer_id
+            await send_ready(prefill, ready(first, 0, 1))
+            await s.ReportAllocation(allocation(first, block_ids=[1, 2, 3]))
+            one = (await read(prefill)).instruction
+            assert one.transfer_id == first and one.decode_agent_metadata == b"nixl-md-d1-0"
+            assert one.HasField("decode_layout") and list(one.decode_block_ids) == [1, 2, 3]
+            await s.ReportAllocation(allocation(second, block_ids=[4, 5, 6]))
+            await send_ready(prefill, ready(second, 0, 0), ready(first, 2, 3))
+            two = (await read(prefill)).instruction
+            assert two.transfer_id == second and two.decode_agent_metadata == b""
+            assert not two.HasField("decode_layout") and two.decode_agent_name == "d1-agent-0"
+            await prefill.write(dpb.StreamPrefillRequest(result=result(first, DONE, layers=4, bytes_written=4096)))
+            event = (await read(watch)).events[0]
+            assert (event.transfer_id, event.state, event.bytes_written) == (first, tpb.TRANSFER_STATE_COMPLETE, 4096)
+            got = (await s.GetTransfer(dpb.GetTransferRequest(transfer_id=first))).transfer
+            assert got.state == tpb.TRANSFER_STATE_COMPLETE and got.request_id == "r1"
+            assert got.HasField("dispatch_time") and got.HasField("first_ready_time")
+            listed = (await s.ListTransfers(dpb.ListTransfersRequest(page_size=1))).transfers
+            assert [t.transfer_id for t in listed] == [second]
+            watch.cancel()
+            await prefill.done_writing()
+            await channel.close()
+    run(body())
+
+
+def test_unknown_engines_and_transfers_are_not_found():
+    """Unknown transfer, engine, lease: NOT_FOUND on unary calls and on stream opens."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            await _pair(s)
+            plan = await s.PlanTransfer(dpb.PlanTransferRequest())
+            NF = grpc.StatusCode.NOT_FOUND
+            assert await code_of(s.GetTransfer(dpb.GetTransferRequest(transfer_id="ghost"))) == NF
+            assert await code_of(s.ReportAllocation(allocation("ghost"))) == NF
+            assert await code_of(s.ReportAllocation(allocation(plan.transfer.transfer_id, engine_id="ghost"))) == NF
+            assert await code_of(s.CancelTransfer(dpb.CancelTransferRequest(transfer_id="ghost"))) == NF
+            assert await code_of(s.GetEngine(dpb.GetEngineRequest(engine_id="ghost"))) == NF
+            assert await code_of(s.PlanTransfer(dpb.PlanTransferRequest(decode_engine_id="ghost"))) == NF
+            assert await code_of(s.DeregisterEngine(dpb.DeregisterEngineRequest(
+                engine_id="p1", lease_id="wrong"))) == NF
+            watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="ghost"))
+            assert await code_of(watch.read()) == NF
+            renew = s.RenewLease()
+            await renew.write(dpb.RenewLeaseRequest(lease_id="ghost"))
+            assert await code_of(renew.read()) == NF
+            prefill = await open_prefill(s, "ghost", "lease")
+            assert await code_of(prefill.read()) == NF
+            await channel.close()
+    run(body())
+
+
+def test_malformed_input_is_invalid_argument_and_changes_nothing():
+    """Empty ids, negative counts, bad ranks, bad layouts, over-cap block lists, bad pages: INVALID_ARGUMENT, no change."""
+    async def body():
+        async with running_directory(Limits(max_block_ids=8)) as directory:
+            channel, s = stub(directory.address)
+            await _pair(s)
+            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            before_engines = await s.ListEngines(dpb.ListEnginesRequest())
+            before_transfer = await s.GetTransfer(dpb.GetTransferRequest(transfer_id=tid))
+            bad_layout = make_layout()
+            del bad_layout.layer_base_addresses[-1]
+            bad = [
+                s.RegisterEngine(register_request("", PREFILL)),
+                s.RegisterEngine(register_request("x" * 129, PREFILL)),
+                s.RegisterEngine(register_request("e", tpb.ENGINE_ROLE_UNSPECIFIED)),
+                s.RegisterEngine(register_request("e", PREFILL, tp_rank=2, tp_size=2)),
+                s.RegisterEngine(register_request("e", PREFILL, layout=bad_layout)),
+                s.RegisterEngine(dpb.RegisterEngineRequest(engine_id="e", role=DECODE, tp_size=1, agent_name="a",
+                                                           layout=make_layout())),  # decode without metadata
+                s.PlanTransfer(dpb.PlanTransferRequest(prompt_token_count=-1)),
+                s.ReportAllocation(allocation("")),
+                s.ReportAllocation(allocation(tid, prompt=-5)),
+                s.ReportAllocation(allocation(tid, block_ids=[1, -2, 3])),
+                s.ReportAllocation(allocation(tid, block_ids=list(range(9)))),
+                s.ReportAllocation(allocation(tid, prefix=41)),
+                s.ReportAllocation(allocation(tid, block_ids=[1, 2])),
+                s.ListTransfers(dpb.ListTransfersRequest(page_size=1001)),
+                s.ListTransfers(dpb.ListTransfersRequest(page_token="not-a-token")),
+                s.ListEngines(dpb.ListEnginesRequest(page_size=-1)),
+                s.GetTransfer(dpb.GetTransferRequest()),
+            ]
+            for call in bad:
+                assert await code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
+            assert await s.ListEngines(dpb.ListEnginesRequest()) == before_engines
+            assert await s.GetTransfer(dpb.GetTransferRequest(transfer_id=tid)) == before_transfer
+            await channel.close()
+    run(body())
+
+
+def test_oversized_message_is_refused_by_grpc():
+    """A request over max_message_bytes is RESOURCE_EXHAUSTED and registers nothing."""
+    async def body():
+        async with running_directory(max_message_bytes=64 * 1024) as directory:
+            channel, s = stub(directory.address)
+            request = register_request("big", DECODE)
+            request.agent_metadata = b"x" * (128 * 1024)
+            assert await code_of(s.RegisterEngine(request)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (await s.ListEngines(dpb.ListEnginesRequest())).workers == []
+            await channel.close()
+    run(body())
+
+
+def test_bad_events_get_rejections_and_the_stream_goes_on():
+    """Bad events in an open StreamPrefill earn EventRejections with precise codes; later good events still work."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            p_lease, _ = await _pair(s)
+            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            await s.ReportAllocation(allocation(tid))
+            prefill = await open_prefill(s, "p1", p_lease)
+            await send_ready(prefill, ready(tid, 0, 7), ready("", 0, 0), ready("ghost", 0, 0))
+            await prefill.write(dpb.StreamPrefillRequest(result=result(tid, DONE)))
+            codes = [(await read(prefill)).rejection.code for _ in range(4)]
+            assert codes == [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 2 + [
+                grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0]]
+            await send_ready(prefill, ready(tid, 0, 0))
+            assert (await read(prefill)).instruction.transfer_id == tid
+            await prefill.write(dpb.StreamPrefillRequest(hello=dpb.Hello(engine_id="p1", lease_id=p_lease)))
+            assert (await read(prefill)).rejection.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            await prefill.done_writing()
+            await channel.close()
+    run(body())
+
+
+def test_stream_level_errors_end_the_stream():
+    """A first message that is not a hello, a hello from a decode engine, an over-cap batch: the stream ends."""
+    async def body():
+        async with running_directory(Limits(max_events_per_batch=2)) as directory:
+            channel, s = stub(directory.address)
+            p_lease, d_lease = await _pair(s)
+            call = s.StreamPrefill()
+            await send_ready(call, ready("t", 0, 0))
+            assert await code_of(call.read()) == grpc.StatusCode.INVALID_ARGUMENT
+            call = await open_prefill(s, "d1", d_lease)
+            assert await code_of(call.read()) == grpc.StatusCode.FAILED_PRECONDITION
+            call = await open_prefill(s, "p1", p_lease)
+            await send_ready(call, *[ready("t", 0, 0)] * 3)
+            assert await code_of(call.read()) == grpc.StatusCode.INVALID_ARGUMENT
+            await channel.close()
+    run(body())
+
+
+def test_prefill_stream_break_fails_transfer_and_decode_learns():
+    """When the prefill stream breaks mid-transfer, the transfer fails and the decode watch hears it."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            p_lease, _ = await _pair(s)
+            watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
+            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            prefill = await open_prefill(s, "p1", p_lease)
+            await send_ready(prefill, ready(tid, 0, 0))
+            await s.ReportAllocation(allocation(tid))
+            assert (await read(prefill)).instruction.transfer_id == tid
+            prefill.cancel()
+            event = (await read(watch)).events[0]
+            assert event.transfer_id == tid and event.state == tpb.TRANSFER_STATE_FAILED
+            assert "prefill stream" in event.reason
+            await channel.close()
+    run(body())
+
+
+_DYING_DECODE = """
+import asyncio, sys, time
+from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration
+from kvpush.observability import configure_logging
+from tests.fixtures.directory import register_request, DECODE
+configure_logging(fmt="json")  # logs to stderr; stdout carries the handshake line
+async def main():
+    client = DirectoryClient(ChannelConfig(address=sys.argv[1]))
+    registration = EngineRegistration(client, register_request("d1", DECODE))
+    await registration.start()
+    print("registered", flush=True)
+    await asyncio.sleep(60)
+asyncio.run(main())
+"""
+
+
+def test_killed_decode_engine_fails_its_transfers_within_the_lease():
+    """A decode process killed mid-transfer: its lease lapses and prefill gets a Cancellation within the bound."""
+    async def body():
+        async with running_directory(Limits(lease_ttl_s=1.0)) as directory:
+            channel, s = stub(directory.address)
+            client = DirectoryClient(ChannelConfig(address=directory.address))
+            keeper = EngineRegistration(client, register_request("p1", PREFILL))  # renews every ttl/3
+            await keeper.start()
+            decode = subprocess.Popen([sys.executable, "-c", _DYING_DECODE, directory.address],
+                                      stdout=subprocess.PIPE, text=True)
+            try:
+                line = await asyncio.wait_for(asyncio.to_thread(decode.stdout.readline), 30)
+                assert line.strip() == "registered"
+                tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+                prefill = await open_prefill(s, "p1", keeper.lease_id)
+                await send_ready(prefill, ready(tid, 0, 0))
+                await s.ReportAllocation(allocation(tid))
+                assert (await read(prefill)).instruction.transfer_id == tid
+                await asyncio.sleep(1.5)  # the decode process renews meanwhile: the transfer lives on
+                assert (await s.GetTransfer(dpb.GetTransferRequest(transfer_id=tid))).transfer.state == \
+                    tpb.TRANSFER_STATE_STREAMING
+                decode.kill()
+                loop = asyncio.get_running_loop()
+                killed_at = loop.time()
+                message = await read(prefill, timeout_s=5)
+                elapsed = loop.time() - killed_at
+                assert message.cancellation.transfer_id == tid and "lease expired" in message.cancellation.reason
+                assert elapsed < 1.0 + 0.5  # lease TTL, plus the reaper period, plus slack
+                got = (await s.GetTransfer(dpb.GetTransferRequest(transfer_id=tid))).transfer
+                assert got.state == tpb.TRANSFER_STATE_FAILED
+                await prefill.done_writing()
+            finally:
+                decode.kill()
+                decode.wait(10)
+                await keeper.stop()
+                await client.close()
+            await channel.close()
+    run(body())
+
+
+def test_cancel_after_dispatch_reaches_decode_when_prefill_confirms():
+    """CancelTransfer sends a Cancellation to prefill; decode sees CANCELLED only after prefill reports it."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            p_lease, _ = await _pair(s)
+            watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
+            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            prefill = await open_prefill(s, "p1", p_lease)
+            await s.ReportAllocation(allocation(tid))
+            await send_ready(prefill, ready(tid, 0, 0))
+            await read(prefill)
+            pending = (await s.CancelTransfer(dpb.CancelTransferRequest(transfer_id=tid, reason="abort"))).transfer
+            assert pending.state == tpb.TRANSFER_STATE_STREAMING
+            assert (await read(prefill)).cancellation.reason == "abort"
+            await prefill.write(dpb.StreamPrefillRequest(result=result(tid, dpb.WRITE_RESULT_STATUS_CANCELLED)))
+            event = (await read(watch)).events[0]
+            assert (event.state, event.reason) == (tpb.TRANSFER_STATE_CANCELLED, "abort")
+            await prefill.done_writing()
+            await channel.close()
+    run(body())
+
+
+def test_watch_replays_after_sequence_number():
+    """WatchTransfers replays retained events after the given number, then follows new ones."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            await _pair(s)
+            ids = [(await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id for _ in range(3)]
+            for tid in ids[:2]:
+                await s.CancelTransfer(dpb.CancelTransferRequest(transfer_id=tid))
+            watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1", after_sequence_number=1))
+            assert [e.transfer_id for e in (await read(watch)).events] == [ids[1]]
+            await s.CancelTransfer(dpb.CancelTransferRequest(transfer_id=ids[2]))
+            assert [e.sequence_number for e in (await read(watch)).events] == [3]
+            ahead = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1", after_sequence_number=50))
+            assert await code_of(ahead.read()) == grpc.StatusCode.OUT_OF_RANGE
+            watch.cancel()
+            await channel.close()
+    run(body())
+
+
+def test_token_is_required_on_every_rpc_but_health():
+    """With a token configured, calls without or with a wrong token are UNAUTHENTICATED; health stays open."""
+    async def body():
+        async with running_directory(token="s3cret") as directory:
+            channel, s = stub(directory.address)
+            good = (("authorization", "Bearer s3cret"),)
+            bad = (("authorization", "Bearer nope"),)
+            UA = grpc.StatusCode.UNAUTHENTICATED
+            assert await code_of(s.ListEngines(dpb.ListEnginesRequest())) == UA
+            assert await code_of(s.ListEngines(dpb.ListEnginesRequest(), metadata=bad)) == UA
+            assert await code_of(s.RegisterEngine(register_request("p1", PREFILL), metadata=bad)) == UA
+            watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
+            assert await code_of(watch.read()) == UA
+            prefill = s.StreamPrefill(metadata=bad)
+            assert await code_of(prefill.read()) == UA
+            assert (await s.ListEngines(dpb.ListEnginesRequest(), metadata=good)).workers == []
+            health = health_pb2_grpc.HealthStub(channel)
+            status = (await health.Check(health_pb2.HealthCheckRequest())).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            await channel.close()
+    run(body())
+
+
+def test_health_and_reflection():
+    """Health reports SERVING for the service; reflection lists KVDirectoryService."""
+    async def body():
+        async with running_directory() as directory:
+            channel = grpc.aio.insecure_channel(directory.address)
+            health = health_pb2_grpc.HealthStub(channel)
+            response = await health.Check(health_pb2.HealthCheckRequest(service="kvpush.v1.KVDirectoryService"))
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+            await reflect.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            names = {s.name for s in (await read(reflect)).list_services_response.service}
+            assert "kvpush.v1.KVDirectoryService" in names and "grpc.health.v1.Health" in names
+            await reflect.done_writing()
+            await channel.close()
+    run(body())
+
+
+def test_graceful_stop_flushes_and_ends_streams_unavailable():
+    """Stopping the server delivers what is queued, then ends open streams with UNAVAILABLE well within the grace."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            p_lease, _ = await _pair(s)
+            watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
+            prefill = await open_prefill(s, "p1", p_lease)
+            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            await s.ReportAllocation(allocation(tid))
+            await send_ready(prefill, ready(tid, 0, 0))
+            assert (await read(prefill)).instruction.transfer_id == tid
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            await directory.server.stop(10.0)
+            assert await code_of(prefill.read()) == grpc.StatusCode.UNAVAILABLE
+            assert await code_of(watch.read()) == grpc.StatusCode.UNAVAILABLE
+            assert loop.time() - started < 5.0
+            await channel.close()
+    run(body())
