@@ -1,0 +1,22 @@
+"""kvpush's vLLM KV connector: layer-streamed, push-based KV transfer coordinated by the kvpush directory.
+
+vLLM loads it with `kv_connector="KVPushConnector"` and `kv_connector_module_path="kvpush.connector"`.
+This package imports without vLLM: `KVPushConnector` is resolved lazily (vLLM's factory does
+`getattr(module, "KVPushConnector")`), so tools and the data plane can be used on machines without it.
+
+Modules: `connector` (the facade), `config` (extra-config parsing), `params` (kv_transfer_params),
+`metadata` (scheduler <-> worker data), `scheduler/` and `worker/` (one half per role each),
+`directory_link` (the only gRPC), `tracing` (spans per transfer), `dataplane/` (NIXL).
+"""
+
+from typing import Any
+
+__all__ = ["KVPushConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVPushConnector":
+        from kvpush.connector.connector import KVPushConnector
+
+        return KVPushConnector
+    raise AttributeError(f"module 'kvpush.connector' has no attribute {name!r}")

@@ -11,7 +11,8 @@ per transfer, driven by the prefill worker on the engine thread:
      block once the whole prompt is computed. A block of a layer is therefore written exactly once
      (a chunk ending mid-block leaves that block to a later chunk), and nothing before decode's
      prefix hit is written. The write that completes every layer carries the notification.
-  4. Outcomes: `write_finished(ok, ...)` counts completions; the transfer is DONE when every planned
+  4. Outcomes: `write_submitted()` after the data plane accepted a write, `write_finished(ok, ...)` per
+     outcome, `writer_is_quiet()` once the data plane holds no handle of the transfer; the transfer is DONE when every planned
      write landed, FAILED on the first failure; `stop(...)` (cancellation, abort, timeout) stops new
      writes. `quiescent` is true once nothing is in flight: only then may the blocks be released.
 """
@@ -85,6 +86,9 @@ class PushTransfer:
         self.state = STATE_ACTIVE
         self.reason = ""
         self.in_flight = 0
+        # The data plane's own view: once it reported the transfer quiet, none of its handles is in flight.
+        self.writes_submitted = 0
+        self.writer_quiet = False
         self.timing = PushTiming()
         # Set by the instruction.
         self.peer_agent = ""
@@ -115,8 +119,8 @@ class PushTransfer:
 
     @property
     def quiescent(self) -> bool:
-        """True when no write of this transfer is in flight."""
-        return self.in_flight == 0
+        """True when no write of this transfer is in flight (every outcome counted, and the data plane agrees)."""
+        return self.in_flight == 0 and (self.writes_submitted == 0 or self.writer_quiet)
 
     @property
     def terminal(self) -> bool:
@@ -204,6 +208,14 @@ class PushTransfer:
 
     # ---------------------------------------------------------------- outcomes
 
+    def write_submitted(self) -> None:
+        """The data plane accepted one planned write."""
+        self.writes_submitted += 1
+
+    def writer_is_quiet(self) -> None:
+        """The data plane reported that none of this transfer's handles is in flight."""
+        self.writer_quiet = True
+
     def write_started(self, start_time: float) -> None:
         """Record a post (the earliest one is the first write start)."""
         if self.timing.first_write_start_time is None or start_time < self.timing.first_write_start_time:
@@ -252,4 +264,4 @@ class PushTransfer:
         """Layers fully written for every token owed (for progress reports)."""
         if not self.has_instruction:
             return 0
-        return sum(1 for planned in self._blocks_planned if planned >= self.total_blocks) if self.quiescent else 0
+        return sum(1 for planned in self._blocks_planned if planned >= self.total_blocks) if self.in_flight == 0 else 0

@@ -1,0 +1,245 @@
+"""`KVPushConnector`: vLLM's entry point to kvpush; a thin facade that picks a half by role and delegates.
+
+vLLM builds one instance with role SCHEDULER in the EngineCore process and one with role WORKER in
+each worker process (`kv_connector="KVPushConnector"`, `kv_connector_module_path="kvpush.connector"`).
+kv_role "kv_producer" makes a prefill engine, "kv_consumer" a decode engine:
+
+| half | prefill (kv_producer) | decode (kv_consumer) |
+| --- | --- | --- |
+| scheduler | `PrefillScheduler`: per-step chunks, holds blocks while pushing | `DecodeScheduler`: waits for remote KV, reports allocations |
+| worker | `PrefillWorker`: per-layer readiness, writes as layers exist | `DecodeWorker`: notifications + directory events -> finished receives |
+
+Per step (vLLM 0.32 / 0.33 model runner): `bind_connector_metadata` -> forward (`save_kv_layer` per
+layer) -> `start_load_kv` -> `wait_for_save` -> `get_transfer_results` -> `get_block_ids_with_load_errors`
+-> `build_connector_worker_meta` -> `clear_connector_metadata`. On CPU the attention op writes KV
+synchronously, so `start_load_kv` can come after the forward; the worker therefore begins its step in
+`bind_connector_metadata`.
+
+Not `SupportsHMA`: a transfer carries one list of decode blocks and failures are reported as block ids
+(`invalid_block_ids`), both of which assume one KV-cache group. vLLM therefore turns the hybrid KV-cache
+manager off, which full-attention models do not need; sliding-window or hybrid SSM models would need
+per-group block lists in the directory API first.
+
+Unlike vLLM's NIXL connectors this never pins CPU cores, and its NIXL agent runs with the progress
+thread off and every NIXL call on the data plane's one I/O thread.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import WIRE_VERSION, KVPushMetadata
+from kvpush.observability import configure_logging, get_logger
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+_log = get_logger("connector")
+
+
+class KVPushConnector(KVConnectorBase_V1):
+    """Push-based, layer-streamed KV transfer coordinated by the kvpush directory (module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        """Parse the configuration and build the half this process runs (workers finish in register_kv_caches)."""
+        super().__init__(vllm_config, role, kv_cache_config)
+        configure_logging()
+        self.config = ConnectorConfig.from_kv_transfer_config(vllm_config.kv_transfer_config)
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError("KVPushConnector supports one KV-cache group (full attention); this model has "
+                             f"{len(kv_cache_config.kv_cache_groups)}")
+        self._block_size = vllm_config.cache_config.block_size
+        self._scheduler: Any = None
+        self._worker: Any = None
+        self._link: Any = None
+        self._agent: Any = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._build_scheduler()
+        from kvpush.connector.tracing import configure_engine_tracing
+
+        configure_engine_tracing(self.config.role)
+
+    # ================================================================ construction
+
+    def _build_scheduler(self) -> None:
+        if self.config.is_prefill:
+            from kvpush.connector.scheduler.prefill import PrefillScheduler
+
+            self._scheduler = PrefillScheduler(self.config, self._block_size)
+        else:
+            from kvpush.connector.directory_link import DirectoryLink
+            from kvpush.connector.scheduler.decode import DecodeScheduler
+
+            self._link = DirectoryLink(self.config, "kvpush-scheduler-directory")
+            self._scheduler = DecodeScheduler(self.config, self._block_size, self._link)
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        """Worker start-up: register KV memory with NIXL and this worker with the directory (blocking, bounded)."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        from kvpush.connector.directory_link import DirectoryLink
+        from kvpush.connector.worker.transport import create_agent
+        from kvpush.v1 import types_pb2 as tpb
+
+        tp_rank = get_tensor_model_parallel_rank()
+        tp_size = get_tensor_model_parallel_world_size()
+        model_config = self._vllm_config.model_config
+        num_kv_heads = model_config.get_num_kv_heads(self._vllm_config.parallel_config)
+        head_size = model_config.get_head_size()
+        layer_names = list(kv_caches)
+        agent_name = f"{self.config.engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:8]}"
+        self._agent = create_agent(self.config, kv_caches, self._block_size, num_kv_heads, head_size, agent_name)
+        self._link = DirectoryLink(self.config, f"kvpush-worker{tp_rank}-directory")
+        on_gpu = next(iter(kv_caches.values())).device.type == "cuda"
+        layout = self._agent.layout.to_proto()
+        role = tpb.ENGINE_ROLE_PREFILL if self.config.is_prefill else tpb.ENGINE_ROLE_DECODE
+        if self.config.is_prefill:
+            from kvpush.connector.worker.prefill import PrefillWorker
+            from kvpush.connector.worker.transport import PushTransport
+
+            worker = PrefillWorker(self.config, self._link, layer_names, self._block_size, on_gpu=on_gpu)
+            worker.attach_transport(PushTransport(self._agent, worker.on_write_done, worker.on_writer_quiet))
+            self._link.register(role, tp_rank, tp_size, self._agent.agent_name, self._agent.agent_metadata(), layout,
+                                on_lease_lost=lambda lease, reason: worker.on_session_lost())
+            self._link.open_prefill_session(worker.on_instruction, worker.on_cancellation, worker.on_rejection,
+                                            worker.on_session_lost)
+        else:
+            from kvpush.connector.dataplane.listener import NotificationListener
+            from kvpush.connector.worker.decode import DecodeWorker
+
+            worker = DecodeWorker(self.config, self._link, self._block_size)
+            NotificationListener(self._agent, worker.on_notification)
+            self._link.register(role, tp_rank, tp_size, self._agent.agent_name, self._agent.agent_metadata(), layout)
+            self._link.watch(worker.on_event, worker.on_gap)
+        self._worker = worker
+        _log.info("kvpush connector worker ready", engine_id=self.config.engine_id, role=self.config.role,
+                  tp_rank=tp_rank, tp_size=tp_size, agent=self._agent.agent_name, layers=len(layer_names),
+                  layout=self._agent.layout.layout_name, blocks=self._agent.layout.block_count)
+
+    # ================================================================ worker side
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward: bind the step's metadata and let the worker half begin the step."""
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, KVPushMetadata) or connector_metadata.wire_version != WIRE_VERSION:
+            raise TypeError(f"KVPushConnector worker got metadata {type(connector_metadata).__name__} "
+                            f"version {getattr(connector_metadata, 'wire_version', None)}; expected "
+                            f"KVPushMetadata version {WIRE_VERSION}")
+        if self._worker is not None:
+            self._worker.begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Nothing to start: pushed KV is written into our blocks by prefill, one-sided."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Never waits: a request only runs once its whole push completed."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        """Mark this layer's KV ready to push.
+
+        Caller: worker forward thread, inside attention, once per layer per step.
+        Never blocks on NIXL or the directory: records a CUDA event (GPU), enqueues writes.
+        Failure: an unpostable write ends the transfer via the directory, within the lease.
+        """
+        if self.config.is_prefill and self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        """Queue the step's readiness batch to the directory; never waits (blocks stay held until pushed)."""
+        if self.config.is_prefill and self._worker is not None:
+            self._worker.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Pushes done (prefill: finished_sending) or receives done/failed (decode: finished_recving)."""
+        results = KVConnectorTransferResults()
+        if self._worker is None:
+            return results
+        if self.config.is_prefill:
+            results.finished_sending = self._worker.get_finished_sending(finished_req_ids)
+        else:
+            finished, load_errors = self._worker.collect()
+            results.finished_recving = finished
+            self._load_errors |= load_errors
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of failed receives, in the same step their requests are reported finished."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Push timelines of transfers that ended (prefill), for the response's kv_transfer_params."""
+        if self.config.is_prefill and self._worker is not None:
+            return self._worker.build_worker_meta()
+        return None
+
+    def shutdown(self) -> None:
+        """Stop streams and the data plane (bounded)."""
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        if self._agent is not None:
+            self._agent.stop()
+            self._agent = None
+
+    # ================================================================ scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        """Keep the cache manager (prefill reads each scheduled request's block ids from it)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.config.is_prefill and self._scheduler is not None:
+            self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: "Request") -> None:
+        """Track a request that carries kvpush kv_transfer_params."""
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Decode: prompt tokens beyond the local hit arrive asynchronously by push. Prefill: none. No side effects."""
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        """Decode: report the allocation to the directory (submitted, never awaited)."""
+        if not self.config.is_prefill:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """This step's chunks / receives / holds for the workers (does not modify scheduler_output)."""
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Release holds and forget receives the workers reported; merge push timelines."""
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Exactly once per request, before its blocks are freed: hold them while pushes may still touch them."""
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        """True while finished prefill requests hold blocks for pushes (keeps the engine stepping)."""
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """save_kv_layer runs per layer, so CUDA graphs must be piecewise around attention."""
+        return True

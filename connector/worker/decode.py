@@ -1,0 +1,232 @@
+"""Decode engine, worker half: turns NIXL notifications and directory events into finished receives.
+
+Life cycle of one receive on a decode worker (state lives on the engine thread; the NIXL I/O thread
+and the directory client thread only enqueue into `_inbox`, drained at every hook):
+  1. `register_kv_caches` (connector): KV memory registered with NIXL, this worker registered with
+     the directory (agent metadata + layout, so prefill can write here), a NotificationListener and
+     the WatchTransfers stream started.
+  2. `begin_step`: a `ReceiveStart` from the scheduler starts waiting for the transfer, with a
+     deadline of transfer_timeout_s. Signals that arrived earlier (fast prefill) are applied now.
+  3. Completion is whichever comes first: prefill's NIXL notification (sent only after every write
+     landed) or the directory's COMPLETE event. The request is reported in finished_recving.
+  4. Failure: a FAILED / EXPIRED / CANCELLED event, a refused allocation report, or the deadline
+     (then CancelTransfer is sent too) -> the request is reported in finished_recving and the
+     blocks the push was to fill are reported as load errors in the same step, so vLLM's
+     kv_load_failure_policy applies (fail: the request errors; recompute: decode computes those
+     tokens itself, keeping its own prefix hit).
+  5. Abort while waiting (`cancelled_receives`): the request is reported finished only once the
+     transfer is terminal (the directory's CANCELLED comes after prefill confirmed no write is in
+     flight), or a notification proved every write landed, or transfer_timeout_s passed: vLLM frees
+     the blocks only then, so prefill never writes into blocks another request reuses.
+A watch gap (events lost) re-reads every waiting transfer with GetTransfer.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
+from kvpush.connector.tracing import TransferSpan
+from kvpush.observability import get_logger
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import types_pb2 as tpb
+
+_log = get_logger("connector.worker.decode")
+
+_TERMINAL_STATES = {
+    tpb.TRANSFER_STATE_COMPLETE: "complete",
+    tpb.TRANSFER_STATE_FAILED: "failed",
+    tpb.TRANSFER_STATE_CANCELLED: "cancelled",
+    tpb.TRANSFER_STATE_EXPIRED: "expired",
+}
+
+
+@dataclass
+class _Signal:
+    """A completion signal for a transfer: a notification (complete) or a directory terminal state."""
+
+    outcome: str          # "complete" | "failed" | "cancelled" | "expired"
+    reason: str
+    source: str           # "notification" | "event" | "lookup" | "allocation" | "timeout"
+    received_at: float
+
+
+@dataclass
+class _Receive:
+    """One request waiting for pushed KV on this worker."""
+
+    start: ReceiveStart
+    deadline: float
+    span: TransferSpan
+    started_at: float
+    aborted: bool = False
+
+
+class DecodeWorker:
+    """Worker half for kv_role=kv_consumer (see the module docstring)."""
+
+    def __init__(self, config: ConnectorConfig, directory: Any, block_size_tokens: int) -> None:
+        self._config = config
+        self._directory = directory  # DirectoryLink: cancel_transfer / get_transfer
+        self._block_size = block_size_tokens
+        self._receives: dict[str, _Receive] = {}
+        self._by_transfer: dict[str, str] = {}
+        self._early: dict[str, _Signal] = {}   # signals for transfers no receive waits for (yet)
+        self._load_errors: set[int] = set()
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.completed_count = 0
+        self.failed_count = 0
+
+    # ---------------------------------------------------------------- callbacks from other threads
+
+    def on_notification(self, agent_name: str, message: bytes) -> None:
+        """NIXL I/O thread: prefill finished every write of the transfer named by the message."""
+        transfer_id = message.decode("utf-8", errors="replace")
+        self._inbox.put(lambda: self._signal(transfer_id, _Signal("complete", "", "notification", time.monotonic())))
+
+    def on_event(self, event: dpb.TransferEvent) -> None:
+        """Directory client thread: a transfer of this engine reached a terminal state."""
+        outcome = _TERMINAL_STATES.get(event.state)
+        if outcome is None:
+            return
+        signal = _Signal(outcome, event.reason, "event", time.monotonic())
+        self._inbox.put(lambda: self._signal(event.transfer_id, signal))
+
+    def on_gap(self, last_sequence_number: int) -> None:
+        """Directory client thread: events were lost; re-read every waiting transfer."""
+        self._inbox.put(self._reread_all)
+
+    # ---------------------------------------------------------------- engine-thread hooks
+
+    def begin_step(self, meta: KVPushMetadata) -> None:
+        """Start new receives, fail refused allocations, note aborts."""
+        self._drain()
+        now = time.monotonic()
+        for start in meta.receives:
+            self._begin_receive(start, now)
+        for request_id, reason in meta.failed_receives:
+            receive = self._receives.get(request_id)
+            if receive is not None:
+                self._signal(receive.start.transfer_id,
+                             _Signal("failed", f"allocation refused: {reason}", "allocation", now))
+        for request_id in meta.cancelled_receives:
+            receive = self._receives.get(request_id)
+            if receive is not None and not receive.aborted:
+                receive.aborted = True
+                receive.deadline = now + self._config.transfer_timeout_s
+                receive.span.event("aborted")
+
+    def collect(self) -> tuple[set[str], set[int]]:
+        """Requests finished receiving this step, and the block ids of those that failed (load errors)."""
+        self._drain()
+        now = time.monotonic()
+        for receive in list(self._receives.values()):
+            if now >= receive.deadline:
+                self._on_deadline(receive, now)
+        finished: set[str] = set()
+        for request_id, receive in list(self._receives.items()):
+            signal = self._early.pop(receive.start.transfer_id, None)
+            if signal is None:
+                continue
+            finished.add(request_id)
+            self._end_receive(receive, signal)
+        errors, self._load_errors = self._load_errors, set()
+        self._prune_early(now)
+        return finished, errors
+
+    def waiting_count(self) -> int:
+        """Requests waiting for pushed KV (for tests and metrics)."""
+        return len(self._receives)
+
+    # ---------------------------------------------------------------- internals
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                action = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                action()
+            except Exception:  # one bad message must not stop the engine thread
+                _log.exception("decode connector action failed")
+
+    def _begin_receive(self, start: ReceiveStart, now: float) -> None:
+        if start.request_id in self._receives:
+            return
+        if start.transfer_id in self._by_transfer:
+            _log.error("transfer id already received by another request", transfer_id=start.transfer_id,
+                       request_id=start.request_id)
+        span = TransferSpan.start("kvpush.receive", start.transfer_id, start.trace_context,
+                                  {"kvpush.request_id": start.request_id,
+                                   "kvpush.prompt_token_count": start.prompt_token_count,
+                                   "kvpush.prefix_hit_token_count": start.prefix_hit_token_count,
+                                   "kvpush.block_count": len(start.block_ids)})
+        self._receives[start.request_id] = _Receive(start, now + self._config.transfer_timeout_s, span, now)
+        self._by_transfer[start.transfer_id] = start.request_id
+
+    def _signal(self, transfer_id: str, signal: _Signal) -> None:
+        """Keep the first decisive signal per transfer (a notification or COMPLETE wins over nothing)."""
+        if transfer_id in self._early:
+            return
+        self._early[transfer_id] = signal
+
+    def _on_deadline(self, receive: _Receive, now: float) -> None:
+        transfer_id = receive.start.transfer_id
+        if receive.aborted:
+            reason = f"no terminal state within transfer_timeout_s={self._config.transfer_timeout_s}s after the abort"
+            _log.warning("releasing aborted receive's blocks on the local bound", transfer_id=transfer_id,
+                         request_id=receive.start.request_id)
+        else:
+            reason = f"transfer not complete within transfer_timeout_s={self._config.transfer_timeout_s}s"
+            self._directory.cancel_transfer(transfer_id, reason)
+        self._early[transfer_id] = _Signal("expired", reason, "timeout", now)
+
+    def _end_receive(self, receive: _Receive, signal: _Signal) -> None:
+        start = receive.start
+        self._receives.pop(start.request_id, None)
+        self._by_transfer.pop(start.transfer_id, None)
+        waited = time.monotonic() - receive.started_at
+        receive.span.set_attributes({"kvpush.outcome": signal.outcome, "kvpush.signal": signal.source,
+                                     "kvpush.wait_s": round(waited, 6), "kvpush.aborted": receive.aborted})
+        if receive.aborted:
+            receive.span.end(ok=False, reason=f"aborted; transfer {signal.outcome}")
+            _log.info("aborted receive released", transfer_id=start.transfer_id, request_id=start.request_id,
+                      outcome=signal.outcome)
+            return
+        if signal.outcome == "complete":
+            self.completed_count += 1
+            receive.span.end(ok=True)
+            _log.info("receive complete", transfer_id=start.transfer_id, request_id=start.request_id,
+                      signal=signal.source, wait_s=round(waited, 4))
+            return
+        self.failed_count += 1
+        self._load_errors.update(start.pushed_block_ids(self._block_size))
+        receive.span.end(ok=False, reason=f"{signal.outcome}: {signal.reason}")
+        _log.warning("receive failed; blocks reported as load errors", transfer_id=start.transfer_id,
+                     request_id=start.request_id, outcome=signal.outcome, reason=signal.reason,
+                     signal=signal.source)
+
+    def _prune_early(self, now: float) -> None:
+        """Forget signals no receive claimed within transfer_timeout_s (transfers of other requests)."""
+        horizon = now - self._config.transfer_timeout_s
+        for transfer_id in [t for t, s in self._early.items() if s.received_at < horizon
+                            and t not in self._by_transfer]:
+            del self._early[transfer_id]
+
+    def _reread_all(self) -> None:
+        for transfer_id in list(self._by_transfer):
+            def done(transfer: tpb.Transfer | None, error: str, transfer_id: str = transfer_id) -> None:
+                if transfer is None:
+                    return  # the deadline still bounds the wait
+                outcome = _TERMINAL_STATES.get(transfer.state)
+                if outcome is not None:
+                    signal = _Signal(outcome, transfer.failure_reason, "lookup", time.monotonic())
+                    self._inbox.put(lambda: self._signal(transfer_id, signal))
+
+            self._directory.get_transfer(transfer_id, done)

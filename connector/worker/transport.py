@@ -1,0 +1,120 @@
+"""The connector's view of the NIXL data plane (`kvpush.connector.dataplane`), one adapter per worker.
+
+Life cycle: `create_transport(config, kv_caches, ...)` builds a `TransferAgent`, registers the KV
+memory and starts the agent's I/O thread. A prefill worker wraps it in a `PushTransport` (peers added
+from push instructions, writes submitted as `PlannedWrite`s, outcomes turned into `WriteDone` /
+`WriterQuiet` callbacks on the I/O thread); a decode worker attaches a `NotificationListener`.
+Everything here returns at once: NIXL calls happen on the agent's one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.dataplane import KVLayoutSpec, NixlConfig
+from kvpush.connector.worker.push_state import PlannedWrite
+from kvpush.observability import get_logger
+
+_log = get_logger("connector.worker.transport")
+
+
+@dataclass(frozen=True)
+class WriteDone:
+    """One write's outcome, as the prefill worker consumes it (times are unix seconds)."""
+
+    transfer_id: str
+    ok: bool
+    error: str
+    layer: int
+    start_time: float | None
+    end_time: float
+    post_duration_s: float
+    descriptor_count: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class WriterQuiet:
+    """The data plane holds no handle of this transfer any more: its source blocks may be reused."""
+
+    transfer_id: str
+    ok: bool
+    error: str
+
+
+def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
+    """The data-plane settings the connector config asks for."""
+    return NixlConfig(backends=config.nixl_backends, enable_prog_thread=config.nixl_enable_prog_thread,
+                      num_threads=config.nixl_num_threads).validate()
+
+
+def create_agent(config: ConnectorConfig, kv_caches: dict[str, Any], block_size_tokens: int, num_kv_heads: int,
+                 head_size: int, agent_name: str) -> Any:
+    """Build the worker's TransferAgent, register its KV memory and start its I/O thread."""
+    from kvpush.connector.dataplane.agent import TransferAgent
+
+    agent = TransferAgent(agent_name, nixl_config_from(config))
+    agent.register(kv_caches, block_size_tokens, num_kv_heads, head_size)
+    agent.start()
+    return agent
+
+
+class PushTransport:
+    """Prefill side: peers, writes and cancellations on the data plane (see the module docstring)."""
+
+    def __init__(self, agent: Any, on_write_done: Callable[[WriteDone], None],
+                 on_writer_quiet: Callable[[WriterQuiet], None]) -> None:
+        from kvpush.connector.dataplane.writer import PushWriter
+
+        self._agent = agent
+        self._on_write_done = on_write_done
+        self._on_writer_quiet = on_writer_quiet
+        self._writer = PushWriter(agent, on_request_done=self._request_done, on_transfer_done=self._transfer_done)
+
+    def ensure_peer(self, agent_name: str, metadata: bytes, layout_proto: Any) -> None:
+        """Load a decode worker's agent once (queued on the I/O thread ahead of any write to it)."""
+        try:
+            self._agent.peer_layout(agent_name)
+            return
+        except KeyError:
+            pass
+        if not metadata or layout_proto is None:
+            raise ValueError(f"decode agent {agent_name!r} is unknown here and the instruction carries no metadata")
+        self._agent.add_peer(agent_name, bytes(metadata), KVLayoutSpec.from_proto(layout_proto))
+
+    def submit(self, transfer_id: str, peer_agent: str, write: PlannedWrite, notification: bytes, ready_event: Any,
+               trace_context: str) -> None:
+        """Queue one planned write; raises (nothing queued) when the data plane refuses it."""
+        from kvpush.connector.dataplane.writer import WriteRequest
+
+        self._writer.submit(WriteRequest(
+            transfer_id=transfer_id, peer_agent=peer_agent, layers=(write.layer,), src_block_ids=write.src_block_ids,
+            dst_block_ids=write.dst_block_ids, token_start=write.token_start, token_end=write.token_end,
+            notify=notification if write.notify else None, ready_event=ready_event, trace_context=trace_context))
+
+    def cancel(self, transfer_id: str) -> None:
+        """Drop the transfer's queued writes; WriterQuiet follows once none of its handles is in flight."""
+        future = self._writer.cancel(transfer_id)
+
+        def done(f: Any) -> None:
+            outcome = f.result()
+            if outcome.write_count == 0:  # the writer never had it: no on_transfer_done will come
+                self._on_writer_quiet(WriterQuiet(transfer_id, False, outcome.error or "cancelled"))
+
+        future.add_done_callback(done)
+
+    def _request_done(self, outcome: Any) -> None:
+        now = time.time()
+        self._on_write_done(WriteDone(
+            transfer_id=outcome.transfer_id, ok=outcome.ok, error=outcome.error or "",
+            layer=outcome.layers[0] if outcome.layers else -1,
+            start_time=now - outcome.transfer_seconds if outcome.ok else None, end_time=now,
+            post_duration_s=outcome.post_seconds, descriptor_count=outcome.descriptor_count,
+            bytes_written=outcome.bytes))
+
+    def _transfer_done(self, outcome: Any) -> None:
+        self._on_writer_quiet(WriterQuiet(outcome.transfer_id, outcome.ok, outcome.error or ""))
