@@ -11,9 +11,11 @@ Layouts understood (`layout_hint` names in brackets; None guesses from rank and 
   Strides may put heads inside tokens (LBNHC, NHD) or tokens inside heads (LBHNC, HND).
 * 4-D `(num_blocks, kv_heads, block_size, 2 * head_size)` of vLLM CPU attention (["cpu_attn"];
   default for host tensors): same shape, different meaning. `cpu_attn.py` views it as
-  `(num_blocks, kv_heads, 2 * block_size, head_size)` and splits dim 2, so per block and head the
-  K rows of every token come first, then the V rows: one fused plane whose segments are
-  (K head 0, V head 0, K head 1, ...), `block_size * head_size` elements apart.
+  `(num_blocks, kv_heads, 2 * block_size, head_size)` and splits dim 2 (K half, V half per block and
+  head), and its `cpu_attn_reshape_and_cache` kernel stores keys in ISA-specific tiles inside that
+  half (measured: element d of token t's key at `d * block_size + t` with the "vec" ISA). Tokens
+  therefore have no address of their own: the layout is one fused plane per block, marked
+  `block_atomic`, and moves only as whole blocks between equal block sizes.
 * 5-D `(2, num_blocks, block_size, kv_heads, head)`: K/V-first FlashAttention form, NHD or its HND
   permutation (["kv_first"]).
 * 5-D `(num_blocks, 2, block_size, kv_heads, head)`: blocks-first (["blocks_first"]).
@@ -95,7 +97,10 @@ def _planes_4d(shape, strides, elem, block_size, hint) -> tuple[list[KVPlaneSpec
         block_bytes = heads * block_size * content * elem
         if strides != (block_bytes, block_size * content * elem, content * elem, elem):
             raise LayoutError("vLLM CPU attention KV caches must be contiguous (num_blocks, heads, block, 2*head)")
-        plane = KVPlaneSpec(0, strides[0], block_bytes, 2 * heads, block_size * head_bytes, head_bytes, head_bytes)
+        # Token fields only size a token's bytes: the kernel tiles keys inside (block, head), so the
+        # layout is block-atomic (see module docstring).
+        token_bytes = block_bytes // block_size
+        plane = KVPlaneSpec(0, strides[0], block_bytes, 1, 0, token_bytes, token_bytes)
         return [plane], LAYOUT_CPU_ATTN
     plane = _head_token_plane(0, strides[0], strides[2], strides[1], heads, block_size, content * elem)
     return [plane], LAYOUT_FUSED_KV + ("_hnd" if plane.segment_count > 1 else "_nhd")
@@ -200,6 +205,7 @@ def describe_kv_caches(
     block_count = shape[1] if (len(shape) == 5 and name.startswith(LAYOUT_KV_FIRST)) else shape[0]
     region = _region_bytes(shape, strides, elem)
     layout = KVLayoutSpec(
+        block_atomic=name == LAYOUT_CPU_ATTN,
         layer_count=len(tensors),
         block_size_tokens=block_size_tokens,
         block_count=block_count,

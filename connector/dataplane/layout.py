@@ -130,6 +130,8 @@ class KVLayoutSpec:
     layer_region_bytes: int
     layer_names: tuple[str, ...] = ()
     compatibility_hash: str = ""
+    # Tokens inside a block are not addressable (vLLM CPU attention tiles them): whole blocks only.
+    block_atomic: bool = False
     # Not on the wire: which describer produced it (for logs and errors only).
     layout_name: str = field(default="", compare=False)
 
@@ -207,8 +209,11 @@ class KVLayoutSpec:
     ) -> tuple[int, int]:
         """(address, length) of `token_count` tokens of one segment, starting at `token` inside `block`.
 
-        Only tokens-contiguous planes allow token_count > 1 (every vLLM layout is).
+        Only tokens-contiguous planes allow token_count > 1 (every vLLM layout is); block-atomic
+        layouts have no token addresses at all.
         """
+        if self.block_atomic:
+            raise LayoutError(f"layout {self.layout_name or ''} is block-atomic: tokens inside a block have no address")
         self.check_layer(layer)
         self.check_block(block)
         p = self.planes[plane]
@@ -268,6 +273,7 @@ class KVLayoutSpec:
             layer_region_bytes=self.layer_region_bytes,
             layer_names=list(self.layer_names),
             compatibility_hash=self.compatibility_hash,
+            block_atomic=self.block_atomic,
         )
 
     @classmethod
@@ -288,6 +294,7 @@ class KVLayoutSpec:
             layer_region_bytes=msg.layer_region_bytes,
             layer_names=tuple(msg.layer_names),
             compatibility_hash=msg.compatibility_hash,
+            block_atomic=msg.block_atomic,
         ).validate()
 
 
@@ -310,6 +317,13 @@ def check_compatible(src: KVLayoutSpec, dst: KVLayoutSpec) -> None:
                 f"plane {i} token shape differs: source {sp.segment_count} x {sp.segment_bytes_per_token} B, "
                 f"destination {dp.segment_count} x {dp.segment_bytes_per_token} B (NHD vs HND, or other heads)"
             )
+    if src.block_atomic != dst.block_atomic:
+        raise LayoutError("one layout is block-atomic (vLLM CPU tiles) and the other is not")
+    if src.block_atomic and src.block_size_tokens != dst.block_size_tokens:
+        raise LayoutError(
+            f"block-atomic layouts need equal block sizes: source {src.block_size_tokens}, "
+            f"destination {dst.block_size_tokens}"
+        )
     if src.block_size_tokens != dst.block_size_tokens:
         for i, (sp, dp) in enumerate(zip(src.planes, dst.planes, strict=True)):
             if not (sp.tokens_contiguous and dp.tokens_contiguous):

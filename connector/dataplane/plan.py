@@ -24,6 +24,9 @@ A write of tokens [token_start, token_end) of some layers, from source blocks to
    (a partial last block, a start that is not granule-aligned) become explicit token-exact
    descriptors, so a write never touches a token outside its range: another write of the same
    transfer may be in flight for those tokens, and NIXL does not order handles.
+   Block-atomic layouts (vLLM CPU: tokens tiled inside a block) round the range out to whole
+   blocks instead; partially covered blocks are listed in `shared_blocks` and the writer holds a
+   later write that shares one until the earlier is done, so a stale copy never lands last.
 3. Pairs are sorted by source address so that NIXL's merge of adjacent, contiguous descriptors
    finds every run (blocks-first layouts merge K and V of consecutive blocks, for instance);
    `descriptor_count` is the count after that merge, computed here the way NIXL merges.
@@ -137,6 +140,9 @@ class WritePlan:
     explicit: np.ndarray
     total_bytes: int
     descriptor_count: int
+    # Block-atomic layouts only: (layer, destination block) of partially covered blocks, which
+    # this write copies whole; a later write sharing one must wait until this one is done.
+    shared_blocks: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def table_descriptor_count(self) -> int:
@@ -212,8 +218,16 @@ def plan_write(
         src, dst, layers, src_block_ids, dst_block_ids, token_start, token_end
     )
     g = granule_tokens(src, dst)
-    first_full = -(-token_start // g)
-    end_full = token_end // g
+    shared: frozenset[tuple[int, int]] = frozenset()
+    if src.block_atomic:
+        # Tokens have no address: round out to whole blocks (equal sizes, checked above).
+        first_full = token_start // g
+        end_full = -(-token_end // g)
+        partial = [k for k, cut in ((first_full, token_start), (end_full - 1, token_end)) if cut % g]
+        shared = frozenset((int(layer), int(dst_ids[k])) for layer in layer_arr for k in partial)
+    else:
+        first_full = -(-token_start // g)
+        end_full = token_end // g
     table = TABLE_BLOCK if src.block_size_tokens == dst.block_size_tokens else TABLE_CHUNK
 
     local_idx = np.empty(0, dtype=np.int64)
@@ -235,7 +249,9 @@ def plan_write(
         local_addr, remote_addr, lengths, layer_of = local_addr[order], remote_addr[order], lengths[order], layer_of[order]
 
     edges: list[tuple[int, int]] = []
-    if end_full <= first_full:
+    if src.block_atomic:
+        pass
+    elif end_full <= first_full:
         edges.append((token_start, token_end))
     else:
         if token_start < first_full * g:
@@ -254,6 +270,7 @@ def plan_write(
         explicit=explicit,
         total_bytes=total,
         descriptor_count=table_merged + int(explicit.shape[0]),
+        shared_blocks=shared,
     )
 
 

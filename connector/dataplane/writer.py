@@ -256,12 +256,22 @@ class PushWriter:
     def _post_ready(self, now: float) -> None:
         while self._pending:
             write = self._pending[0]
-            if not self._is_ready(write, now):
+            if not self._is_ready(write, now) or self._waits_for_shared_block(write):
                 return
             self._pending.popleft()
             transfer = self._transfers[write.request.transfer_id]
             transfer.queued -= 1
             self._post(write, transfer)
+
+    def _waits_for_shared_block(self, write: _Write) -> bool:
+        """True while an in-flight write of the same transfer copies a block this one copies too."""
+        shared = write.plan.shared_blocks
+        if not shared:
+            return False
+        transfer = self._transfers.get(write.request.transfer_id)
+        return transfer is not None and any(
+            other.open_handles and not shared.isdisjoint(other.plan.shared_blocks) for other in transfer.in_flight
+        )
 
     def _is_ready(self, write: _Write, now: float) -> bool:
         event = write.request.ready_event

@@ -65,3 +65,14 @@ def token_bytes(layout: KVLayoutSpec, arrays: list[np.ndarray], layer: int, bloc
             addr, length = layout.token_segment_descriptor(layer, block, p, s, token, 1)
             out += flat[addr - base : addr - base + length].tobytes()
     return bytes(out)
+
+
+def block_bytes(layout: KVLayoutSpec, arrays: list[np.ndarray], layer: int, block: int) -> bytes:
+    """All bytes of one block (every plane) of one layer."""
+    base = arrays[layer].ctypes.data
+    flat = arrays[layer].reshape(-1).view(np.uint8)
+    out = bytearray()
+    for p in range(len(layout.planes)):
+        addr, length = layout.block_descriptor(layer, block, p)
+        out += flat[addr - base : addr - base + length].tobytes()
+    return bytes(out)
