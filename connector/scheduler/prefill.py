@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 _log = get_logger("connector.scheduler.prefill")
 
+# Keys of the push timeline the workers report (PushTiming.as_dict plus the transfer's state).
+_TIMELINE_KEYS = ("first_write_start_time", "last_write_end_time", "prefill_end_time", "post_duration_s",
+                  "write_count", "descriptor_count", "bytes_written", "layers_written_before_prefill_end_count",
+                  "state", "reason")
+
 
 @dataclass
 class _TrackedPrefill:
@@ -54,6 +59,9 @@ class PrefillScheduler:
         self._tracked: dict[str, _TrackedPrefill] = {}
         # Requests whose blocks we hold for pushes, until finished_sending.
         self._held: dict[str, float] = {}
+        # The kv_transfer_params dicts handed to vLLM for held requests: vLLM serializes the response only
+        # after update_from_output returns, so timelines the workers report in that same step still land.
+        self._response_params: dict[str, dict[str, Any]] = {}
         self._newly_held: list[str] = []
         self._kv_cache_manager: KVCacheManager | None = None
 
@@ -80,6 +88,7 @@ class PrefillScheduler:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPushMetadata:
         """Describe this step's prefill chunks, new holds and preemptions for the workers."""
         meta = KVPushMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0)
+        self._response_params.clear()  # responses of earlier steps are being serialized: hands off
         for request_id in scheduler_output.preempted_req_ids or ():
             tracked = self._tracked.get(request_id)
             if tracked is not None and tracked.chunks_sent:
@@ -124,25 +133,34 @@ class PrefillScheduler:
         if tracked is None:
             return False, None
         tracked.timeline["request_finished_time"] = time.time()
-        params = {"transfer_id": tracked.transfer_id, "push_timeline": dict(tracked.timeline)}
+        # Every key the workers may fill is present from the start, so a late merge never resizes the dict.
+        timeline = {key: None for key in _TIMELINE_KEYS}
+        timeline.update(tracked.timeline)
+        params = {"transfer_id": tracked.transfer_id, "push_timeline": timeline}
         if tracked.chunks_sent == 0:
             # Nothing ever reached the workers: no write can read these blocks. The transfer ends by its TTL
             # at the directory (or decode's cancellation).
             return False, params
         self._held[request.request_id] = time.monotonic()
         self._newly_held.append(request.request_id)
+        self._response_params[request.request_id] = params
         return True, params
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         """Release holds the workers reported done; merge their push timelines into tracked requests."""
-        for request_id in connector_output.finished_sending or ():
-            self._held.pop(request_id, None)
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, KVPushWorkerMetadata):
             for request_id, timeline in worker_meta.timelines.items():
                 tracked = self._tracked.get(request_id)
                 if tracked is not None:
                     merge_timeline(tracked.timeline, timeline)
+                params = self._response_params.get(request_id)
+                if params is not None:
+                    merge_timeline(params["push_timeline"], timeline)
+        # Only the step that finished a request can still change its response; later timelines are logged.
+        self._response_params.clear()
+        for request_id in connector_output.finished_sending or ():
+            self._held.pop(request_id, None)
 
     def has_pending_push_work(self) -> bool:
         """True while any finished request's blocks are held for pushes."""

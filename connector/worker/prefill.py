@@ -91,6 +91,7 @@ class PrefillWorker:
         self._seen_finished: set[str] = set()
         self._finished_sending: set[str] = set()
         self._timelines: dict[str, dict[str, Any]] = {}
+        self._timeline_dirty: set[str] = set()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 
     def attach_transport(self, transport: PushTransport | Any) -> None:
@@ -199,6 +200,7 @@ class PrefillWorker:
                 self._send_ready_now(live, chunk, layer)
             if layer == self._layer_count - 1 and chunk.is_last:
                 live.push.prefill_ended(now)
+                self._timeline_dirty.add(chunk.request_id)
                 live.span.event("prefill_end", {"kvpush.token_end": chunk.token_end})
             self._pump(live, ready_event)
 
@@ -229,7 +231,12 @@ class PrefillWorker:
         return done
 
     def build_worker_meta(self) -> KVPushWorkerMetadata | None:
-        """Push timelines of transfers that ended since the last step (for the response's kv_transfer_params)."""
+        """Push timelines that changed this step (for the response's kv_transfer_params)."""
+        for request_id in self._timeline_dirty:
+            live = self._live.get(request_id)
+            if live is not None and request_id not in self._timelines:
+                self._timelines[request_id] = {**live.push.finalize_timing().as_dict(), "state": live.push.state}
+        self._timeline_dirty.clear()
         if not self._timelines:
             return None
         meta = KVPushWorkerMetadata(timelines=self._timelines)
@@ -339,6 +346,7 @@ class PrefillWorker:
         if done.start_time is not None:
             live.push.write_started(done.start_time)
         was_terminal = live.push.terminal
+        self._timeline_dirty.add(request_id)
         live.push.write_finished(done.ok, done.error, done.end_time, done.post_duration_s, done.descriptor_count,
                                  done.bytes_written)
         live.span.event("layer_write" if done.ok else "layer_write_failed",
