@@ -1,0 +1,462 @@
+"""Control-plane benchmark of the KV-directory: layer events/s and dispatch latency.
+
+One directory process (`kvpush directory`, pinned with taskset to one core) and one load process
+(this script, pinned to another core) with N simulated prefill workers (StreamPrefill) and M
+simulated decode engines (ReportAllocation + WatchTransfers). Each simulated request:
+
+1. the "gateway" plans a transfer (PlanTransfer, prefill pinned to the worker, decode chosen);
+2. at once and concurrently, decode reports its blocks (ReportAllocation) and the prefill worker
+   starts reporting readiness: one event per (chunk, layer), one event per in-flight transfer per
+   simulated engine step, all of a step's events in one LayerReadyBatch (or one per message with
+   `--unbatched` / the `unbatched` scenario);
+3. the directory dispatches ONE instruction; dispatch latency is measured from the later of
+   (allocation sent, first readiness sent) to the instruction arriving at the prefill worker;
+4. after the last layer of the last chunk the worker sends DONE and decode's watch sees COMPLETE.
+
+Scenarios in one run (same directory build, same machine), so ratios compare like with like:
+  max_batched     unpaced, readiness batched per step          -> peak layer events/s
+  max_unbatched   unpaced, one readiness event per message     -> what batching buys
+  paced_5k        5,000 layer events/s, batched                -> dispatch latency p50/p99
+
+Usage:  python bench/directory_bench.py [--duration-s 10] [--prefill 4] [--decode 4] [--profile]
+Prints JSON and writes it to bench/results/directory_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import platform
+import pstats
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import types_pb2 as tpb
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BLOCK_SIZE = 16
+DECODE_BLOCKS = 1_000_000
+
+
+def layout(layer_count: int) -> tpb.KVLayout:
+    """A plausible layout (block_count large so the rotating allocator never collides)."""
+    block_bytes = BLOCK_SIZE * 8 * 128 * 2 * 2
+    return tpb.KVLayout(
+        layer_count=layer_count, block_size_tokens=BLOCK_SIZE, block_count=DECODE_BLOCKS,
+        block_bytes_per_layer=block_bytes, dtype="bfloat16", memory_kind=tpb.MEMORY_KIND_DRAM,
+        planes=[tpb.KVPlane(block_stride_bytes=block_bytes, block_bytes=block_bytes, segment_count=1,
+                            token_stride_bytes=block_bytes // BLOCK_SIZE,
+                            segment_bytes_per_token=block_bytes // BLOCK_SIZE)],
+        layer_base_addresses=[1 << 20] * layer_count, layer_region_bytes=block_bytes * DECODE_BLOCKS)
+
+
+# ---------------------------------------------------------------------------- directory process
+
+
+class DirectoryProcess:
+    """The directory under test in its own process, pinned to one core; optionally under cProfile."""
+
+    def __init__(self, core: int | None, profile_path: str | None, extra_flags: list[str]) -> None:
+        with socket.socket() as probe:  # a free port: the directory logs only warnings here
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        command = [sys.executable]
+        if profile_path:
+            command += ["-m", "cProfile", "-o", profile_path]
+        command += ["-m", "kvpush.services.cli.main", "directory", "--port", str(self.port), "--lease-ttl-s", "60",
+                    "--transfer-ttl-s", "120", "--max-active-transfers-per-engine", "100000", *extra_flags]
+        if core is not None and shutil.which("taskset"):
+            command = ["taskset", "-c", str(core), *command]
+        env = {**os.environ, "KVPUSH_LOG_FORMAT": "json", "KVPUSH_LOG_LEVEL": "WARNING"}
+        env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+        env.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
+        self.process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._collect, daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not self._healthy():
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.process.kill()
+                raise RuntimeError(f"directory did not start: {self.lines[-5:]}")
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return response.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+        finally:
+            channel.close()
+
+    def _collect(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    def cpu_seconds(self) -> float:
+        """User+system CPU the directory process used so far (from /proc)."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError):
+            return float("nan")
+
+    def stop(self) -> None:
+        """SIGTERM and wait (bounded)."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+# ---------------------------------------------------------------------------- load generator
+
+
+@dataclass
+class Transfer:
+    """One simulated request as the load generator tracks it."""
+
+    transfer_id: str
+    decode_engine_id: str
+    events_left: list[tuple[int, int]]
+    alloc_sent: float = 0.0
+    first_ready_sent: float = 0.0
+    instructed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Stats:
+    """Counters and samples of one scenario (within the measurement window)."""
+
+    events: int = 0
+    messages: int = 0
+    transfers_planned: int = 0
+    transfers_done: int = 0
+    completions_seen: int = 0
+    rejections: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+    measuring: bool = False
+
+
+class Load:
+    """N prefill workers and M decode engines driving one directory."""
+
+    def __init__(self, address: str, args: argparse.Namespace, rate: float, batched: bool, tag: str) -> None:
+        self.address = address
+        self.args = args
+        self.rate = rate
+        self.batched = batched
+        self.tag = tag
+        self.stats = Stats()
+        self.prompt = args.chunks * args.chunk_tokens
+        self.blocks_per_transfer = math.ceil(self.prompt / BLOCK_SIZE)
+        self.block_cursor: dict[str, itertools.count] = {}
+        self.transfers: dict[str, Transfer] = {}
+        self.stopping = False
+        self.total_done = 0
+
+    async def run(self) -> Stats:
+        """Warm up, measure for the duration, drain; returns the stats of the window."""
+        self.client = DirectoryClient(ChannelConfig(address=self.address, timeout_s=30))
+        registrations = []
+        decode_ids = [f"{self.tag}-d{i}" for i in range(self.args.decode)]
+        for engine_id in decode_ids:
+            registration = EngineRegistration(self.client, _register(engine_id, tpb.ENGINE_ROLE_DECODE,
+                                                                      self.args.layers))
+            await registration.start()
+            registrations.append(registration)
+            self.block_cursor[engine_id] = itertools.count()
+        watchers = [asyncio.create_task(self._watch(engine_id)) for engine_id in decode_ids]
+        await asyncio.sleep(0.2)
+        workers = []
+        for index in range(self.args.prefill):
+            registration = EngineRegistration(self.client, _register(f"{self.tag}-p{index}", tpb.ENGINE_ROLE_PREFILL,
+                                                                      self.args.layers))
+            await registration.start()
+            registrations.append(registration)
+            workers.append(asyncio.create_task(self._prefill_worker(registration)))
+        await asyncio.sleep(self.args.warmup_s)
+        loop = asyncio.get_running_loop()
+        self.stats.measuring = True
+        started = loop.time()
+        await asyncio.sleep(self.args.duration_s)
+        self.stats.measuring = False
+        self.elapsed_s = loop.time() - started
+        self.stopping = True
+        await asyncio.wait_for(asyncio.gather(*workers), 60)
+        deadline = loop.time() + 30
+        while self.stats.completions_seen < self.total_done and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for task in watchers:
+            task.cancel()
+        for registration in registrations:
+            await registration.stop()
+        await self.client.close()
+        return self.stats
+
+    async def _watch(self, engine_id: str) -> None:
+        async for event in self.client.watch_transfers(engine_id):
+            if event.state == tpb.TRANSFER_STATE_COMPLETE:
+                self.stats.completions_seen += 1
+
+    async def _allocate(self, transfer: Transfer) -> None:
+        cursor = next(self.block_cursor[transfer.decode_engine_id])
+        start = (cursor * self.blocks_per_transfer) % (DECODE_BLOCKS - self.blocks_per_transfer)
+        transfer.alloc_sent = time.perf_counter()
+        await self.client.stub.ReportAllocation(dpb.ReportAllocationRequest(
+            transfer_id=transfer.transfer_id, engine_id=transfer.decode_engine_id,
+            block_ids=range(start, start + self.blocks_per_transfer), prompt_token_count=self.prompt), timeout=30)
+
+    async def _plan(self, engine_id: str) -> Transfer:
+        response = await self.client.stub.PlanTransfer(dpb.PlanTransferRequest(
+            prefill_engine_id=engine_id, prompt_token_count=self.prompt), timeout=30)
+        record = response.transfer
+        events = [(chunk, layer) for chunk in range(self.args.chunks) for layer in range(self.args.layers)]
+        transfer = Transfer(record.transfer_id, record.decode_engine_id, events[::-1])
+        self.transfers[transfer.transfer_id] = transfer
+        if self.stats.measuring:
+            self.stats.transfers_planned += 1
+        asyncio.create_task(self._allocate(transfer))
+        return transfer
+
+    async def _read(self, call) -> None:
+        async for message in call:
+            kind = message.WhichOneof("message")
+            if kind == "instruction":
+                now = time.perf_counter()
+                transfer = self.transfers.get(message.instruction.transfer_id)
+                if transfer is not None:
+                    if self.stats.measuring:
+                        origin = max(transfer.alloc_sent, transfer.first_ready_sent)
+                        self.stats.latencies_ms.append((now - origin) * 1e3)
+                    transfer.instructed.set()
+            elif kind == "rejection":
+                self.stats.rejections += 1
+
+    async def _prefill_worker(self, registration: EngineRegistration) -> None:
+        call = self.client.stub.StreamPrefill()
+        await call.write(dpb.StreamPrefillRequest(hello=dpb.Hello(
+            engine_id=registration.engine_id, lease_id=registration.lease_id)))
+        reader = asyncio.create_task(self._read(call))
+        loop = asyncio.get_running_loop()
+        in_flight: list[Transfer] = []
+        pending_plans: list[asyncio.Task] = []
+        per_worker_rate = self.rate / self.args.prefill if self.rate else 0.0
+        next_step = loop.time()
+        chunk_tokens = self.args.chunk_tokens
+        while True:
+            in_flight.extend(p.result() for p in pending_plans if p.done())
+            pending_plans = [p for p in pending_plans if not p.done()]
+            if not self.stopping:
+                missing = self.args.in_flight - len(in_flight) - len(pending_plans)
+                for _ in range(max(0, missing)):
+                    pending_plans.append(asyncio.create_task(self._plan(registration.engine_id)))
+            if self.stopping and not in_flight and not pending_plans:
+                break
+            if not in_flight:
+                await asyncio.sleep(0.001)
+                continue
+            events = []
+            now = time.perf_counter()
+            finished = []
+            for transfer in in_flight:
+                if not transfer.events_left:
+                    continue
+                chunk, layer = transfer.events_left.pop()
+                if not transfer.first_ready_sent:
+                    transfer.first_ready_sent = now
+                events.append(dpb.LayerReady(
+                    transfer_id=transfer.transfer_id, first_layer=layer, last_layer=layer,
+                    token_start=chunk * chunk_tokens, token_end=(chunk + 1) * chunk_tokens,
+                    prompt_token_count=self.prompt))
+                if not transfer.events_left:
+                    finished.append(transfer)
+            if self.batched:
+                await call.write(dpb.StreamPrefillRequest(ready=dpb.LayerReadyBatch(events=events)))
+                messages = 1
+            else:
+                for event in events:
+                    await call.write(dpb.StreamPrefillRequest(ready=dpb.LayerReadyBatch(events=[event])))
+                messages = len(events)
+            if self.stats.measuring:
+                self.stats.events += len(events)
+                self.stats.messages += messages
+            for transfer in finished:
+                if not transfer.instructed.is_set():
+                    await asyncio.wait_for(transfer.instructed.wait(), 30)
+                await call.write(dpb.StreamPrefillRequest(result=dpb.WriteResult(
+                    transfer_id=transfer.transfer_id, status=dpb.WRITE_RESULT_STATUS_DONE,
+                    layers_written_count=self.args.layers, bytes_written=1)))
+                in_flight.remove(transfer)
+                self.transfers.pop(transfer.transfer_id, None)
+                self.total_done += 1
+                if self.stats.measuring:
+                    self.stats.transfers_done += 1
+            if per_worker_rate:
+                next_step += len(events) / per_worker_rate
+                delay = next_step - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                else:
+                    next_step = loop.time()  # behind: do not burst to catch up
+                    await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0)
+        await call.done_writing()
+        try:
+            await asyncio.wait_for(reader, 10)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            reader.cancel()
+
+
+def _register(engine_id: str, role: int, layers: int) -> dpb.RegisterEngineRequest:
+    return dpb.RegisterEngineRequest(engine_id=engine_id, role=role, tp_size=1, agent_name=f"{engine_id}-agent",
+                                     agent_metadata=b"m" * 512 if role == tpb.ENGINE_ROLE_DECODE else b"",
+                                     layout=layout(layers))
+
+
+def _percentile(samples: list[float], q: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+async def run_scenario(address: str, args, name: str, rate: float, batched: bool,
+                       directory: DirectoryProcess) -> dict:
+    """One scenario against the running directory; returns its figures."""
+    load = Load(address, args, rate, batched, tag=name)
+    cpu_before = directory.cpu_seconds()
+    wall_before = time.perf_counter()
+    stats = await load.run()
+    cpu_used = directory.cpu_seconds() - cpu_before
+    wall = time.perf_counter() - wall_before
+    latencies = stats.latencies_ms
+    return {
+        "scenario": name,
+        "target_events_per_s": rate or None,
+        "batched": batched,
+        "layer_events_per_s": round(stats.events / load.elapsed_s, 1),
+        "messages_per_s": round(stats.messages / load.elapsed_s, 1),
+        "transfers_per_s": round(stats.transfers_done / load.elapsed_s, 1),
+        "dispatch_latency_ms": {
+            "samples": len(latencies),
+            "p50": round(_percentile(latencies, 50), 3),
+            "p90": round(_percentile(latencies, 90), 3),
+            "p99": round(_percentile(latencies, 99), 3),
+            "max": round(max(latencies), 3) if latencies else None,
+            "mean": round(statistics.fmean(latencies), 3) if latencies else None,
+        },
+        "rejections": stats.rejections,
+        "directory_cpu_utilisation": round(cpu_used / wall, 3),
+        "completions_seen": stats.completions_seen,
+    }
+
+
+def summarize_profile(path: str, top: int = 18) -> list[dict]:
+    """Top functions of the directory by own time, from its cProfile output."""
+    stats = pstats.Stats(path)
+    total = sum(v[2] for v in stats.stats.values()) or 1.0
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "own_s": round(v[2], 3),
+             "share": round(v[2] / total, 3), "calls": v[1]} for k, v in rows]
+
+
+def main() -> None:
+    """Run every scenario and print/write the JSON report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--prefill", type=int, default=4, help="simulated prefill workers (streams)")
+    parser.add_argument("--decode", type=int, default=4, help="simulated decode engines")
+    parser.add_argument("--in-flight", type=int, default=32, help="concurrent transfers per prefill worker")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--chunks", type=int, default=4, help="chunked-prefill steps per prompt")
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--paced-rate", type=float, default=5000.0)
+    parser.add_argument("--scenarios", default="max_batched,max_unbatched,paced_5k")
+    parser.add_argument("--directory-core", type=int, default=0)
+    parser.add_argument("--load-core", type=int, default=1)
+    parser.add_argument("--no-pin", action="store_true", help="do not pin the two processes to cores")
+    parser.add_argument("--no-uvloop", action="store_true", help="directory and load on asyncio's default loop")
+    parser.add_argument("--profile", action="store_true", help="profile the directory; report where time goes")
+    args = parser.parse_args()
+
+    cores = os.cpu_count() or 1
+    pin = cores > 1 and not args.no_pin
+    directory_core = args.directory_core if pin else None
+    if pin and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.load_core})
+    profile_path = tempfile.mktemp(suffix=".prof") if args.profile else None
+    directory = DirectoryProcess(directory_core, profile_path, ["--no-uvloop"] if args.no_uvloop else [])
+    address = f"127.0.0.1:{directory.port}"
+    scenarios = {
+        "max_batched": (0.0, True),
+        "max_unbatched": (0.0, False),
+        "paced_5k": (args.paced_rate, True),
+    }
+    results = []
+    try:
+        for name in args.scenarios.split(","):
+            rate, batched = scenarios[name]
+            runner = run_scenario(address, args, name, rate, batched, directory)
+            if args.no_uvloop:
+                results.append(asyncio.run(runner))
+            else:
+                import uvloop
+
+                results.append(uvloop.run(runner))
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    finally:
+        directory.stop()
+    by_name = {r["scenario"]: r for r in results}
+    ratios = {}
+    if "max_batched" in by_name and "max_unbatched" in by_name:
+        ratios["batched_over_unbatched_events_per_s"] = round(
+            by_name["max_batched"]["layer_events_per_s"] / by_name["max_unbatched"]["layer_events_per_s"], 2)
+    report = {
+        "benchmark": "directory_control_plane",
+        "command": "python " + " ".join(sys.argv),
+        "machine": {"cpus": cores, "python": platform.python_version(), "platform": platform.platform()},
+        "directory_pinned_core": directory_core,
+        "load_pinned_core": args.load_core if pin else None,
+        "event_loop": "asyncio" if args.no_uvloop else "uvloop",
+        "workload": {"prefill_workers": args.prefill, "decode_engines": args.decode,
+                     "in_flight_per_worker": args.in_flight, "layers": args.layers, "chunks": args.chunks,
+                     "events_per_transfer": args.layers * args.chunks, "duration_s": args.duration_s},
+        "scenarios": results,
+        "ratios": ratios,
+        "targets": {"layer_events_per_s": 20000, "p99_ms_at_5k": 2.0},
+    }
+    if profile_path and os.path.exists(profile_path):
+        report["directory_profile_top_own_time"] = summarize_profile(profile_path)
+        os.unlink(profile_path)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / ("directory_bench_profile.json" if args.profile else "directory_bench.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
