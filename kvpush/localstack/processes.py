@@ -172,6 +172,11 @@ class ManagedProcess:
             self.popen.wait(timeout=5.0)
         return self.popen.returncode
 
+    def terminate(self) -> None:
+        """Send SIGTERM to the group without waiting (stop several processes in parallel, then `stop`)."""
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+
     def _signal_group(self, sig: int) -> None:
         assert self.popen is not None
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -221,15 +226,16 @@ def directory_argv(host: str, port: int, extra: Sequence[str] = ()) -> list[str]
 
 
 def start_directory(log_dir: Path, *, host: str = "127.0.0.1", port: int | None = None, netns: str | None = None,
-                    extra_args: Sequence[str] = (), timeout_s: float = 60.0,
+                    extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, timeout_s: float = 60.0,
                     progress: ProgressFn | None = None) -> DirectoryHandle:
     """Start the KV directory and wait until its port accepts connections."""
     port = port or free_port(host if not netns else "127.0.0.1")
     proc = ManagedProcess("directory", directory_argv(host, port, extra_args), log_dir / "directory.log", netns=netns,
-                          env={"KVPUSH_LOG_FORMAT": "json"})
+                          env={"KVPUSH_LOG_FORMAT": "json", **(env or {})})
     proc.start()
     try:
-        proc.wait_ready(lambda: _tcp_in(netns, host, port), timeout_s, progress=progress)
+        probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        proc.wait_ready(lambda: _tcp_in(netns, probe_host, port), timeout_s, progress=progress)
     except BaseException:
         proc.stop(grace_s=2.0)
         raise

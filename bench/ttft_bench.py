@@ -1,0 +1,390 @@
+"""TTFT of a disaggregated request vs the same prefill on a colocated engine, for kvpush and vLLM's NIXL connectors.
+
+What runs (one invocation, side by side):
+  * network: prefill and decode engines in two network namespaces joined by a veth pair shaped with
+    `tc tbf` (default 1 Gbit/s and 10 Gbit/s, reshaped in place); UCX forced onto that link over TCP
+    (`UCX_TLS=tcp,self`, `UCX_NET_DEVICES`), the NIXL side channel on the namespace address.
+    `--no-netns` runs everything on loopback instead (UCX then picks shared memory).
+  * model: the random 8-layer Llama (hidden 512, 8 KV heads x 64, bf16: 16 KiB of KV per token,
+    32 MiB for 2048 tokens), prompts of random token ids (512 and 2048 by default), prefix caching off.
+  * phases, one after the other so that only one pair of engines loads the 2 cores at a time:
+      colocated   one plain engine, no connector: the reference TTFT;
+      nixl-pull   vLLM NixlConnector through the gateway in nixl-pull mode (P leg, then D leg);
+      nixl-push   vLLM NixlPushConnector, both legs at once (matched by X-Request-Id);
+      kvpush      KVPushConnector + the directory, both legs at once.
+    In each P/D phase every iteration sends the disaggregated request and then the same prompt
+    straight to the prefill engine without kv_transfer_params ("p_direct"): the same prefill on an
+    engine carrying the same connector (and its threads), in the same CPU conditions.
+  * TTFT = request sent -> first SSE event at the client, median of `--iterations` after a warm-up.
+    Ratios: disaggregated / colocated and disaggregated / p_direct. Outputs (greedy, max_tokens
+    tokens) of disaggregated and p_direct are compared as a correctness check.
+
+Prints the JSON and writes it to bench/results/ttft-<UTC time>.json. Needs root for namespaces.
+    python bench/ttft_bench.py [--phases colocated,nixl-pull,nixl-push,kvpush] [--iterations 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+from kvpush.localstack.client import stream_completion
+from kvpush.localstack.model import BENCH_MODEL_SPEC, ensure_tiny_model
+from kvpush.localstack.netns import PDNetwork
+from kvpush.localstack.processes import (
+    EngineHandle,
+    EngineSpec,
+    GatewayHandle,
+    ManagedProcess,
+    free_port,
+    http_ok,
+    launch_engine,
+    start_directory,
+)
+from kvpush.localstack.stack import (
+    NIXL_DECODE_SIDE_CHANNEL_PORT,
+    NIXL_PREFILL_SIDE_CHANNEL_PORT,
+    kv_transfer_config,
+    nixl_side_channel_env,
+)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PREFILL_ENGINE_ID = "bench-prefill"
+DECODE_ENGINE_ID = "bench-decode"
+
+
+def say(message: str) -> None:
+    """Progress on stderr (stdout carries the JSON)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def prompt_ids(length: int, seed: int, vocab: int) -> list[int]:
+    """Random token ids (never the special ids 0-2), distinct per seed so no cache can help."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def completion_body(prompt: list[int], max_tokens: int) -> dict:
+    """A greedy completion request on token ids."""
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+def median_ms(values: list[float]) -> float:
+    """Median in milliseconds of values in seconds (0 when empty)."""
+    return round(statistics.median(values) * 1000, 1) if values else 0.0
+
+
+class Topology:
+    """Where engines and the gateway live: loopback, or the P/D namespaces."""
+
+    def __init__(self, network: PDNetwork | None) -> None:
+        self.network = network
+
+    def engine_placement(self, role: str) -> dict:
+        """host, netns and env for an engine of `role`."""
+        net = self.network
+        side_port = NIXL_PREFILL_SIDE_CHANNEL_PORT if role == "prefill" else NIXL_DECODE_SIDE_CHANNEL_PORT
+        if net is None:
+            return {"host": "127.0.0.1", "netns": None, "env": nixl_side_channel_env("127.0.0.1", side_port)}
+        data_ip = net.prefill_data_ip if role == "prefill" else net.decode_data_ip
+        return {"host": net.prefill_ctl_ip if role == "prefill" else net.decode_ctl_ip,
+                "netns": net.prefill_ns if role == "prefill" else net.decode_ns,
+                "env": {**nixl_side_channel_env(data_ip, side_port), **net.ucx_env(role)}}
+
+    def prefill_side_channel(self) -> str:
+        """HOST:PORT of prefill's NIXL side channel as decode reaches it."""
+        host = self.network.prefill_data_ip if self.network else "127.0.0.1"
+        return f"{host}:{NIXL_PREFILL_SIDE_CHANNEL_PORT}"
+
+    def directory_address_for(self, role: str, port: int) -> str:
+        """The directory (root namespace) as an engine of `role` reaches it."""
+        if self.network is None:
+            return f"127.0.0.1:{port}"
+        ip = self.network.root_ip_for_prefill if role == "prefill" else self.network.root_ip_for_decode
+        return f"{ip}:{port}"
+
+
+def start_pd_engines(args, model_dir: Path, connector: str, topology: Topology, log_dir: Path,
+                     directory_port: int = 0) -> tuple[EngineHandle, EngineHandle]:
+    """Launch P and D for `connector` together and wait for both."""
+    handles = []
+    for role, engine_id, cpus in (("prefill", PREFILL_ENGINE_ID, args.prefill_cpus),
+                                  ("decode", DECODE_ENGINE_ID, args.decode_cpus)):
+        place = topology.engine_placement(role)
+        port = free_port()
+        extra = {}
+        if connector == "kvpush":
+            extra = {"directory_address": topology.directory_address_for(role, directory_port),
+                     "engine_endpoint": f"http://{place['host']}:{port}"}
+        config = kv_transfer_config(connector, role, engine_id=engine_id, **extra)
+        spec = EngineSpec(name=f"{connector}-{role}", model_dir=model_dir, host=place["host"], port=port,
+                          kv_transfer_config=config, env=place["env"], netns=place["netns"], cpus=cpus or None,
+                          max_model_len=args.max_model_len)
+        handles.append(launch_engine(spec, log_dir))
+    try:
+        for handle in handles:
+            took = handle.wait_ready(args.engine_timeout, progress=say)
+            say(f"{handle.spec.name} ready at {handle.url} in {took:.0f} s")
+    except BaseException:
+        for handle in handles:
+            handle.stop(5.0)
+        raise
+    return handles[0], handles[1]
+
+
+def start_bench_gateway(mode: str, log_dir: Path, *, prefill: EngineHandle, decode: EngineHandle,
+                        topology: Topology, directory_address: str = "") -> GatewayHandle:
+    """The gateway in the root namespace on loopback, in `mode`."""
+    port = free_port()
+    argv = [sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1", "--port", str(port),
+            "--mode", mode, "--prefill-timeout", "300", "--decode-timeout", "300"]
+    if mode == "kvpush":
+        argv += ["--directory", directory_address]
+    else:
+        argv += ["--prefill-url", prefill.url, "--decode-url", decode.url]
+    if mode == "nixl-push":
+        argv += ["--prefill-engine-id", PREFILL_ENGINE_ID, "--prefill-side-channel", topology.prefill_side_channel()]
+    proc = ManagedProcess(f"gateway-{mode}", argv, log_dir / f"gateway-{mode}.log", env={"KVPUSH_LOG_FORMAT": "json"})
+    proc.start()
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_ready(lambda: http_ok(url + "/health"), 60.0, progress=say)
+    return GatewayHandle(proc, "127.0.0.1", port)
+
+
+def measure_colocated(args, model_dir: Path, log_dir: Path) -> dict:
+    """TTFT of plain engines (no connector) for every prompt length."""
+    engine = launch_engine(EngineSpec(name="colocated", model_dir=model_dir, cpus=args.colocated_cpus or None,
+                                      max_model_len=args.max_model_len), log_dir)
+    try:
+        engine.wait_ready(args.engine_timeout, progress=say)
+        say(f"colocated ready at {engine.url}")
+        out = {}
+        for tokens in args.tokens:
+            ttfts = []
+            for i in range(args.warmup + args.iterations):
+                body = completion_body(prompt_ids(tokens, 10_000 + i, args.vocab), args.max_tokens)
+                result = stream_completion(engine.url + "/v1/completions", body, timeout_s=300)
+                if result.status != 200:
+                    raise RuntimeError(f"colocated request failed: {result.status} {result.error}")
+                if i >= args.warmup:
+                    ttfts.append(result.ttft_s)
+            out[str(tokens)] = {"ttft_ms": [round(t * 1000, 1) for t in ttfts], "median_ms": median_ms(ttfts)}
+            say(f"colocated {tokens} tokens: median TTFT {median_ms(ttfts)} ms")
+        return out
+    finally:
+        engine.stop(15.0)
+
+
+def transfer_figures(directory_address: str, transfer_id: str) -> dict:
+    """Per-transfer figures from the directory (kvpush only)."""
+    from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+
+    client = SyncDirectoryClient(ChannelConfig(address=directory_address, timeout_s=5.0, max_attempts=2))
+    try:
+        transfer = client.get_transfer(transfer_id)
+    finally:
+        close = getattr(client, "close", None)
+        if close:
+            close()
+
+    def ms(later, earlier) -> float | None:
+        if not later.seconds or not earlier.seconds:
+            return None
+        return round((later.ToNanoseconds() - earlier.ToNanoseconds()) / 1e6, 2)
+
+    return {"transfer_id": transfer_id, "state": transfer.State.Name(transfer.state) if hasattr(transfer, "State")
+            else int(transfer.state), "layers_written": transfer.layers_written_count,
+            "bytes_written": transfer.bytes_written,
+            "allocate_after_plan_ms": ms(transfer.allocate_time, transfer.create_time),
+            "first_ready_after_plan_ms": ms(transfer.first_ready_time, transfer.create_time),
+            "dispatch_after_plan_ms": ms(transfer.dispatch_time, transfer.create_time),
+            "end_after_plan_ms": ms(transfer.end_time, transfer.create_time)}
+
+
+def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_dir: Path) -> dict:
+    """Disaggregated vs p_direct TTFT for one connector, over every rate and prompt length."""
+    directory = None
+    directory_port = 0
+    if connector == "kvpush":
+        # Root namespace; engines in the namespaces reach it over their control links.
+        directory = start_directory(log_dir, host="0.0.0.0" if topology.network else "127.0.0.1", progress=say)
+        directory_port = directory.port
+    prefill = decode = gateway = None
+    try:
+        prefill, decode = start_pd_engines(args, model_dir, connector, topology, log_dir, directory_port)
+        gateway = start_bench_gateway(connector, log_dir, prefill=prefill, decode=decode, topology=topology,
+                                      directory_address=f"127.0.0.1:{directory_port}")
+        out: dict = {}
+        for rate in args.rates:
+            if topology.network:
+                topology.network.set_rate(None if rate == "unshaped" else rate)
+            for tokens in args.tokens:
+                cell = run_cell(args, connector, gateway, prefill, tokens, directory, rate)
+                out.setdefault(rate, {})[str(tokens)] = cell
+                say(f"{connector} {rate} {tokens} tokens: disagg {cell['median_disagg_ms']} ms, "
+                    f"p_direct {cell['median_p_direct_ms']} ms, outputs equal {cell['outputs_equal']}/"
+                    f"{cell['compared']}, failures {len(cell['failures'])}")
+        return out
+    finally:
+        if gateway:
+            gateway.process.stop(5.0)
+        for engine in (prefill, decode):
+            if engine:
+                engine.stop(15.0)
+        if directory:
+            directory.process.stop(5.0)
+
+
+def run_cell(args, connector: str, gateway: GatewayHandle, prefill: EngineHandle, tokens: int, directory,
+             rate: str) -> dict:
+    """Warm-up plus `iterations` of (disaggregated request, same prompt straight to prefill)."""
+    disagg, direct, failures, transfers = [], [], [], []
+    equal = compared = 0
+    for i in range(args.warmup + args.iterations):
+        seed = zlib.crc32(f"{connector}/{rate}/{tokens}/{i}".encode())
+        body = completion_body(prompt_ids(tokens, seed, args.vocab), args.max_tokens)
+        headers = {"X-Request-Id": f"bench-{uuid.uuid4().hex[:16]}"}
+        via_gateway = stream_completion(gateway.url + "/v1/completions", body, headers=headers, timeout_s=300)
+        on_prefill = stream_completion(prefill.url + "/v1/completions", body, timeout_s=300)
+        if via_gateway.status != 200 or via_gateway.error:
+            failures.append(f"disagg: {via_gateway.status} {via_gateway.error[:300]}")
+            continue
+        if i < args.warmup:
+            continue
+        disagg.append(via_gateway.ttft_s)
+        direct.append(on_prefill.ttft_s)
+        compared += 1
+        equal += via_gateway.text == on_prefill.text
+        transfer_id = via_gateway.headers.get("x-kvpush-transfer-id")
+        if transfer_id and directory is not None:
+            try:
+                transfers.append(transfer_figures(f"127.0.0.1:{directory.port}", transfer_id))
+            except Exception as error:  # figures are a bonus; never lose the TTFT for them
+                transfers.append({"transfer_id": transfer_id, "error": str(error)})
+    cell = {"disagg_ms": [round(t * 1000, 1) for t in disagg], "p_direct_ms": [round(t * 1000, 1) for t in direct],
+            "median_disagg_ms": median_ms(disagg), "median_p_direct_ms": median_ms(direct),
+            "outputs_equal": equal, "compared": compared, "failures": failures}
+    if transfers:
+        cell["transfers"] = transfers
+    return cell
+
+
+def add_ratios(result: dict) -> None:
+    """disagg/colocated and disagg/p_direct for every cell, plus the exposed time in ms."""
+    colocated = result.get("colocated", {})
+    for connector, rates in result["phases"].items():
+        if not isinstance(rates, dict) or "error" in rates:
+            continue
+        for rate, cells in rates.items():
+            for tokens, cell in cells.items():
+                if cell["median_p_direct_ms"]:
+                    cell["ratio_vs_p_direct"] = round(cell["median_disagg_ms"] / cell["median_p_direct_ms"], 3)
+                    cell["exposed_vs_p_direct_ms"] = round(cell["median_disagg_ms"] - cell["median_p_direct_ms"], 1)
+                reference = colocated.get(tokens, {}).get("median_ms")
+                if reference:
+                    cell["ratio_vs_colocated"] = round(cell["median_disagg_ms"] / reference, 3)
+                    cell["exposed_vs_colocated_ms"] = round(cell["median_disagg_ms"] - reference, 1)
+
+
+def cpu_context() -> dict:
+    """What else was running: load average and core count at the start."""
+    return {"cpu_count": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line flags."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--phases", default="colocated,nixl-pull,nixl-push,kvpush")
+    parser.add_argument("--rates", default="1gbit,10gbit", help="comma list of tc rates, or 'unshaped'")
+    parser.add_argument("--tokens", default="2048,512")
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--no-netns", action="store_true", help="loopback only (UCX may use shared memory)")
+    parser.add_argument("--prefill-cpus", default="", help="taskset CPU list for prefill (e.g. 0)")
+    parser.add_argument("--decode-cpus", default="", help="taskset CPU list for decode (e.g. 1)")
+    parser.add_argument("--colocated-cpus", default="", help="taskset CPU list for the colocated engine")
+    parser.add_argument("--engine-timeout", type=float, default=420.0)
+    parser.add_argument("--log-dir", default="", help="engine logs (default: a temp folder)")
+    parser.add_argument("--out", default="", help="JSON path (default bench/results/ttft-<time>.json)")
+    args = parser.parse_args(argv)
+    args.phases = [p for p in args.phases.split(",") if p]
+    args.rates = [r for r in args.rates.split(",") if r]
+    args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    args.vocab = BENCH_MODEL_SPEC.vocab_size
+    unknown = set(args.phases) - {"colocated", "nixl-pull", "nixl-push", "kvpush"}
+    if unknown:
+        parser.error(f"unknown phases {sorted(unknown)}")
+    return args
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt, so every `finally` stops engines and removes namespaces.
+
+    (A background job of a non-interactive shell starts with SIGINT ignored; this re-arms it.)
+    """
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+
+
+def main(argv=None) -> int:
+    """Run the phases, print and save the JSON."""
+    args = parse_args(argv)
+    stop_on_signals()
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    log_dir = Path(args.log_dir or f"/tmp/kvpush-ttft-{stamp}")
+    model_dir = ensure_tiny_model(BENCH_MODEL_SPEC)
+    result: dict = {"benchmark": "ttft", "command": " ".join(["python", "bench/ttft_bench.py", *(argv or sys.argv[1:])]),
+                    "started_utc": stamp, "model": {"dir": str(model_dir), "layers": BENCH_MODEL_SPEC.num_layers,
+                    "hidden": BENCH_MODEL_SPEC.hidden_size, "kv_heads": BENCH_MODEL_SPEC.num_kv_heads,
+                    "head_dim": BENCH_MODEL_SPEC.head_dim, "kv_bytes_per_token": BENCH_MODEL_SPEC.kv_bytes_per_token()},
+                    "settings": {"iterations": args.iterations, "warmup": args.warmup, "max_tokens": args.max_tokens,
+                                 "netns": not args.no_netns, "rates": args.rates, "tokens": args.tokens,
+                                 "prefill_cpus": args.prefill_cpus, "decode_cpus": args.decode_cpus,
+                                 "colocated_cpus": args.colocated_cpus, "prefix_caching": False},
+                    "cpu": cpu_context(), "log_dir": str(log_dir), "phases": {}}
+    if "colocated" in args.phases:
+        say("phase colocated")
+        result["colocated"] = measure_colocated(args, model_dir, log_dir)
+    network = None if args.no_netns else PDNetwork(prefix="kvb", rate=args.rates[0] if args.rates[0] != "unshaped"
+                                                     else None)
+    try:
+        if network:
+            network.create()
+        topology = Topology(network)
+        for connector in args.phases:
+            if connector == "colocated":
+                continue
+            say(f"phase {connector}")
+            try:
+                result["phases"][connector] = measure_pd(args, model_dir, connector, topology, log_dir)
+            except Exception as error:  # one broken connector must not hide the others' figures
+                say(f"phase {connector} failed: {error}")
+                result["phases"][connector] = {"error": str(error)[:2000]}
+    finally:
+        if network:
+            network.destroy()
+    add_ratios(result)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else RESULTS_DIR / f"ttft-{stamp}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    say(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

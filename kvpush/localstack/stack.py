@@ -1,0 +1,151 @@
+"""Engine configurations for the three P/D connectors, and a whole loopback stack for the demo and tests.
+
+`kv_transfer_config(...)` builds `--kv-transfer-config` for kvpush's KVPushConnector and for vLLM's
+NixlConnector (pull) / NixlPushConnector (push), so the demo, the tests and the benchmark launch
+engines the same way.
+
+`LocalStack` life cycle (all on 127.0.0.1, ports picked free):
+  1. `start()`: tiny model -> directory -> prefill, decode and colocated engines launched together
+     (each prints progress while it loads) -> gateway. Any failure stops what started and re-raises.
+  2. use `gateway_url`, `colocated_url`, `directory_address`, `prefill`, `decode`.
+  3. `stop()`: gateway, engines, directory, each bounded (SIGTERM, then SIGKILL of the group).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
+from kvpush.localstack.processes import (
+    DirectoryHandle,
+    EngineHandle,
+    EngineSpec,
+    GatewayHandle,
+    ProgressFn,
+    free_port,
+    launch_engine,
+    start_directory,
+    start_gateway,
+)
+
+NIXL_PREFILL_SIDE_CHANNEL_PORT = 5611
+NIXL_DECODE_SIDE_CHANNEL_PORT = 5622
+
+
+def kv_transfer_config(connector: str, role: str, *, engine_id: str | None = None, directory_address: str = "",
+                       engine_endpoint: str = "", extra: dict | None = None) -> dict:
+    """`--kv-transfer-config` for `connector` in {"kvpush", "nixl-pull", "nixl-push"}, role "prefill"/"decode"."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be prefill or decode, got {role!r}")
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    if connector == "kvpush":
+        if not directory_address or not engine_endpoint:
+            raise ValueError("kvpush engines need directory_address and engine_endpoint")
+        config = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.connector",
+                  "kv_role": kv_role, "kv_connector_extra_config": {
+                      "directory_address": directory_address, "engine_endpoint": engine_endpoint, **(extra or {})}}
+    elif connector in ("nixl-pull", "nixl-push"):
+        name = "NixlConnector" if connector == "nixl-pull" else "NixlPushConnector"
+        config = {"kv_connector": name, "kv_role": kv_role, "kv_connector_extra_config": dict(extra or {})}
+    else:
+        raise ValueError(f"unknown connector {connector!r}: use kvpush, nixl-pull or nixl-push")
+    if engine_id:
+        config["engine_id"] = engine_id
+    return config
+
+
+def nixl_side_channel_env(host: str, port: int) -> dict[str, str]:
+    """Where vLLM's NIXL connectors listen for handshakes (ZMQ side channel)."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+
+
+@dataclass
+class LocalStack:
+    """Directory + prefill/decode engines with KVPushConnector + a colocated reference engine + gateway."""
+
+    spec: TinyModelSpec = field(default_factory=TinyModelSpec)
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpush-stack-")))
+    progress: ProgressFn | None = print
+    engine_timeout_s: float = 420.0
+    with_colocated: bool = True
+    engine_env: dict[str, str] = field(default_factory=dict)
+    model_dir: Path | None = None
+    directory: DirectoryHandle | None = None
+    prefill: EngineHandle | None = None
+    decode: EngineHandle | None = None
+    colocated: EngineHandle | None = None
+    gateway: GatewayHandle | None = None
+
+    def _say(self, message: str) -> None:
+        if self.progress:
+            self.progress(message)
+
+    def start(self) -> LocalStack:
+        """Start everything (see the module docstring); on failure stop what started and re-raise."""
+        try:
+            started = time.monotonic()
+            self._say(f"[stack] logs in {self.log_dir}")
+            self.model_dir = ensure_tiny_model(self.spec)
+            self._say(f"[stack] tiny model ready: {self.model_dir}")
+            self.directory = start_directory(self.log_dir, progress=self.progress)
+            self._say(f"[stack] directory ready at {self.directory.address}")
+            self._launch_engines()
+            self._wait_engines(started)
+            self.gateway = start_gateway(self.log_dir, directory_address=self.directory.address,
+                                         progress=self.progress)
+            self._say(f"[stack] gateway ready at {self.gateway.url} ({time.monotonic() - started:.0f} s in all)")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _launch_engines(self) -> None:
+        assert self.directory is not None and self.model_dir is not None
+        common = dict(model_dir=self.model_dir, env=self.engine_env)
+        prefill_port, decode_port = free_port(), free_port()
+        self.prefill = launch_engine(EngineSpec(
+            name="prefill", port=prefill_port, kv_transfer_config=kv_transfer_config(
+                "kvpush", "prefill", engine_id="prefill-0", directory_address=self.directory.address,
+                engine_endpoint=f"http://127.0.0.1:{prefill_port}"), **common), self.log_dir)
+        self.decode = launch_engine(EngineSpec(
+            name="decode", port=decode_port, kv_transfer_config=kv_transfer_config(
+                "kvpush", "decode", engine_id="decode-0", directory_address=self.directory.address,
+                engine_endpoint=f"http://127.0.0.1:{decode_port}"), **common), self.log_dir)
+        if self.with_colocated:
+            self.colocated = launch_engine(EngineSpec(name="colocated", **common), self.log_dir)
+        self._say("[stack] launched prefill, decode" + (" and colocated" if self.with_colocated else "")
+                  + " vLLM engines (CPU, eager); loading takes about a minute on 2 cores")
+
+    def _wait_engines(self, started: float) -> None:
+        for handle in self.engines():
+            remaining = max(1.0, self.engine_timeout_s - (time.monotonic() - started))
+            took = handle.wait_ready(remaining, progress=self.progress)
+            self._say(f"[stack] {handle.spec.name} engine ready at {handle.url} ({took:.0f} s)")
+
+    def engines(self) -> list[EngineHandle]:
+        """The engines started so far."""
+        return [e for e in (self.prefill, self.decode, self.colocated) if e is not None]
+
+    @property
+    def gateway_url(self) -> str:
+        """The gateway's base URL."""
+        assert self.gateway is not None
+        return self.gateway.url
+
+    def stop(self) -> None:
+        """Stop everything that runs; safe to call twice."""
+        if self.gateway:
+            self.gateway.process.stop(grace_s=5.0)
+        for engine in self.engines():
+            engine.stop(grace_s=15.0)
+        if self.directory:
+            self.directory.process.stop(grace_s=5.0)
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

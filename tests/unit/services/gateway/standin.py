@@ -1,0 +1,114 @@
+"""A stand-in engine for gateway unit tests: a real aiohttp server on 127.0.0.1 that records every leg.
+
+vLLM engines are too slow to make fail on cue (a 500, a hang, a leg that must wait for its sibling),
+so these tests put a scripted HTTP server where an engine would be; the same paths run against real
+vLLM engines in tests/integration/localstack. Each instance runs its own event loop thread.
+
+`behaviour(leg)` is called for every POST with the recorded leg and returns (status, body, delay_s);
+`stream_chunks` makes a `stream: true` request answer with SSE events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+
+@dataclass
+class RecordedLeg:
+    """One request an engine received (header names in lower case)."""
+
+    path: str
+    headers: dict[str, str]
+    body: dict
+    arrived_at: float
+
+
+@dataclass
+class StandInEngine:
+    """An HTTP server that answers like a vLLM OpenAI server would, as scripted."""
+
+    name: str
+    behaviour: Callable[[RecordedLeg], tuple[int, dict, float]] | None = None
+    legs: list[RecordedLeg] = field(default_factory=list)
+    arrived: threading.Event = field(default_factory=threading.Event)
+    port: int = 0
+    _loop: asyncio.AbstractEventLoop | None = None
+    _runner: web.AppRunner | None = None
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> StandInEngine:
+        """Serve on a free port from a private loop thread."""
+        ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+
+        async def serve() -> None:
+            app = web.Application()
+            app.router.add_post("/v1/completions", self._handle)
+            app.router.add_post("/v1/chat/completions", self._handle)
+            app.router.add_get("/v1/models", self._models)
+            self._runner = web.AppRunner(app)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]
+            ready.set()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(serve())
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name=f"standin-{self.name}", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("stand-in engine did not start")
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (bounded)."""
+        if self._loop is None:
+            return
+        future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        future.result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        leg = RecordedLeg(request.path, {k.lower(): v for k, v in request.headers.items()}, await request.json(),
+                          time.monotonic())
+        self.legs.append(leg)
+        self.arrived.set()
+        status, body, delay_s = (self.behaviour or default_behaviour)(leg)
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        if status == 200 and leg.body.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for token in body.get("stream_tokens", ["a", "b"]):
+                await response.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': token}]})}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        return web.json_response(body, status=status)
+
+
+def default_behaviour(leg: RecordedLeg) -> tuple[int, dict, float]:
+    """200 with one choice echoing the leg's max_tokens and kv_transfer_params."""
+    return 200, {"id": "cmpl-standin", "object": "text_completion",
+                 "choices": [{"index": 0, "text": f"max_tokens={leg.body.get('max_tokens')}"}],
+                 "kv_transfer_params": {"echo": leg.body.get("kv_transfer_params")}}, 0.0
