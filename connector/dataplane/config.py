@@ -10,7 +10,9 @@ bindings do expose `nixlAgentConfig.pthrDelay` (microseconds), so `_PacedNixlAge
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,10 +89,33 @@ def _backend_init(config: NixlConfig, backend: str) -> dict[str, str]:
     return init
 
 
+def _nixl_modules() -> tuple[Any, Any]:
+    """(nixl._api, nixl._bindings), without importing torch when torch is not loaded yet.
+
+    The `nixl` meta package picks its CUDA wheel by importing torch when torch has no CUDA build
+    (6 s on the CPU machine, in every spawned process). A process that has not imported torch yet
+    (tests, benchmarks, the directory) loads the installed backend wheel directly; an engine has
+    torch loaded already and goes through the meta package as NIXL intends.
+    """
+    if "torch" not in sys.modules and "nixl._api" not in sys.modules:
+        for backend in ("nixl_cu13", "nixl_cu12"):
+            try:
+                api = importlib.import_module(f"{backend}._api")
+            except ModuleNotFoundError as exc:
+                if exc.name is not None and exc.name.startswith(backend):
+                    continue
+                raise
+            return api, importlib.import_module(f"{backend}._bindings")
+    from nixl import _api, _bindings
+
+    return _api, _bindings
+
+
 def create_nixl_agent(name: str, config: NixlConfig) -> Any:
     """Create a NIXL agent named `name` as `config` says (imports NIXL here, not at module load)."""
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # vLLM sets it too: a UCX leak
-    from nixl._api import nixl_agent
+    api, bind = _nixl_modules()
+    nixl_agent = api.nixl_agent
 
     class _PacedNixlAgent(nixl_agent):  # type: ignore[misc, valid-type]
         """nixl_agent whose progress thread sleeps `progress_thread_delay_us` between loops.
@@ -100,8 +125,6 @@ def create_nixl_agent(name: str, config: NixlConfig) -> Any:
         """
 
         def __init__(self, agent_name: str, cfg: NixlConfig) -> None:  # noqa: D107
-            from nixl import _bindings as bind
-
             agent_config = bind.nixlAgentConfig()
             agent_config.useProgThread = cfg.enable_prog_thread
             agent_config.useListenThread = False
@@ -139,9 +162,7 @@ def create_nixl_agent(name: str, config: NixlConfig) -> Any:
 
     if config.enable_prog_thread:
         return _PacedNixlAgent(name, config)
-    from nixl._api import nixl_agent_config
-
-    stock = nixl_agent_config(
+    stock = api.nixl_agent_config(
         enable_prog_thread=False,
         capture_telemetry=config.capture_telemetry,
         num_threads=0,

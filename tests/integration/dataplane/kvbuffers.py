@@ -57,7 +57,7 @@ def make_kv(
 
 def token_bytes(layout: KVLayoutSpec, arrays: list[np.ndarray], layer: int, block: int, token: int) -> bytes:
     """All bytes of one token (every plane and segment) of one block of one layer, in plane/segment order."""
-    base = arrays[layer].ctypes.data
+    base = layout.layer_base_addresses[layer]  # offsets, so copies of the arrays work too
     flat = arrays[layer].reshape(-1).view(np.uint8)
     out = bytearray()
     for p in range(len(layout.planes)):
@@ -69,7 +69,7 @@ def token_bytes(layout: KVLayoutSpec, arrays: list[np.ndarray], layer: int, bloc
 
 def block_bytes(layout: KVLayoutSpec, arrays: list[np.ndarray], layer: int, block: int) -> bytes:
     """All bytes of one block (every plane) of one layer."""
-    base = arrays[layer].ctypes.data
+    base = layout.layer_base_addresses[layer]  # offsets, so copies of the arrays work too
     flat = arrays[layer].reshape(-1).view(np.uint8)
     out = bytearray()
     for p in range(len(layout.planes)):

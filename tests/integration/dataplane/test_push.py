@@ -1,0 +1,288 @@
+"""Real NIXL pushes between two processes: byte-exact arrival, block-size mapping, failures within bounds."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from kvpush.connector.dataplane import (
+    KVLayoutSpec,
+    NixlConfig,
+    PushWriter,
+    TransferAgent,
+    WriteOutcome,
+    WriteRequest,
+    WriteRequestError,
+)
+from kvpush.v1 import types_pb2
+from tests.integration.dataplane.kvbuffers import block_bytes, make_kv, token_bytes
+from tests.integration.dataplane.peer_process import PeerSpec, decode_peer_main
+
+pytestmark = pytest.mark.nixl
+BOUND_S = 10.0
+
+
+class Peer:
+    """The test's handle on a decode peer process."""
+
+    def __init__(self, process, conn, metadata: bytes, layout: KVLayoutSpec, spec: PeerSpec) -> None:
+        self.process, self.conn, self.metadata, self.layout, self.spec = process, conn, metadata, layout, spec
+
+    def dump(self) -> list[np.ndarray]:
+        self.conn.send(("dump", None))
+        return self.conn.recv()
+
+    def notifs(self, count: int, timeout_s: float = BOUND_S) -> list[tuple[str, bytes]]:
+        self.conn.send(("notifs", (count, timeout_s)))
+        return self.conn.recv()
+
+
+@contextmanager
+def decode_peer(spec: PeerSpec) -> Iterator[Peer]:
+    """Spawn a decode peer process; stop it (or reap it if killed) afterwards."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=decode_peer_main, args=(child, spec), daemon=True)
+    process.start()
+    if not parent.poll(60):
+        process.kill()
+        raise AssertionError("decode peer did not start")
+    metadata, layout_bytes = parent.recv()
+    layout = KVLayoutSpec.from_proto(types_pb2.KVLayout.FromString(layout_bytes))
+    try:
+        yield Peer(process, parent, metadata, layout, spec)
+    finally:
+        if process.is_alive():
+            try:
+                parent.send(("exit", None))
+                parent.poll(10) and parent.recv()
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+class Outcomes:
+    """Collects writer callbacks; waits with a bound."""
+
+    def __init__(self) -> None:
+        self.requests: list[WriteOutcome] = []
+        self.transfers: list[WriteOutcome] = []
+        self._cond = threading.Condition()
+
+    def on_request(self, outcome: WriteOutcome) -> None:
+        with self._cond:
+            self.requests.append(outcome)
+            self._cond.notify_all()
+
+    def on_transfer(self, outcome: WriteOutcome) -> None:
+        with self._cond:
+            self.transfers.append(outcome)
+            self._cond.notify_all()
+
+    def wait(self, predicate, timeout: float = BOUND_S) -> bool:
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout)
+
+
+class GateEvent:
+    """A ready_event the test opens by hand (query() is polled by the writer)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def query(self) -> bool:
+        return self._event.is_set()
+
+
+@contextmanager
+def prefill_agent(layers, blocks, block_size, heads, head_size, hint, config: NixlConfig | None = None, seed=1):
+    """A started prefill TransferAgent over random KV, with a PushWriter collecting outcomes."""
+    layout, arrays, caches = make_kv(layers, blocks, block_size, heads, head_size, hint, seed=seed)
+    agent = TransferAgent(f"prefill-{os.getpid()}-{time.monotonic_ns()}", config or NixlConfig())
+    agent.register(caches, block_size, heads, head_size, hint)
+    agent.start()
+    outcomes = Outcomes()
+    writer = PushWriter(agent, outcomes.on_request, outcomes.on_transfer)
+    try:
+        yield agent, writer, outcomes, layout, arrays
+    finally:
+        agent.stop()
+
+
+def _assert_tokens(src, sa, dst, da, layers, src_ids, dst_ids, start, end) -> None:
+    for layer in layers:
+        for t in range(start, end):
+            assert token_bytes(dst, da, layer, dst_ids[t // dst.block_size_tokens], t % dst.block_size_tokens) == \
+                token_bytes(src, sa, layer, src_ids[t // src.block_size_tokens], t % src.block_size_tokens), (layer, t)
+
+
+def test_scattered_blocks_across_layers_arrive_byte_exact():
+    """vLLM CPU layout, scattered source and destination blocks, per-layer writes: D's blocks equal P's, notif last."""
+    spec = PeerSpec("decode-scatter", 4, 48, 32, 2, 32, "cpu_attn")
+    with decode_peer(spec) as peer, prefill_agent(4, 40, 32, 2, 32, "cpu_attn") as (agent, writer, out, layout, arrays):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        rng = np.random.default_rng(3)
+        tokens = 300  # 10 blocks, the last one partial
+        src_ids = [int(x) for x in rng.permutation(40)[:10]]
+        dst_ids = [int(x) for x in rng.permutation(48)[:10]]
+        for layer in range(4):
+            writer.submit(WriteRequest("t-scatter", spec.name, range(layer, layer + 1), src_ids, dst_ids, 0, tokens,
+                                       notify=b"t-scatter:done" if layer == 3 else None))
+        assert out.wait(lambda: out.transfers), "transfer did not finish"
+        final = out.transfers[0]
+        assert final.ok and final.write_count == 4 and final.notified
+        assert final.bytes == 4 * 10 * layout.block_bytes_per_layer
+        assert all(o.ok for o in out.requests) and len(out.requests) == 4
+        assert peer.notifs(1) == [(agent.agent_name, b"t-scatter:done")]
+        dumped = peer.dump()
+        for layer in range(4):
+            for s, d in zip(src_ids, dst_ids, strict=True):
+                assert block_bytes(peer.layout, dumped, layer, d) == block_bytes(layout, arrays, layer, s)
+        untouched = set(range(48)) - set(dst_ids)
+        assert all(not dumped[0][b].any() for b in untouched)
+
+
+@pytest.mark.parametrize("hint,src_bs,dst_bs", [("kv_first", 16, 128), ("fused_kv", 16, 128), ("kv_first", 64, 16)])
+def test_mismatched_block_sizes_arrive_byte_exact(hint, src_bs, dst_bs):
+    """Prefill and decode with different block sizes: every token of the range lands at its place, nothing else."""
+    tokens, layers = 437, 3
+    spec = PeerSpec(f"decode-mismatch-{hint}-{src_bs}-{dst_bs}", layers, -(-tokens // dst_bs) + 4, dst_bs, 4, 32, hint)
+    src_blocks = -(-tokens // src_bs) + 4
+    with decode_peer(spec) as peer, prefill_agent(layers, src_blocks, src_bs, 4, 32, hint) as (agent, writer, out,
+                                                                                                   layout, arrays):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        rng = np.random.default_rng(4)
+        src_ids = [int(x) for x in rng.permutation(src_blocks)[: -(-tokens // src_bs)]]
+        dst_ids = [int(x) for x in rng.permutation(spec.blocks)[: -(-tokens // dst_bs)]]
+        # Two chunks (as chunked prefill would send them), the second ending mid-block, notify on the last.
+        writer.submit(WriteRequest("t-mm", spec.name, range(layers), src_ids, dst_ids, 0, 200))
+        writer.submit(WriteRequest("t-mm", spec.name, range(layers), src_ids, dst_ids, 200, tokens, notify=b"mm"))
+        assert out.wait(lambda: out.transfers)
+        assert out.transfers[0].ok, out.transfers[0].error
+        assert out.transfers[0].bytes == layers * tokens * layout.bytes_per_token_per_layer
+        assert peer.notifs(1) == [(agent.agent_name, b"mm")]
+        dumped = peer.dump()
+        _assert_tokens(layout, arrays, peer.layout, dumped, range(layers), src_ids, dst_ids, 0, tokens)
+        last = dst_ids[-1]
+        after = token_bytes(peer.layout, dumped, 0, last, tokens % dst_bs) if tokens % dst_bs else b""
+        assert after == bytes(len(after)), "a token past the range was written"
+
+
+def test_out_of_range_writes_are_refused_before_posting():
+    """Bad layers, block ids or list lengths raise at submit; nothing reaches the peer and no outcome fires."""
+    spec = PeerSpec("decode-refuse", 2, 8, 32, 2, 32, "cpu_attn")
+    with decode_peer(spec) as peer, prefill_agent(2, 8, 32, 2, 32, "cpu_attn") as (agent, writer, out, _, _):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        bad = [
+            dict(layers=range(2, 3), src_block_ids=[0], dst_block_ids=[0]),
+            dict(layers=range(1), src_block_ids=[8], dst_block_ids=[0]),
+            dict(layers=range(1), src_block_ids=[0], dst_block_ids=[9]),
+            dict(layers=range(1), src_block_ids=[0], dst_block_ids=[]),
+        ]
+        for fields in bad:
+            with pytest.raises(WriteRequestError):
+                writer.submit(WriteRequest("t-bad", spec.name, token_start=0, token_end=32, **fields))
+        with pytest.raises(WriteRequestError, match="unknown peer"):
+            writer.submit(WriteRequest("t-bad", "nobody", range(1), [0], [0], 0, 32))
+        time.sleep(0.2)
+        assert out.requests == [] and out.transfers == []
+        assert not any(a.any() for a in peer.dump())
+
+
+def test_killed_peer_fails_within_bound():
+    """The decode process is SIGKILLed mid-transfer: the following writes fail and the transfer ends failed, in bound."""
+    config = NixlConfig(transfer_timeout_s=3.0, post_timeout_s=3.0)
+    spec = PeerSpec("decode-killed", 4, 64, 128, 8, 64, "cpu_attn")  # 16 MiB per layer
+    with decode_peer(spec) as peer, prefill_agent(4, 64, 128, 8, 64, "cpu_attn", config) as (agent, writer, out, _, _):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        ids = list(range(64))
+        gates = [GateEvent() for _ in range(4)]
+        gates[0].set()
+        for layer in range(4):
+            writer.submit(WriteRequest("t-kill", spec.name, range(layer, layer + 1), ids, ids, 0, 64 * 128,
+                                       notify=b"never" if layer == 3 else None, ready_event=gates[layer]))
+        assert out.wait(lambda: len(out.requests) == 1) and out.requests[0].ok
+        os.kill(peer.process.pid, signal.SIGKILL)
+        peer.process.join(5)
+        killed_at = time.monotonic()
+        for gate in gates[1:]:
+            gate.set()
+        assert out.wait(lambda: out.transfers, timeout=BOUND_S), "no transfer outcome after the peer died"
+        elapsed = time.monotonic() - killed_at
+        final = out.transfers[0]
+        assert not final.ok and final.error and not final.notified
+        assert elapsed < config.transfer_timeout_s + 2.0
+        assert len(out.requests) == 4 and not all(o.ok for o in out.requests[1:])
+
+
+def test_remove_peer_mid_push_fails_queued_writes():
+    """remove_peer while writes wait to post: they fail with the reason, the transfer ends failed, the peer is dropped."""
+    spec = PeerSpec("decode-removed", 2, 16, 32, 2, 32, "cpu_attn")
+    with decode_peer(spec) as peer, prefill_agent(2, 16, 32, 2, 32, "cpu_attn") as (agent, writer, out, _, _):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        gate = GateEvent()
+        writer.submit(WriteRequest("t-rm", spec.name, range(1), [1, 2], [3, 4], 0, 64))
+        writer.submit(WriteRequest("t-rm", spec.name, range(1, 2), [1, 2], [3, 4], 0, 64, notify=b"x", ready_event=gate))
+        assert out.wait(lambda: len(out.requests) == 1) and out.requests[0].ok
+        agent.remove_peer(spec.name, reason="decode engine left").result(BOUND_S)
+        gate.set()
+        assert out.wait(lambda: out.transfers)
+        assert out.transfers[0].error == "decode engine left"
+        assert out.requests[1].ok is False and "decode engine left" in out.requests[1].error
+        with pytest.raises(WriteRequestError, match="unknown peer"):
+            writer.submit(WriteRequest("t-rm2", spec.name, range(1), [1], [3], 0, 32))
+
+
+def test_cancel_drops_queued_writes_and_refuses_later_ones():
+    """cancel() drops waiting writes, resolves once nothing is in flight, and later writes of it fail."""
+    spec = PeerSpec("decode-cancel", 2, 16, 32, 2, 32, "cpu_attn")
+    with decode_peer(spec) as peer, prefill_agent(2, 16, 32, 2, 32, "cpu_attn") as (agent, writer, out, _, _):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        writer.submit(WriteRequest("t-c", spec.name, range(1), [1], [3], 0, 32, ready_event=GateEvent()))
+        result = writer.cancel("t-c").result(BOUND_S)
+        assert not result.ok and result.error == "cancelled"
+        writer.submit(WriteRequest("t-c", spec.name, range(1), [1], [3], 0, 32))
+        assert out.wait(lambda: len(out.requests) == 2)
+        assert [o.ok for o in out.requests] == [False, False]
+        assert "cancelled" in out.requests[1].error
+        assert not any(a.any() for a in peer.dump())
+
+
+def test_ready_event_timeout_fails_the_write():
+    """A ready_event that never completes fails its write after post_timeout_s instead of hanging."""
+    spec = PeerSpec("decode-event", 1, 8, 32, 2, 32, "cpu_attn")
+    config = NixlConfig(post_timeout_s=0.3)
+    with decode_peer(spec) as peer, prefill_agent(1, 8, 32, 2, 32, "cpu_attn", config) as (agent, writer, out, _, _):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        writer.submit(WriteRequest("t-ev", spec.name, range(1), [1], [3], 0, 32, notify=b"n", ready_event=GateEvent()))
+        assert out.wait(lambda: out.transfers, timeout=5.0)
+        assert "ready_event not complete" in out.transfers[0].error
+
+
+def test_telemetry_reports_bytes_and_descriptors():
+    """With capture_telemetry, NIXL's byte and descriptor counts come back in the outcome."""
+    spec = PeerSpec("decode-telemetry", 2, 16, 32, 2, 32, "cpu_attn")
+    config = NixlConfig(capture_telemetry=True)
+    with decode_peer(spec) as peer, prefill_agent(2, 16, 32, 2, 32, "cpu_attn", config) as (agent, writer, out,
+                                                                                               layout, _):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        plan = writer.submit(WriteRequest("t-tel", spec.name, range(2), [0, 1, 2, 9], [5, 6, 7, 1], 0, 128, notify=b"t"))
+        assert out.wait(lambda: out.transfers)
+        request = out.requests[0]
+        assert request.ok and request.telemetry is not None
+        assert request.telemetry["bytes"] == plan.total_bytes == 2 * 4 * layout.block_bytes_per_layer
+        assert request.descriptor_count == request.telemetry["descriptors"] == plan.descriptor_count == 4
