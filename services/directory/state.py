@@ -93,6 +93,8 @@ class Limits:
     max_chunks_per_transfer: int = 4096
     retained_terminal_transfers: int = 10_000
     retained_watch_events_per_engine: int = 10_000
+    # How long the watch log of a decode engine with no registered worker is kept (for a re-registration).
+    gone_engine_log_retention_s: float = 300.0
     max_id_length: int = 128
 
     def __post_init__(self) -> None:
@@ -285,6 +287,8 @@ class WatchLog:
         self.capacity = capacity
         # Highest sequence number dropped from this log; a resume at or below it has a gap.
         self.dropped_through = 0
+        # Monotonic time since when no worker of the engine is registered (None while one is).
+        self.gone_since: float | None = None
 
     def append(self, event: dpb.TransferEvent) -> None:
         """Append one event, dropping the oldest past capacity."""
@@ -298,7 +302,13 @@ class WatchLog:
             return []
         if sequence_number < self.events[0].sequence_number:
             return list(self.events)
-        return [e for e in self.events if e.sequence_number > sequence_number]
+        newer = []  # walk back from the newest: a live watcher usually needs only the last few
+        for event in reversed(self.events):
+            if event.sequence_number <= sequence_number:
+                break
+            newer.append(event)
+        newer.reverse()
+        return newer
 
 
 def _layer_mask(first: int, last: int) -> int:
@@ -369,7 +379,7 @@ class DirectoryState:
         self._worker_count += 1
         if request.role == DECODE:
             self._watch_logs.setdefault(
-                request.engine_id, WatchLog(self.limits.retained_watch_events_per_engine))
+                request.engine_id, WatchLog(self.limits.retained_watch_events_per_engine)).gone_since = None
         return worker, fx
 
     def renew(self, lease_id: str, load: tpb.EngineLoad | None) -> Worker:
@@ -420,6 +430,9 @@ class DirectoryState:
                 self._end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
         if not group.workers:
             del self._groups[worker.engine_id]
+            log = self._watch_logs.get(worker.engine_id)
+            if log is not None:
+                log.gone_since = self.clock.monotonic()
 
     def get_engine(self, engine_id: str) -> list[Worker]:
         """Registered workers of one engine in rank order; NotFound when none."""
@@ -802,8 +815,9 @@ class DirectoryState:
                     worker, f"engine {worker.engine_id} rank {worker.tp_rank} lease expired", fx)
         for record in [r for r in self._live.values() if r.deadline < now]:
             self._end(record, tpb.TRANSFER_STATE_EXPIRED, "transfer deadline passed", fx)
+        retention = self.limits.gone_engine_log_retention_s
         for engine_id in [e for e, log in self._watch_logs.items()
-                          if e not in self._groups and not log.events]:
+                          if e not in self._groups and (log.gone_since is None or now - log.gone_since > retention)]:
             del self._watch_logs[engine_id]
         return fx
 

@@ -450,3 +450,19 @@ def test_worker_listing_pages():
     assert [(w.engine_id, w.tp_rank) for w in page] == [("p1", 1)] and token == ""
     page, _ = d.state.list_workers(10, "", PREFILL)
     assert {w.engine_id for w in page} == {"p1"}
+
+
+def test_watch_log_of_a_gone_engine_is_kept_for_a_while_then_dropped():
+    """A lapsed decode engine's events stay replayable for the retention period, then the log is freed."""
+    d = Directory(Limits(lease_ttl_s=10, gone_engine_log_retention_s=60))
+    d.state.cancel(d.plan(), "")
+    d.time.advance(11)
+    d.state.reap()
+    assert [e.sequence_number for e in d.events()] == [1]
+    worker, _ = d.state.register(register_request("d1", DECODE))  # back in time: history kept
+    assert [e.sequence_number for e in d.events()] == [1]
+    d.state.deregister("d1", 0, worker.lease_id)
+    d.time.advance(61)
+    d.state.reap()
+    with pytest.raises(NotFound):
+        d.events()
