@@ -138,11 +138,11 @@ class PDNetwork:
 
     def set_rate(self, rate: str | None) -> None:
         """Shape the data link both ways to `rate` (e.g. "1gbit"); None removes the shaping."""
+        # tbf needs a bucket of at least rate/HZ; 4 ms of traffic (min 64 KiB) is enough at 250 Hz.
+        burst = max(64 * 1024, _rate_bits(rate) // 8 // 250) if rate else 0
         for ns, dev in ((self.prefill_ns, self.prefill_data_dev), (self.decode_ns, self.decode_data_dev)):
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
             if rate:
-                # tbf needs a bucket of at least rate/HZ; 4 ms of traffic (min 64 KiB) is enough at 250 Hz.
-                burst = max(64 * 1024, _rate_bits(rate) // 8 // 250)
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
                      "burst", str(burst), "latency", "200ms")
         self.rate = rate

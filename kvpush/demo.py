@@ -1,0 +1,164 @@
+"""`python -m kvpush.demo` (what `make run` runs): the whole P/D stack on this machine, checked end to end.
+
+Steps:
+  1. build (or reuse) the tiny random Llama and its tokenizer;
+  2. start the KV directory, a prefill and a decode vLLM engine with KVPushConnector, a colocated
+     reference engine (no connector) and the gateway, printing progress while engines load;
+  3. send a few greedy requests (temperature 0; completions and chat; prompts from a few tokens to
+     several KV blocks) through the gateway and the same requests to the colocated engine;
+  4. check each disaggregated output token-for-token against the colocated one and print each
+     transfer's timeline (directory record + what the prefill engine reported);
+  5. exit 0 only if every request succeeded and matched; stop every process in all cases.
+Any failure is printed with what failed and where its log is; nothing fails silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+
+from kvpush.localstack.client import call
+from kvpush.localstack.model import TinyModelSpec
+from kvpush.localstack.stack import LocalStack
+
+_WORDS = ("the prefill engine writes every layer of the key and value cache into blocks that the decode "
+          "engine allocated before the prompt was computed while the directory watches each transfer").split()
+
+
+def _prompt(word_count: int) -> str:
+    return " ".join(_WORDS[i % len(_WORDS)] for i in range(word_count))
+
+
+# (label, path, body) — greedy, fixed length, token ids returned for an exact comparison.
+REQUESTS = [
+    ("short completion", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 12}),
+    ("~150-token completion", "/v1/completions", {"prompt": _prompt(120), "max_tokens": 12}),
+    ("~600-token completion (several KV blocks)", "/v1/completions", {"prompt": _prompt(480), "max_tokens": 12}),
+    ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story about a lighthouse."}],
+                                      "max_tokens": 12}),
+]
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _tokens(answer: dict) -> list[int] | str:
+    choice = answer["choices"][0]
+    if choice.get("token_ids"):
+        return list(choice["token_ids"])
+    return choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content", "")
+
+
+def _ts(timestamp, origin) -> str:
+    if not timestamp.seconds and not timestamp.nanos:
+        return "-"
+    return f"+{(timestamp.ToNanoseconds() - origin.ToNanoseconds()) / 1e6:.1f} ms"
+
+
+def _print_timeline(stack: LocalStack, answer: dict) -> None:
+    info = answer.get("kvpush") or {}
+    transfer_id = info.get("transfer_id")
+    if not transfer_id:
+        _say("    (no transfer id in the response)")
+        return
+    from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+    from kvpush.v1 import types_pb2
+
+    client = SyncDirectoryClient(ChannelConfig(address=stack.directory.address, timeout_s=5.0, max_attempts=2))
+    try:
+        transfer = client.get_transfer(transfer_id)
+    finally:
+        client.close()
+    origin = transfer.create_time
+    _say(f"    transfer {transfer_id}: {types_pb2.TransferState.Name(transfer.state)}"
+         f"{' (' + transfer.failure_reason + ')' if transfer.failure_reason else ''}; "
+         f"{transfer.prompt_token_count} prompt tokens, {transfer.layers_written_count} layers written, "
+         f"{transfer.bytes_written} bytes")
+    _say(f"      planned {datetime.fromtimestamp(origin.ToNanoseconds() / 1e9, timezone.utc):%H:%M:%S.%f}"
+         f" | decode allocated {_ts(transfer.allocate_time, origin)} | first layer ready "
+         f"{_ts(transfer.first_ready_time, origin)} | push dispatched {_ts(transfer.dispatch_time, origin)}"
+         f" | ended {_ts(transfer.end_time, origin)}")
+    params = info.get("prefill_kv_transfer_params")
+    if params:
+        _say(f"      prefill reported: {params}")
+    else:
+        _say("      prefill reported no timeline in its kv_transfer_params")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the stack, run the checks, print a verdict; returns the exit code."""
+    _say("kvpush demo: push-based, layer-streamed KV transfer between a prefill and a decode vLLM engine (CPU)")
+    stack = LocalStack(spec=TinyModelSpec(), progress=lambda m: _say("  " + m), engine_timeout_s=args.engine_timeout)
+    failures: list[str] = []
+    try:
+        try:
+            stack.start()
+        except Exception as error:
+            _say(f"\nFAILED to start the stack: {error}")
+            _say(f"Process logs: {stack.log_dir}")
+            return 2
+        _say("\nSending greedy requests through the gateway and to the colocated engine:")
+        for label, path, body in REQUESTS:
+            body = {"model": "tiny", "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, **body}
+            started = time.perf_counter()
+            disaggregated = call("POST", stack.gateway_url + path, body, timeout_s=args.request_timeout)
+            took_ms = (time.perf_counter() - started) * 1000
+            reference = call("POST", stack.colocated.url + path, body, timeout_s=args.request_timeout)
+            if disaggregated.status != 200:
+                failures.append(f"{label}: gateway answered HTTP {disaggregated.status}: {disaggregated.text[:300]}")
+                _say(f"  [FAIL] {label}: gateway HTTP {disaggregated.status}: {disaggregated.text[:300]}")
+                continue
+            if reference.status != 200:
+                failures.append(f"{label}: colocated engine answered HTTP {reference.status}")
+                _say(f"  [FAIL] {label}: colocated HTTP {reference.status}: {reference.text[:300]}")
+                continue
+            got, want = _tokens(disaggregated.body), _tokens(reference.body)
+            verdict = "OK  " if got == want else "FAIL"
+            if got != want:
+                failures.append(f"{label}: disaggregated output {got!r} != colocated {want!r}")
+            _say(f"  [{verdict}] {label}: {took_ms:.0f} ms via P/D; tokens {'identical' if got == want else 'DIFFER'}"
+                 f" ({len(got)} tokens)")
+            if got != want:
+                _say(f"    P/D:       {got}\n    colocated: {want}")
+            try:
+                _print_timeline(stack, disaggregated.body)
+            except Exception as error:  # the timeline is information; its absence is reported, not fatal
+                _say(f"    (timeline unavailable: {error})")
+    finally:
+        _say("\nStopping the stack ...")
+        stack.stop()
+    if failures:
+        _say(f"\nFAILED: {len(failures)} of {len(REQUESTS)} requests:")
+        for failure in failures:
+            _say(f"  - {failure}")
+        _say(f"Process logs: {stack.log_dir}")
+        return 1
+    _say(f"\nPASSED: {len(REQUESTS)} disaggregated requests token-identical to the colocated engine.")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; SIGINT/SIGTERM still stop every process."""
+    parser = argparse.ArgumentParser(prog="python -m kvpush.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--engine-timeout", type=float, default=600.0, help="seconds for all engines to load")
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
+    args = parser.parse_args(argv)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        _say("interrupted; stack stopped")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
