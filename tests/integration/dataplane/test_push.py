@@ -286,3 +286,37 @@ def test_telemetry_reports_bytes_and_descriptors():
         assert request.ok and request.telemetry is not None
         assert request.telemetry["bytes"] == plan.total_bytes == 2 * 4 * layout.block_bytes_per_layer
         assert request.descriptor_count == request.telemetry["descriptors"] == plan.descriptor_count == 4
+
+
+def test_vllm_cpu_kernel_kv_moves_whole_blocks():
+    """KV written by vLLM CPU's own cache kernel into torch tensors arrives block-exact at a decode process."""
+    torch = pytest.importorskip("torch")
+    ops = pytest.importorskip("vllm._custom_ops")
+    blocks, heads, block_size, head = 16, 2, 32, 32
+    caches = {f"layers.{i}": torch.zeros(blocks, heads, block_size, 2 * head, dtype=torch.bfloat16) for i in range(2)}
+    slots = torch.tensor([3 * block_size + t for t in range(block_size)] + [7 * block_size + t for t in range(5)])
+    for kv in caches.values():
+        key_cache, value_cache = kv.view(blocks, heads, 2 * block_size, head).chunk(2, dim=2)
+        key = torch.randn(len(slots), heads, head, dtype=torch.bfloat16)
+        value = torch.randn(len(slots), heads, head, dtype=torch.bfloat16)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, "vec")
+        assert kv[3].abs().sum() > 0
+    spec = PeerSpec("decode-vllm-cpu", 2, 16, block_size, heads, head, "cpu_attn")
+    with decode_peer(spec) as peer:
+        agent = TransferAgent("prefill-vllm-cpu")
+        layout = agent.register(caches, block_size, heads, head)
+        assert layout.block_atomic and layout.layout_name == "cpu_attn"
+        agent.start()
+        out = Outcomes()
+        writer = PushWriter(agent, out.on_request, out.on_transfer)
+        try:
+            agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+            writer.submit(WriteRequest("t-vllm", spec.name, range(2), [3, 7], [10, 1], 0, block_size + 5, notify=b"v"))
+            assert out.wait(lambda: out.transfers) and out.transfers[0].ok
+            dumped = peer.dump()
+            for i, kv in enumerate(caches.values()):
+                raw = kv.view(torch.uint16).numpy()
+                assert np.array_equal(dumped[i][10], raw[3]) and np.array_equal(dumped[i][1], raw[7])
+                assert not dumped[i][0].any()
+        finally:
+            agent.stop()
