@@ -142,6 +142,11 @@ class Transfer:
     events_left: list[tuple[int, int]]
     alloc_sent: float = 0.0
     first_ready_sent: float = 0.0
+    # Wall-clock twins (both processes share this machine's clock) to split latency in and out.
+    alloc_sent_wall: float = 0.0
+    first_ready_sent_wall: float = 0.0
+    instructed_wall: float = 0.0
+    measured: bool = False
     instructed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -155,7 +160,10 @@ class Stats:
     transfers_done: int = 0
     completions_seen: int = 0
     rejections: int = 0
+    call_errors: dict[str, int] = field(default_factory=dict)
     latencies_ms: list[float] = field(default_factory=list)
+    inbound_ms: list[float] = field(default_factory=list)
+    outbound_ms: list[float] = field(default_factory=list)
     measuring: bool = False
 
 
@@ -224,6 +232,7 @@ class Load:
         cursor = next(self.block_cursor[transfer.decode_engine_id])
         start = (cursor * self.blocks_per_transfer) % (DECODE_BLOCKS - self.blocks_per_transfer)
         transfer.alloc_sent = time.perf_counter()
+        transfer.alloc_sent_wall = time.time()
         await self.client.stub.ReportAllocation(dpb.ReportAllocationRequest(
             transfer_id=transfer.transfer_id, engine_id=transfer.decode_engine_id,
             block_ids=range(start, start + self.blocks_per_transfer), prompt_token_count=self.prompt), timeout=30)
@@ -237,8 +246,25 @@ class Load:
         self.transfers[transfer.transfer_id] = transfer
         if self.stats.measuring:
             self.stats.transfers_planned += 1
-        asyncio.create_task(self._allocate(transfer))
+        asyncio.create_task(self._guard("ReportAllocation", self._allocate(transfer)))
         return transfer
+
+    async def _guard(self, name: str, coro) -> None:
+        """Run a fire-and-forget call; count its failure instead of losing it."""
+        try:
+            await coro
+        except grpc.aio.AioRpcError as error:
+            key = f"{name}:{error.code().name}"
+            self.stats.call_errors[key] = self.stats.call_errors.get(key, 0) + 1
+
+    async def _split_latency(self, transfer: Transfer) -> None:
+        """Paced runs only: split dispatch latency at the directory's own timestamps (same machine clock)."""
+        record = (await self.client.stub.GetTransfer(
+            dpb.GetTransferRequest(transfer_id=transfer.transfer_id), timeout=30)).transfer
+        later_sent = max(transfer.alloc_sent_wall, transfer.first_ready_sent_wall)
+        dispatched = record.dispatch_time.ToNanoseconds() / 1e9
+        self.stats.inbound_ms.append((dispatched - later_sent) * 1e3)
+        self.stats.outbound_ms.append((transfer.instructed_wall - dispatched) * 1e3)
 
     async def _read(self, call) -> None:
         async for message in call:
@@ -247,9 +273,11 @@ class Load:
                 now = time.perf_counter()
                 transfer = self.transfers.get(message.instruction.transfer_id)
                 if transfer is not None:
+                    transfer.instructed_wall = time.time()
                     if self.stats.measuring:
                         origin = max(transfer.alloc_sent, transfer.first_ready_sent)
                         self.stats.latencies_ms.append((now - origin) * 1e3)
+                        transfer.measured = True
                     transfer.instructed.set()
             elif kind == "rejection":
                 self.stats.rejections += 1
@@ -266,7 +294,13 @@ class Load:
         next_step = loop.time()
         chunk_tokens = self.args.chunk_tokens
         while True:
-            in_flight.extend(p.result() for p in pending_plans if p.done())
+            for plan in pending_plans:
+                if plan.done():
+                    if plan.exception() is None:
+                        in_flight.append(plan.result())
+                    else:
+                        key = "PlanTransfer:" + getattr(plan.exception(), "code", lambda: "ERROR")().__str__()
+                        self.stats.call_errors[key] = self.stats.call_errors.get(key, 0) + 1
             pending_plans = [p for p in pending_plans if not p.done()]
             if not self.stopping:
                 missing = self.args.in_flight - len(in_flight) - len(pending_plans)
@@ -286,6 +320,7 @@ class Load:
                 chunk, layer = transfer.events_left.pop()
                 if not transfer.first_ready_sent:
                     transfer.first_ready_sent = now
+                    transfer.first_ready_sent_wall = time.time()
                 events.append(dpb.LayerReady(
                     transfer_id=transfer.transfer_id, first_layer=layer, last_layer=layer,
                     token_start=chunk * chunk_tokens, token_end=(chunk + 1) * chunk_tokens,
@@ -304,11 +339,17 @@ class Load:
                 self.stats.messages += messages
             for transfer in finished:
                 if not transfer.instructed.is_set():
-                    await asyncio.wait_for(transfer.instructed.wait(), 30)
+                    try:
+                        await asyncio.wait_for(transfer.instructed.wait(), 30)
+                    except asyncio.TimeoutError:
+                        self.stats.call_errors["instruction_timeout"] = self.stats.call_errors.get(
+                            "instruction_timeout", 0) + 1
                 await call.write(dpb.StreamPrefillRequest(result=dpb.WriteResult(
                     transfer_id=transfer.transfer_id, status=dpb.WRITE_RESULT_STATUS_DONE,
                     layers_written_count=self.args.layers, bytes_written=1)))
                 in_flight.remove(transfer)
+                if self.rate and transfer.measured:
+                    asyncio.create_task(self._guard("GetTransfer", self._split_latency(transfer)))
                 self.transfers.pop(transfer.transfer_id, None)
                 self.total_done += 1
                 if self.stats.measuring:
@@ -368,7 +409,14 @@ async def run_scenario(address: str, args, name: str, rate: float, batched: bool
             "max": round(max(latencies), 3) if latencies else None,
             "mean": round(statistics.fmean(latencies), 3) if latencies else None,
         },
+        "latency_split_ms": {
+            "client_send_to_directory_dispatch": {"p50": round(_percentile(stats.inbound_ms, 50), 3),
+                                                  "p99": round(_percentile(stats.inbound_ms, 99), 3)},
+            "directory_dispatch_to_client_arrival": {"p50": round(_percentile(stats.outbound_ms, 50), 3),
+                                                     "p99": round(_percentile(stats.outbound_ms, 99), 3)},
+        } if stats.inbound_ms else None,
         "rejections": stats.rejections,
+        "call_errors": stats.call_errors,
         "directory_cpu_utilisation": round(cpu_used / wall, 3),
         "completions_seen": stats.completions_seen,
     }
@@ -404,6 +452,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cores = os.cpu_count() or 1
+    load_at_start = os.getloadavg()  # other work on the machine skews latency: reported with the figures
     pin = cores > 1 and not args.no_pin
     directory_core = args.directory_core if pin else None
     if pin and hasattr(os, "sched_setaffinity"):
@@ -437,6 +486,8 @@ def main() -> None:
             by_name["max_batched"]["layer_events_per_s"] / by_name["max_unbatched"]["layer_events_per_s"], 2)
     report = {
         "benchmark": "directory_control_plane",
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": os.getloadavg(),
         "command": "python " + " ".join(sys.argv),
         "machine": {"cpus": cores, "python": platform.python_version(), "platform": platform.platform()},
         "directory_pinned_core": directory_core,

@@ -254,7 +254,7 @@ def test_killed_decode_engine_fails_its_transfers_within_the_lease():
                 message = await read(prefill, timeout_s=5)
                 elapsed = loop.time() - killed_at
                 assert message.cancellation.transfer_id == tid and "lease expired" in message.cancellation.reason
-                assert elapsed < 1.0 + 0.5  # lease TTL, plus the reaper period, plus slack
+                assert elapsed < 1.0 + 1.5  # lease TTL, plus the reaper period, plus slack for a busy 2-core machine
                 got = (await s.GetTransfer(dpb.GetTransferRequest(transfer_id=tid))).transfer
                 assert got.state == tpb.TRANSFER_STATE_FAILED
                 await prefill.done_writing()
