@@ -85,7 +85,8 @@ class Dispatcher:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error.message))
                 raise
             except asyncio.CancelledError:
-                outcome.status, outcome.error = 499, "client disconnected"
+                if outcome.status == 0:  # after the stream's headers, a client closing is a normal end
+                    outcome.status, outcome.error = 499, "client disconnected"
                 raise
             finally:
                 outcome.total_ms = (time.monotonic() - started) * 1000
@@ -184,6 +185,7 @@ class Dispatcher:
             "Cache-Control": "no-cache", **_route_headers(route, outcome.request_id)})
         try:
             await out.prepare(http_request)
+            outcome.status = 200
             if first_chunk:
                 await out.write(first_chunk)
             async for chunk in response.content.iter_any():
