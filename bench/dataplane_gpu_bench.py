@@ -1,0 +1,230 @@
+"""GPU variant of the data-plane benchmark: prefill KV on cuda:0, decode KV on cuda:1 (another process).
+
+Same layout and cases as dataplane_bench.py (32 layers, 128-token blocks, 8 KV heads x 128, bf16,
+K/V-first NHD), with torch tensors in VRAM, against a torch peer copy (`dst.copy_(src)` from cuda:0
+to cuda:1 of the same bytes, same run). Extra cases:
+
+  scattered with num_threads=4   UCX worker threads (each config gets its own pair of agents)
+  streaming                      a small torch model computes 32 layers (~matmuls per layer); after each
+                                 layer it writes the layer's KV, records a CUDA event and submits a
+                                 per-layer WriteRequest with that event (the writer polls event.query());
+                                 tail = last layer's KV ready -> transfer outcome, against one
+                                 whole-request write submitted after the compute finished.
+
+Run on a 2-GPU machine (see docs/benchmarks.md for the device command). Writes JSON to $OUT (or
+bench/results/dataplane_gpu_bench.json) and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dataplane_bench import (  # noqa: E402
+    LAYOUT_HINT,
+    CaseResult,
+    KVShape,
+    Receiver,
+    Sender,
+    block_ids,
+    requests_for,
+    run_case,
+)
+
+from kvpush.connector.dataplane import NixlConfig, TransferAgent, WriteRequest  # noqa: E402
+
+SRC, DST = "cuda:0", "cuda:1"
+
+
+def gpu_kv(shape: KVShape, device: str) -> dict[str, torch.Tensor]:
+    """Per-layer (2, blocks, block_size, heads, head) bf16 KV with random values."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {
+        f"layers.{i}": torch.randn(2, shape.blocks, shape.block_size, shape.heads, shape.head_size,
+                                   dtype=torch.bfloat16, device=device, generator=gen)
+        for i in range(shape.layers)
+    }
+
+
+def peer_copy_case(nbytes: int, reps: int) -> CaseResult:
+    """torch peer copy cuda:0 -> cuda:1 of `nbytes` (the ceiling), timed with a host clock after sync."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=SRC)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=DST)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(SRC)
+    torch.cuda.synchronize(DST)
+    seconds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(SRC)
+        torch.cuda.synchronize(DST)
+        seconds.append(time.perf_counter() - start)
+    assert torch.equal(src[:4096].cpu(), dst[:4096].cpu())
+    gbs = [nbytes / s / 1e9 for s in seconds]
+    return CaseResult("torch_peer_copy", nbytes, 1, round(statistics.median(gbs) / 1.073741824, 3),
+                      round(max(gbs) / 1.073741824, 3), round(statistics.median(seconds), 6))
+
+
+def verify(kv: dict[str, torch.Tensor], receiver: Receiver, src: list[int], dst: list[int], layers: list[int]) -> bool:
+    """Byte-compare sampled destination blocks with their sources."""
+    for layer in layers:
+        for s, d in list(zip(src, dst))[:: max(1, len(src) // 4)]:
+            want = kv[f"layers.{layer}"][:, s].contiguous().cpu().view(torch.uint16).numpy().tobytes()
+            if receiver.block(layer, d) != want:
+                return False
+    return True
+
+
+def streaming_case(shape: KVShape, kv: dict[str, torch.Tensor], sender: Sender, receiver: Receiver, tokens: int,
+                   reps: int, hidden: int, matmuls: int) -> dict[str, Any]:
+    """Per-layer streamed writes behind a computing model vs one write after the compute."""
+    n_blocks = tokens // shape.block_size
+    ids = list(range(n_blocks))
+    dst = list(range(shape.blocks - n_blocks, shape.blocks))
+    weights = [torch.randn(hidden, hidden, dtype=torch.bfloat16, device=SRC) / hidden**0.5 for _ in range(matmuls)]
+    x0 = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=SRC)
+    per_layer_elems = kv["layers.0"][:, :n_blocks].numel()
+
+    def compute(submit_per_layer: bool, tid: str) -> tuple[float, float]:
+        x = x0
+        layer_ms = []
+        events = []
+        for layer in range(shape.layers):
+            start_ev = torch.cuda.Event(enable_timing=True)
+            start_ev.record()
+            for w in weights:
+                x = torch.nn.functional.gelu(x @ w)
+            flat = x.reshape(-1)
+            target = kv[f"layers.{layer}"][:, :n_blocks]
+            target.copy_(flat.repeat(-(-per_layer_elems // flat.numel()))[:per_layer_elems].view_as(target))
+            done_ev = torch.cuda.Event(blocking=True, enable_timing=True)
+            done_ev.record()
+            events.append((start_ev, done_ev))
+            if submit_per_layer:
+                sender.writer.submit(WriteRequest(tid, receiver.name, range(layer, layer + 1), ids, dst, 0, tokens,
+                                                  notify=tid.encode() if layer == shape.layers - 1 else None,
+                                                  ready_event=done_ev))
+        events[-1][1].synchronize()
+        ready_at = time.monotonic()
+        layer_ms = [s.elapsed_time(e) for s, e in events]
+        return ready_at, statistics.median(layer_ms)
+
+    results: dict[str, list[float]] = {"streamed_tail_ms": [], "after_compute_tail_ms": [], "layer_compute_ms": []}
+    for rep in range(reps + 1):
+        tid = f"stream-{rep}"
+        sender._done.clear()
+        ready_at, layer_ms = compute(True, tid)
+        if not sender._done.wait(60) or not sender.final.ok:
+            raise RuntimeError(f"streamed transfer failed: {sender.final}")
+        streamed = (sender.done_at - ready_at) * 1e3
+        tid = f"after-{rep}"
+        ready_at, _ = compute(False, tid)
+        sender._done.clear()
+        sender.writer.submit(WriteRequest(tid, receiver.name, range(shape.layers), ids, dst, 0, tokens,
+                                          notify=tid.encode()))
+        if not sender._done.wait(60) or not sender.final.ok:
+            raise RuntimeError(f"whole transfer failed: {sender.final}")
+        after = (sender.done_at - ready_at) * 1e3
+        if rep:  # the first round warms up
+            results["streamed_tail_ms"].append(streamed)
+            results["after_compute_tail_ms"].append(after)
+            results["layer_compute_ms"].append(layer_ms)
+    receiver.notifs()
+    return {k: round(statistics.median(v), 4) for k, v in results.items()} | {
+        "streamed_tail_ms_max": round(max(results["streamed_tail_ms"]), 4),
+        "layer_kv_bytes": n_blocks * shape.block_bytes,
+    }
+
+
+def run_config(shape: KVShape, tokens: int, reps: int, num_threads: int, full: bool, args) -> dict[str, Any]:
+    """All cases for one NIXL config, with a fresh pair of agents."""
+    config = {"num_threads": num_threads, "capture_telemetry": True}
+    receiver = Receiver(shape, DST, config, name=f"gpu-decode-t{num_threads}")
+    torch.cuda.set_device(SRC)
+    kv = gpu_kv(shape, SRC)
+    torch.cuda.synchronize()
+    agent = TransferAgent(f"gpu-prefill-t{num_threads}", NixlConfig(**config))
+    agent.register(kv, shape.block_size, shape.heads, shape.head_size, LAYOUT_HINT)
+    agent.start()
+    out: dict[str, Any] = {"num_threads": num_threads, "cases": []}
+    try:
+        start = time.monotonic()
+        agent.add_peer(receiver.name, receiver.metadata, receiver.layout).result(120)
+        out["add_peer_s"] = round(time.monotonic() - start, 4)
+        sender = Sender(agent)
+        n_blocks = tokens // shape.block_size
+        ok = True
+        for scattered in ((False, True) if full else (True,)):
+            src = block_ids(n_blocks, shape.blocks, scattered, 1)
+            dst = block_ids(n_blocks, shape.blocks, scattered, 2, offset=shape.blocks - n_blocks)
+            label = "scattered" if scattered else "contiguous"
+            for per_layer in (False, True):
+                name = f"{'per_layer' if per_layer else 'whole'}_{label}"
+                out["cases"].append(asdict(run_case(name, sender, receiver, reps,
+                                                    lambda tid, s=src, d=dst, p=per_layer: requests_for(
+                                                        tid, receiver.name, shape.layers, s, d, tokens, p))))
+            ok = ok and verify(kv, receiver, src, dst, [0, shape.layers - 1])
+        if full:
+            out["streaming"] = streaming_case(shape, kv, sender, receiver, args.stream_tokens, reps,
+                                              args.hidden, args.matmuls)
+        out["bytes_verified"] = ok
+    finally:
+        agent.stop()
+        receiver.close()
+    return out
+
+
+def main() -> None:
+    """Run the GPU cases and write JSON."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--stream-tokens", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--matmuls", type=int, default=4)
+    parser.add_argument("--threads", default="0,4")
+    args = parser.parse_args()
+    assert torch.cuda.device_count() >= 2, "needs two GPUs"
+    shape = KVShape(blocks=max(256, 2 * args.tokens // 128))
+    request_bytes = shape.layers * (args.tokens // 128) * shape.block_bytes
+    results: dict[str, Any] = {
+        "gpus": [torch.cuda.get_device_name(i) for i in range(2)], "torch": torch.__version__,
+        "shape": asdict(shape), "tokens": args.tokens, "request_bytes": request_bytes,
+        "ucx_tls": os.environ.get("UCX_TLS", ""),
+    }
+    results["torch_peer_copy"] = asdict(peer_copy_case(request_bytes, max(args.reps, 10)))
+    results["configs"] = [
+        run_config(shape, args.tokens, args.reps, int(t), i == 0, args) for i, t in enumerate(args.threads.split(","))
+    ]
+    ceiling = results["torch_peer_copy"]["gib_s_median"]
+    table = [("case", "threads", "GiB/s med", "best", "vs peer copy", "post ms/write", "desc/write", "notif lag ms")]
+    for cfg in results["configs"]:
+        for c in cfg["cases"]:
+            table.append((c["name"], cfg["num_threads"], c["gib_s_median"], c["gib_s_best"],
+                          round(c["gib_s_median"] / ceiling, 3), c["post_ms_per_write_median"],
+                          c["descriptors_per_write"], c["notif_after_done_ms_median"]))
+    out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "dataplane_gpu_bench.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    print(f"torch peer copy: {ceiling} GiB/s median")
+    for row in table:
+        print(" | ".join(str(x) for x in row))
+    if "streaming" in results["configs"][0]:
+        print("streaming:", results["configs"][0]["streaming"])
+
+
+if __name__ == "__main__":
+    main()
