@@ -422,13 +422,21 @@ async def run_scenario(address: str, args, name: str, rate: float, batched: bool
     }
 
 
-def summarize_profile(path: str, top: int = 18) -> list[dict]:
+def summarize_profile(path: str, top: int = 18) -> dict:
     """Top functions of the directory by own time, from its cProfile output."""
     stats = pstats.Stats(path)
     total = sum(v[2] for v in stats.stats.values()) or 1.0
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    return [{"function": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "own_s": round(v[2], 3),
-             "share": round(v[2] / total, 3), "calls": v[1]} for k, v in rows]
+    handlers = sorted(((k, v) for k, v in stats.stats.items() if Path(k[0]).name in ("servicer.py", "state.py")),
+                      key=lambda kv: kv[1][3], reverse=True)[:top]
+    return {
+        "by_own_time": [{"function": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "own_s": round(v[2], 3),
+                         "share": round(v[2] / total, 3), "calls": v[1]} for k, v in rows],
+        "directory_code_by_cumulative_time": [
+            {"function": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "cumulative_s": round(v[3], 3), "calls": v[1],
+             "cumulative_us_per_call": round(v[3] / max(v[1], 1) * 1e6, 1)} for k, v in handlers],
+        "profiled_total_s": round(total, 3),
+    }
 
 
 def main() -> None:
