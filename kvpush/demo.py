@@ -111,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
             if disaggregated.status != 200:
                 failures.append(f"{label}: gateway answered HTTP {disaggregated.status}: {disaggregated.text[:300]}")
                 _say(f"  [FAIL] {label}: gateway HTTP {disaggregated.status}: {disaggregated.text[:300]}")
+                transfer_id = disaggregated.headers.get("x-kvpush-transfer-id")
+                if transfer_id:
+                    _print_timeline(stack, {"kvpush": {"transfer_id": transfer_id}})
                 continue
             if reference.status != 200:
                 failures.append(f"{label}: colocated engine answered HTTP {reference.status}")

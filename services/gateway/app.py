@@ -33,7 +33,7 @@ CONFIG_KEY = web.AppKey("config", GatewayConfig)
 
 
 def _error_response(error: GatewayError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
 
 
 @web.middleware

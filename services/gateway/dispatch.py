@@ -82,6 +82,7 @@ class Dispatcher:
                 return response
             except GatewayError as error:
                 outcome.status, outcome.error = error.status, error.message
+                error.headers.update(_route_headers(Route("", "", {}, {}, outcome.transfer_id), request_id))
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error.message))
                 raise
             except asyncio.CancelledError:

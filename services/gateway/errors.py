@@ -6,7 +6,7 @@ answered badly), 503 (no backend reachable or none registered), 504 (a bound was
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -17,6 +17,8 @@ class GatewayError(Exception):
     message: str
     error_type: str = "invalid_request_error"
     param: str | None = None
+    # Response headers known when the error happened (X-Request-Id, X-KVPush-Transfer-Id).
+    headers: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return f"HTTP {self.status}: {self.message}"

@@ -124,7 +124,9 @@ def test_failed_prefill_leg_returns_502_and_cancels_transfer(gw):
     result = _complete(gw, {"model": "tiny", "prompt": "x", "max_tokens": 3})
     assert result.status == 502
     assert "prefill" in result.body["error"]["message"] and "engine exploded" in result.body["error"]["message"]
-    transfer = gw.transfer(gw.prefill.legs[0].body["kv_transfer_params"]["transfer_id"])
+    transfer_id = gw.prefill.legs[0].body["kv_transfer_params"]["transfer_id"]
+    assert result.headers["x-kvpush-transfer-id"] == transfer_id
+    transfer = gw.transfer(transfer_id)
     assert transfer.state == tpb.TRANSFER_STATE_CANCELLED
     assert "prefill" in transfer.failure_reason
 
@@ -136,7 +138,7 @@ def test_engine_4xx_is_passed_through_with_its_message(gw):
     result = _complete(gw, {"model": "tiny", "prompt": "x", "max_tokens": 3})
     assert result.status == 400
     assert "prompt too long" in result.body["error"]["message"]
-    transfer = gw.transfer(result.body and gw.decode.legs[0].body["kv_transfer_params"]["transfer_id"])
+    transfer = gw.transfer(gw.decode.legs[0].body["kv_transfer_params"]["transfer_id"])
     assert transfer.state == tpb.TRANSFER_STATE_CANCELLED
 
 
