@@ -196,7 +196,11 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvpush: {error}", file=sys.stderr)
         return 2
-    serve(config, use_uvloop=args.uvloop)
+    try:
+        serve(config, use_uvloop=args.uvloop)
+    except OSError as error:
+        print(f"kvpush: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -173,6 +173,8 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Two directories must never share a port silently (gRPC sets SO_REUSEPORT by default).
+        ("grpc.so_reuseport", 0),
     ]
     if config.max_connection_age_ms:
         options.append(("grpc.max_connection_age_ms", config.max_connection_age_ms))
@@ -185,10 +187,13 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server)
     credentials = server_credentials(config)
-    if credentials is None:
-        port = server.add_insecure_port(config.address)
-    else:
-        port = server.add_secure_port(config.address, credentials)
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(config.address)
+        else:
+            port = server.add_secure_port(config.address, credentials)
+    except RuntimeError as error:  # gRPC's way of saying the bind failed
+        raise OSError(f"could not bind {config.address} (in use, or not an address of this host)") from error
     if port == 0:
         raise OSError(f"could not bind {config.address}")
     return DirectoryServer(config, server, state, servicer, health_servicer), port

@@ -370,3 +370,35 @@ def test_graceful_stop_flushes_and_ends_streams_unavailable():
             assert loop.time() - started < 5.0
             await channel.close()
     run(body())
+
+
+def test_state_refusals_map_to_their_status_codes():
+    """ALREADY_EXISTS, PERMISSION_DENIED, FAILED_PRECONDITION and RESOURCE_EXHAUSTED reach the caller as such."""
+    async def body():
+        async with running_directory(Limits(max_active_transfers_per_engine=1)) as directory:
+            channel, s = stub(directory.address)
+            await _pair(s)
+            await s.RegisterEngine(register_request("d2", DECODE))
+            assert await code_of(s.RegisterEngine(register_request("p1", PREFILL, agent_name="imposter"))) == \
+                grpc.StatusCode.ALREADY_EXISTS
+            tid = (await s.PlanTransfer(dpb.PlanTransferRequest(decode_engine_id="d1"))).transfer.transfer_id
+            assert await code_of(s.ReportAllocation(allocation(tid, engine_id="d2"))) == \
+                grpc.StatusCode.PERMISSION_DENIED
+            assert await code_of(s.PlanTransfer(dpb.PlanTransferRequest(prefill_engine_id="p1"))) == \
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+            await s.CancelTransfer(dpb.CancelTransferRequest(transfer_id=tid))
+            assert await code_of(s.ReportAllocation(allocation(tid))) == grpc.StatusCode.FAILED_PRECONDITION
+            await channel.close()
+    run(body())
+
+
+def test_a_second_directory_cannot_take_a_bound_port():
+    """Binding a port another directory holds fails instead of silently sharing it."""
+    async def body():
+        async with running_directory() as directory:
+            try:
+                async with running_directory(port=directory.port):
+                    raise AssertionError("second directory bound the same port")
+            except OSError:
+                pass
+    run(body())
