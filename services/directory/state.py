@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 import uuid
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable, Sequence
 
 from kvpush.services.directory.errors import (
     AlreadyExists,
@@ -47,272 +45,30 @@ from kvpush.services.directory.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from kvpush.services.directory.planning import choose_pair
+from kvpush.services.directory.records import (
+    DECODE,
+    PREFILL,
+    QUIESCENT_RESULTS,
+    TERMINAL_STATES,
+    Allocation,
+    Clock,
+    Effects,
+    EngineGroup,
+    Limits,
+    TransferObserver,
+    TransferRecord,
+    WatchLog,
+    Worker,
+    copy_message,
+    layer_mask,
+)
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
-PREFILL = tpb.ENGINE_ROLE_PREFILL
-DECODE = tpb.ENGINE_ROLE_DECODE
-TERMINAL_STATES = frozenset(
-    {
-        tpb.TRANSFER_STATE_COMPLETE,
-        tpb.TRANSFER_STATE_FAILED,
-        tpb.TRANSFER_STATE_CANCELLED,
-        tpb.TRANSFER_STATE_EXPIRED,
-    }
-)
-# Write results after which a prefill rank has no write in flight for a transfer.
-_QUIESCENT_RESULTS = frozenset(
-    {dpb.WRITE_RESULT_STATUS_DONE, dpb.WRITE_RESULT_STATUS_FAILED, dpb.WRITE_RESULT_STATUS_CANCELLED}
-)
-
-
-@dataclass(frozen=True)
-class Clock:
-    """Time sources, injected so tests drive leases and deadlines without sleeping.
-
-    monotonic: seconds for leases and deadlines; wall: seconds since the epoch for timestamps.
-    """
-
-    monotonic: Callable[[], float] = time.monotonic
-    wall: Callable[[], float] = time.time
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Configurable caps and durations; every one bounds memory or time."""
-
-    lease_ttl_s: float = 10.0
-    transfer_ttl_s: float = 60.0
-    max_transfer_ttl_s: float = 3600.0
-    max_active_transfers_per_engine: int = 4096
-    max_live_transfers: int = 100_000
-    max_workers: int = 4096
-    max_block_ids: int = 65_536
-    max_events_per_batch: int = 4096
-    max_page_size: int = 1000
-    max_chunks_per_transfer: int = 4096
-    retained_terminal_transfers: int = 10_000
-    retained_watch_events_per_engine: int = 10_000
-    # How long the watch log of a decode engine with no registered worker is kept (for a re-registration).
-    gone_engine_log_retention_s: float = 300.0
-    max_id_length: int = 128
-
-    def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            if value <= 0:
-                raise ValueError(f"limit {name} must be positive, got {value}")
-        if self.transfer_ttl_s > self.max_transfer_ttl_s:
-            raise ValueError("transfer_ttl_s must not exceed max_transfer_ttl_s")
-
-
-@dataclass
-class Effects:
-    """What a state call produced for the servicer to deliver.
-
-    prefill_outboxes: (engine_id, tp_rank) whose outbox received messages.
-    watch_engines: decode engine ids whose watch log received events.
-    """
-
-    prefill_outboxes: set[tuple[str, int]] = field(default_factory=set)
-    watch_engines: set[str] = field(default_factory=set)
-
-    def __bool__(self) -> bool:
-        return bool(self.prefill_outboxes or self.watch_engines)
-
-
-class TransferObserver:
-    """Hooks called on a transfer's milestones (telemetry implements them); default no-ops."""
-
-    def on_planned(self, transfer: TransferRecord) -> None:
-        """Called once when the transfer is minted."""
-
-    def on_allocated(self, transfer: TransferRecord) -> None:
-        """Called once when decode's allocation is accepted."""
-
-    def on_first_ready(self, transfer: TransferRecord) -> None:
-        """Called once on the first accepted readiness event."""
-
-    def on_dispatched(self, transfer: TransferRecord) -> None:
-        """Called once when the push instructions go out."""
-
-    def on_ended(self, transfer: TransferRecord) -> None:
-        """Called once when the transfer reaches a terminal state."""
-
-
-@dataclass
-class Worker:
-    """One registered worker (TP rank) of an engine, with its lease."""
-
-    engine_id: str
-    tp_rank: int
-    role: int
-    tp_size: int
-    agent_name: str
-    agent_metadata: bytes
-    layout: tpb.KVLayout
-    endpoint: str
-    lease_id: str
-    lease_deadline: float
-    register_wall: float
-    lease_deadline_wall: float
-    load: tpb.EngineLoad | None = None
-    # Messages for this prefill worker's StreamPrefill session, delivered in order.
-    outbox: deque = field(default_factory=deque)
-    # The current StreamPrefill session (0: none); a stale session's end changes nothing.
-    session_id: int = 0
-
-
-@dataclass
-class EngineGroup:
-    """All registered ranks of one engine id, and the transfers it takes part in."""
-
-    engine_id: str
-    role: int
-    tp_size: int
-    workers: dict[int, Worker] = field(default_factory=dict)
-    active_transfers: set[str] = field(default_factory=set)
-
-    @property
-    def complete(self) -> bool:
-        """True when every rank in [0, tp_size) is registered."""
-        return len(self.workers) == self.tp_size
-
-    def layout(self) -> tpb.KVLayout:
-        """The layout of the lowest registered rank (ranks of one engine share the shape)."""
-        return self.workers[min(self.workers)].layout
-
-    def free_blocks(self) -> int:
-        """Free blocks from the last reported load, else the layout's block count."""
-        worker = self.workers[min(self.workers)]
-        if worker.load is not None:
-            return min(w.load.free_block_count if w.load is not None else w.layout.block_count
-                       for w in self.workers.values())
-        return worker.layout.block_count
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """Decode's reported blocks for a transfer."""
-
-    block_ids: tuple[int, ...]
-    prompt_token_count: int
-    prefix_hit_token_count: int
-
-
-@dataclass
-class TransferRecord:
-    """The directory's live record of one transfer; `to_proto()` gives its wire form."""
-
-    transfer_id: str
-    sequence: int
-    request_id: str
-    prefill_engine_id: str
-    decode_engine_id: str
-    tp_size: int
-    layer_count: int
-    trace_context: str
-    create_wall: float
-    deadline: float
-    deadline_wall: float
-    state: int = tpb.TRANSFER_STATE_PLANNED
-    plan_prompt_token_count: int = 0
-    # Prompt length as prefill reports it (every readiness event must agree).
-    ready_prompt_token_count: int = 0
-    allocation: Allocation | None = None
-    owned_blocks: tuple[int, ...] = ()
-    allocate_wall: float | None = None
-    first_ready_wall: float | None = None
-    dispatch_wall: float | None = None
-    end_wall: float | None = None
-    failure_reason: str = ""
-    # rank -> {(token_start, token_end): bitmask of ready layers}
-    ready: dict[int, dict[tuple[int, int], int]] = field(default_factory=dict)
-    chunk_count: int = 0
-    dispatched: bool = False
-    # rank -> last quiescent WriteResultStatus (DONE/FAILED/CANCELLED)
-    quiescent: dict[int, int] = field(default_factory=dict)
-    layers_written: dict[int, int] = field(default_factory=dict)
-    bytes_written: dict[int, int] = field(default_factory=dict)
-    timing: dict[int, tpb.TransferTiming] = field(default_factory=dict)
-    # (terminal state, reason) waiting for every dispatched rank to be quiescent.
-    ending: tuple[int, str] | None = None
-
-    @property
-    def terminal(self) -> bool:
-        """True once the state is COMPLETE, FAILED, CANCELLED or EXPIRED."""
-        return self.state in TERMINAL_STATES
-
-    def total_bytes_written(self) -> int:
-        """Bytes written summed over prefill ranks."""
-        return sum(self.bytes_written.values())
-
-    def to_proto(self) -> tpb.Transfer:
-        """The wire form of this record."""
-        msg = tpb.Transfer(
-            transfer_id=self.transfer_id,
-            request_id=self.request_id,
-            state=self.state,
-            prefill_engine_id=self.prefill_engine_id,
-            decode_engine_id=self.decode_engine_id,
-            layers_written_count=min(self.layers_written.values()) if len(self.layers_written) == self.tp_size else 0,
-            bytes_written=self.total_bytes_written(),
-            failure_reason=self.failure_reason,
-            trace_context=self.trace_context,
-        )
-        if self.allocation is not None:
-            msg.prompt_token_count = self.allocation.prompt_token_count
-            msg.prefix_hit_token_count = self.allocation.prefix_hit_token_count
-            msg.decode_block_ids.extend(self.allocation.block_ids)
-        else:
-            msg.prompt_token_count = self.ready_prompt_token_count or self.plan_prompt_token_count
-        _set_ts(msg.create_time, self.create_wall)
-        _set_ts(msg.allocate_time, self.allocate_wall)
-        _set_ts(msg.first_ready_time, self.first_ready_wall)
-        _set_ts(msg.dispatch_time, self.dispatch_wall)
-        _set_ts(msg.end_time, self.end_wall)
-        _set_ts(msg.deadline, self.deadline_wall)
-        return msg
-
-
-def _set_ts(target, seconds: float | None) -> None:
-    if seconds is not None:
-        target.FromNanoseconds(int(seconds * 1e9))
-
-
-class WatchLog:
-    """A decode engine's retained terminal events, oldest first, bounded."""
-
-    def __init__(self, capacity: int) -> None:
-        self.events: deque[dpb.TransferEvent] = deque()
-        self.capacity = capacity
-        # Highest sequence number dropped from this log; a resume at or below it has a gap.
-        self.dropped_through = 0
-        # Monotonic time since when no worker of the engine is registered (None while one is).
-        self.gone_since: float | None = None
-
-    def append(self, event: dpb.TransferEvent) -> None:
-        """Append one event, dropping the oldest past capacity."""
-        self.events.append(event)
-        if len(self.events) > self.capacity:
-            self.dropped_through = self.events.popleft().sequence_number
-
-    def after(self, sequence_number: int) -> list[dpb.TransferEvent]:
-        """Events with a greater sequence number, in order."""
-        if not self.events or self.events[-1].sequence_number <= sequence_number:
-            return []
-        if sequence_number < self.events[0].sequence_number:
-            return list(self.events)
-        newer = []  # walk back from the newest: a live watcher usually needs only the last few
-        for event in reversed(self.events):
-            if event.sequence_number <= sequence_number:
-                break
-            newer.append(event)
-        newer.reverse()
-        return newer
-
-
-def _layer_mask(first: int, last: int) -> int:
-    return ((1 << (last - first + 1)) - 1) << first
+# Re-exported: callers build a state from these without importing `records`.
+__all__ = ["DirectoryState", "Clock", "Effects", "Limits", "TransferObserver", "TransferRecord", "Worker",
+           "EngineGroup", "Allocation", "TERMINAL_STATES", "PREFILL", "DECODE"]
 
 
 class DirectoryState:
@@ -370,7 +126,7 @@ class DirectoryState:
         worker = Worker(
             engine_id=request.engine_id, tp_rank=request.tp_rank, role=request.role, tp_size=request.tp_size,
             agent_name=request.agent_name, agent_metadata=bytes(request.agent_metadata),
-            layout=_copy(request.layout), endpoint=request.endpoint, lease_id=uuid.uuid4().hex,
+            layout=copy_message(request.layout), endpoint=request.endpoint, lease_id=uuid.uuid4().hex,
             lease_deadline=now + self.limits.lease_ttl_s, register_wall=wall,
             lease_deadline_wall=wall + self.limits.lease_ttl_s,
         )
@@ -390,7 +146,7 @@ class DirectoryState:
             raise NotFound(f"lease {lease_id!r} is unknown or expired")
         self._extend_lease(worker, now)
         if load is not None:
-            worker.load = _copy(load)
+            worker.load = copy_message(load)
         return worker
 
     def _extend_lease(self, worker: Worker, now: float) -> None:
@@ -465,34 +221,16 @@ class DirectoryState:
     # ---------------------------------------------------------------- planning
 
     def plan(self, request: dpb.PlanTransferRequest, ttl_s: float | None) -> TransferRecord:
-        """Pick engines and mint a PLANNED transfer (see module docstring for the selection rule)."""
+        """Pick engines (`planning.choose_pair`) and mint a PLANNED transfer."""
         ttl = self.limits.transfer_ttl_s if ttl_s is None else ttl_s
         if ttl > self.limits.max_transfer_ttl_s:
             raise InvalidArgument(f"ttl {ttl}s is over the server maximum {self.limits.max_transfer_ttl_s}s")
         if len(self._live) >= self.limits.max_live_transfers:
             raise ResourceExhausted(f"{len(self._live)} live transfers; the cap is {self.limits.max_live_transfers}")
-        prefills = self._candidates(PREFILL, request.prefill_engine_id)
-        decodes = self._candidates(DECODE, request.decode_engine_id)
-        cap = self.limits.max_active_transfers_per_engine
-        prefills = [g for g in prefills if len(g.active_transfers) < cap]
-        decodes = [g for g in decodes if len(g.active_transfers) < cap]
-        if not prefills or not decodes:
-            raise ResourceExhausted("every candidate engine is at its transfer cap")
-        if request.prompt_token_count > 0:
-            decodes = [g for g in decodes
-                       if g.free_blocks() >= math.ceil(request.prompt_token_count / g.layout().block_size_tokens)]
-            if not decodes:
-                raise ResourceExhausted(
-                    f"no decode engine has free blocks for {request.prompt_token_count} tokens")
-        prefills.sort(key=lambda g: (len(g.active_transfers), g.engine_id))
-        decodes.sort(key=lambda g: (-g.free_blocks(), len(g.active_transfers), g.engine_id))
-        why_incompatible = ""
-        for prefill in prefills:
-            for decode in decodes:
-                why_incompatible = _incompatibility(prefill, decode)
-                if not why_incompatible:
-                    return self._mint(request, prefill, decode, ttl)
-        raise FailedPrecondition(f"no compatible prefill/decode pair: {why_incompatible}")
+        prefill, decode = choose_pair(self._candidates(PREFILL, request.prefill_engine_id),
+                                      self._candidates(DECODE, request.decode_engine_id),
+                                      request.prompt_token_count, self.limits.max_active_transfers_per_engine)
+        return self._mint(request, prefill, decode, ttl)
 
     def _candidates(self, role: int, pinned: str) -> list[EngineGroup]:
         name = tpb.EngineRole.Name(role)
@@ -658,7 +396,7 @@ class DirectoryState:
         if chunks is None:
             chunks = record.ready[tp_rank] = {}
         key = (event.token_start, event.token_end)
-        mask = _layer_mask(event.first_layer, event.last_layer)
+        mask = layer_mask(event.first_layer, event.last_layer)
         seen = chunks.get(key)
         if seen is not None and seen | mask == seen:
             return  # already-ready range: idempotent no-op
@@ -709,7 +447,7 @@ class DirectoryState:
         if status == dpb.WRITE_RESULT_STATUS_UNSPECIFIED:
             raise InvalidArgument("status is WRITE_RESULT_STATUS_UNSPECIFIED")
         if record.terminal:
-            if status in _QUIESCENT_RESULTS:
+            if status in QUIESCENT_RESULTS:
                 return fx  # the worker confirms it stopped: nothing left to do
             raise FailedPrecondition(f"transfer is {tpb.TransferState.Name(record.state)}")
         if not record.dispatched:
@@ -725,7 +463,7 @@ class DirectoryState:
             return fx
         record.quiescent[tp_rank] = status
         if result.HasField("timing"):
-            record.timing[tp_rank] = _copy(result.timing)
+            record.timing[tp_rank] = copy_message(result.timing)
         if status == dpb.WRITE_RESULT_STATUS_FAILED and record.ending is None:
             record.ending = (tpb.TRANSFER_STATE_FAILED,
                              f"rank {tp_rank} write failed: {result.error_message}".rstrip(": "))
@@ -919,24 +657,3 @@ class DirectoryState:
                 if transfer_id not in self._live:
                     problems.append(f"engine {group.engine_id} lists ended transfer {transfer_id}")
         return problems
-
-
-def _incompatibility(prefill: EngineGroup, decode: EngineGroup) -> str:
-    """Why two engines cannot be paired ("" when they can)."""
-    p, d = prefill.layout(), decode.layout()
-    if prefill.tp_size != decode.tp_size:
-        return (f"tp_size {prefill.tp_size} of {prefill.engine_id} differs from {decode.tp_size} of "
-                f"{decode.engine_id} (heterogeneous TP is not supported yet)")
-    if p.layer_count != d.layer_count:
-        return f"layer_count {p.layer_count} differs from {d.layer_count}"
-    if p.dtype != d.dtype:
-        return f"dtype {p.dtype!r} differs from {d.dtype!r}"
-    if p.compatibility_hash and d.compatibility_hash and p.compatibility_hash != d.compatibility_hash:
-        return "compatibility_hash differs"
-    return ""
-
-
-def _copy(message):
-    clone = type(message)()
-    clone.CopyFrom(message)
-    return clone

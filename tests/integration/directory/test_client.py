@@ -69,14 +69,14 @@ def test_non_retryable_errors_raise_at_once_with_the_code():
 def test_registration_renews_and_reports_load():
     """EngineRegistration renews every ttl/3 and the reported load reaches the directory."""
     async def body():
-        async with running_directory(Limits(lease_ttl_s=0.6)) as directory:
+        async with running_directory(Limits(lease_ttl_s=1.5)) as directory:
             async with DirectoryClient(ChannelConfig(address=directory.address)) as client:
                 renewed = []
                 registration = EngineRegistration(
                     client, register_request("d1", DECODE), load_callback=lambda: tpb.EngineLoad(free_block_count=7),
                     on_lease_renewed=lambda lease, ttl: renewed.append(lease))
                 await registration.start()
-                await asyncio.sleep(1.5)  # 2.5 TTLs: without renewals the lease would be gone
+                await asyncio.sleep(3.5)  # over 2 TTLs: without renewals the lease would be gone
                 (worker,) = await client.get_engine("d1")
                 assert worker.lease_id == registration.lease_id and worker.load.free_block_count == 7
                 assert len(renewed) >= 3 and registration.registration_count == 1
@@ -91,7 +91,7 @@ def test_clients_recover_after_a_directory_restart():
     async def body():
         port = _free_port()
         config = ChannelConfig(address=f"127.0.0.1:{port}", backoff_max_s=0.2, max_attempts=20)
-        limits = Limits(lease_ttl_s=0.9)
+        limits = Limits(lease_ttl_s=3.0)
         async with running_directory(limits, port=port):
             client = DirectoryClient(config)
             p_reg = EngineRegistration(client, register_request("p1", PREFILL))
@@ -117,8 +117,8 @@ def test_clients_recover_after_a_directory_restart():
             assert (await asyncio.wait_for(events.get(), 5)).sequence_number == 1
         old_leases = (p_reg.lease_id, d_reg.lease_id)
         async with running_directory(limits, port=port) as directory:
-            await _wait_until(lambda: p_reg.registration_count == 2 and d_reg.registration_count == 2
-                              and session.connected and reconnects and gaps)
+            await _wait_until(lambda: p_reg.registration_count >= 2 and d_reg.registration_count >= 2
+                              and session.connected and reconnects and gaps, timeout_s=20)
             assert (p_reg.lease_id, d_reg.lease_id) != old_leases
             assert {w.engine_id for w in await client.list_engines()} == {"p1", "d1"}
             assert gaps == [1]

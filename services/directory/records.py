@@ -1,0 +1,286 @@
+"""Records and value types of the KV-directory's state: time sources, limits, effects, workers,
+engines, transfers and watch logs. Plain data with small helpers; `state.DirectoryState` owns them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import types_pb2 as tpb
+
+PREFILL = tpb.ENGINE_ROLE_PREFILL
+DECODE = tpb.ENGINE_ROLE_DECODE
+TERMINAL_STATES = frozenset(
+    {
+        tpb.TRANSFER_STATE_COMPLETE,
+        tpb.TRANSFER_STATE_FAILED,
+        tpb.TRANSFER_STATE_CANCELLED,
+        tpb.TRANSFER_STATE_EXPIRED,
+    }
+)
+# Write results after which a prefill rank has no write in flight for a transfer.
+QUIESCENT_RESULTS = frozenset(
+    {dpb.WRITE_RESULT_STATUS_DONE, dpb.WRITE_RESULT_STATUS_FAILED, dpb.WRITE_RESULT_STATUS_CANCELLED}
+)
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Time sources, injected so tests drive leases and deadlines without sleeping.
+
+    monotonic: seconds for leases and deadlines; wall: seconds since the epoch for timestamps.
+    """
+
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Configurable caps and durations; every one bounds memory or time."""
+
+    lease_ttl_s: float = 10.0
+    transfer_ttl_s: float = 60.0
+    max_transfer_ttl_s: float = 3600.0
+    max_active_transfers_per_engine: int = 4096
+    max_live_transfers: int = 100_000
+    max_workers: int = 4096
+    max_block_ids: int = 65_536
+    max_events_per_batch: int = 4096
+    max_page_size: int = 1000
+    max_chunks_per_transfer: int = 4096
+    retained_terminal_transfers: int = 10_000
+    retained_watch_events_per_engine: int = 10_000
+    # How long the watch log of a decode engine with no registered worker is kept (for a re-registration).
+    gone_engine_log_retention_s: float = 300.0
+    max_id_length: int = 128
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"limit {name} must be positive, got {value}")
+        if self.transfer_ttl_s > self.max_transfer_ttl_s:
+            raise ValueError("transfer_ttl_s must not exceed max_transfer_ttl_s")
+
+
+@dataclass
+class Effects:
+    """What a state call produced for the servicer to deliver.
+
+    prefill_outboxes: (engine_id, tp_rank) whose outbox received messages.
+    watch_engines: decode engine ids whose watch log received events.
+    """
+
+    prefill_outboxes: set[tuple[str, int]] = field(default_factory=set)
+    watch_engines: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill_outboxes or self.watch_engines)
+
+
+class TransferObserver:
+    """Hooks called on a transfer's milestones (telemetry implements them); default no-ops."""
+
+    def on_planned(self, transfer: TransferRecord) -> None:
+        """Called once when the transfer is minted."""
+
+    def on_allocated(self, transfer: TransferRecord) -> None:
+        """Called once when decode's allocation is accepted."""
+
+    def on_first_ready(self, transfer: TransferRecord) -> None:
+        """Called once on the first accepted readiness event."""
+
+    def on_dispatched(self, transfer: TransferRecord) -> None:
+        """Called once when the push instructions go out."""
+
+    def on_ended(self, transfer: TransferRecord) -> None:
+        """Called once when the transfer reaches a terminal state."""
+
+
+@dataclass
+class Worker:
+    """One registered worker (TP rank) of an engine, with its lease."""
+
+    engine_id: str
+    tp_rank: int
+    role: int
+    tp_size: int
+    agent_name: str
+    agent_metadata: bytes
+    layout: tpb.KVLayout
+    endpoint: str
+    lease_id: str
+    lease_deadline: float
+    register_wall: float
+    lease_deadline_wall: float
+    load: tpb.EngineLoad | None = None
+    # Messages for this prefill worker's StreamPrefill session, delivered in order.
+    outbox: deque = field(default_factory=deque)
+    # The current StreamPrefill session (0: none); a stale session's end changes nothing.
+    session_id: int = 0
+
+
+@dataclass
+class EngineGroup:
+    """All registered ranks of one engine id, and the transfers it takes part in."""
+
+    engine_id: str
+    role: int
+    tp_size: int
+    workers: dict[int, Worker] = field(default_factory=dict)
+    active_transfers: set[str] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        """True when every rank in [0, tp_size) is registered."""
+        return len(self.workers) == self.tp_size
+
+    def layout(self) -> tpb.KVLayout:
+        """The layout of the lowest registered rank (ranks of one engine share the shape)."""
+        return self.workers[min(self.workers)].layout
+
+    def free_blocks(self) -> int:
+        """Free blocks from the last reported load, else the layout's block count."""
+        worker = self.workers[min(self.workers)]
+        if worker.load is not None:
+            return min(w.load.free_block_count if w.load is not None else w.layout.block_count
+                       for w in self.workers.values())
+        return worker.layout.block_count
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Decode's reported blocks for a transfer."""
+
+    block_ids: tuple[int, ...]
+    prompt_token_count: int
+    prefix_hit_token_count: int
+
+
+@dataclass
+class TransferRecord:
+    """The directory's live record of one transfer; `to_proto()` gives its wire form."""
+
+    transfer_id: str
+    sequence: int
+    request_id: str
+    prefill_engine_id: str
+    decode_engine_id: str
+    tp_size: int
+    layer_count: int
+    trace_context: str
+    create_wall: float
+    deadline: float
+    deadline_wall: float
+    state: int = tpb.TRANSFER_STATE_PLANNED
+    plan_prompt_token_count: int = 0
+    # Prompt length as prefill reports it (every readiness event must agree).
+    ready_prompt_token_count: int = 0
+    allocation: Allocation | None = None
+    owned_blocks: tuple[int, ...] = ()
+    allocate_wall: float | None = None
+    first_ready_wall: float | None = None
+    dispatch_wall: float | None = None
+    end_wall: float | None = None
+    failure_reason: str = ""
+    # rank -> {(token_start, token_end): bitmask of ready layers}
+    ready: dict[int, dict[tuple[int, int], int]] = field(default_factory=dict)
+    chunk_count: int = 0
+    dispatched: bool = False
+    # rank -> last quiescent WriteResultStatus (DONE/FAILED/CANCELLED)
+    quiescent: dict[int, int] = field(default_factory=dict)
+    layers_written: dict[int, int] = field(default_factory=dict)
+    bytes_written: dict[int, int] = field(default_factory=dict)
+    timing: dict[int, tpb.TransferTiming] = field(default_factory=dict)
+    # (terminal state, reason) waiting for every dispatched rank to be quiescent.
+    ending: tuple[int, str] | None = None
+
+    @property
+    def terminal(self) -> bool:
+        """True once the state is COMPLETE, FAILED, CANCELLED or EXPIRED."""
+        return self.state in TERMINAL_STATES
+
+    def total_bytes_written(self) -> int:
+        """Bytes written summed over prefill ranks."""
+        return sum(self.bytes_written.values())
+
+    def to_proto(self) -> tpb.Transfer:
+        """The wire form of this record."""
+        msg = tpb.Transfer(
+            transfer_id=self.transfer_id,
+            request_id=self.request_id,
+            state=self.state,
+            prefill_engine_id=self.prefill_engine_id,
+            decode_engine_id=self.decode_engine_id,
+            layers_written_count=min(self.layers_written.values()) if len(self.layers_written) == self.tp_size else 0,
+            bytes_written=self.total_bytes_written(),
+            failure_reason=self.failure_reason,
+            trace_context=self.trace_context,
+        )
+        if self.allocation is not None:
+            msg.prompt_token_count = self.allocation.prompt_token_count
+            msg.prefix_hit_token_count = self.allocation.prefix_hit_token_count
+            msg.decode_block_ids.extend(self.allocation.block_ids)
+        else:
+            msg.prompt_token_count = self.ready_prompt_token_count or self.plan_prompt_token_count
+        set_timestamp(msg.create_time, self.create_wall)
+        set_timestamp(msg.allocate_time, self.allocate_wall)
+        set_timestamp(msg.first_ready_time, self.first_ready_wall)
+        set_timestamp(msg.dispatch_time, self.dispatch_wall)
+        set_timestamp(msg.end_time, self.end_wall)
+        set_timestamp(msg.deadline, self.deadline_wall)
+        return msg
+
+
+def set_timestamp(target, seconds: float | None) -> None:
+    """Set a protobuf Timestamp from epoch seconds (left unset for None)."""
+    if seconds is not None:
+        target.FromNanoseconds(int(seconds * 1e9))
+
+
+class WatchLog:
+    """A decode engine's retained terminal events, oldest first, bounded."""
+
+    def __init__(self, capacity: int) -> None:
+        self.events: deque[dpb.TransferEvent] = deque()
+        self.capacity = capacity
+        # Highest sequence number dropped from this log; a resume at or below it has a gap.
+        self.dropped_through = 0
+        # Monotonic time since when no worker of the engine is registered (None while one is).
+        self.gone_since: float | None = None
+
+    def append(self, event: dpb.TransferEvent) -> None:
+        """Append one event, dropping the oldest past capacity."""
+        self.events.append(event)
+        if len(self.events) > self.capacity:
+            self.dropped_through = self.events.popleft().sequence_number
+
+    def after(self, sequence_number: int) -> list[dpb.TransferEvent]:
+        """Events with a greater sequence number, in order."""
+        if not self.events or self.events[-1].sequence_number <= sequence_number:
+            return []
+        if sequence_number < self.events[0].sequence_number:
+            return list(self.events)
+        newer = []  # walk back from the newest: a live watcher usually needs only the last few
+        for event in reversed(self.events):
+            if event.sequence_number <= sequence_number:
+                break
+            newer.append(event)
+        newer.reverse()
+        return newer
+
+
+def layer_mask(first: int, last: int) -> int:
+    """Bit mask of layers [first, last]."""
+    return ((1 << (last - first + 1)) - 1) << first
+
+
+def copy_message(message):
+    """A deep copy of a protobuf message (the state never keeps the caller's objects)."""
+    clone = type(message)()
+    clone.CopyFrom(message)
+    return clone
