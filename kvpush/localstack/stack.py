@@ -139,6 +139,8 @@ class LocalStack:
         """Stop everything that runs; safe to call twice."""
         if self.gateway:
             self.gateway.process.stop(grace_s=5.0)
+        for engine in self.engines():  # SIGTERM all first: engines shut down in parallel
+            engine.process.terminate()
         for engine in self.engines():
             engine.stop(grace_s=15.0)
         if self.directory:

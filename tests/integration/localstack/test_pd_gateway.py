@@ -1,6 +1,6 @@
 """The gateway in front of real vLLM engines with KVPushConnector: outputs equal a colocated engine's; errors map.
 
-Engines are the session's (tests/conftest.py): one prefill, one decode, one colocated, started once.
+Engines are this module's `local_stack` (conftest.py here): one prefill, one decode, one colocated.
 """
 
 from __future__ import annotations
@@ -35,42 +35,42 @@ def _transfer(directory_address: str, transfer_id: str) -> tpb.Transfer:
 
 
 @pytest.mark.parametrize("prompt_tokens", [5, 128, 300])
-def test_disaggregated_output_equals_colocated(pd_stack, kvpush_gateway, prompt_tokens):
+def test_disaggregated_output_equals_colocated(local_stack, prompt_tokens):
     """Greedy tokens through the gateway (pushed KV) equal the colocated engine's, for one to several blocks."""
     body = _greedy(_ids(prompt_tokens, seed=prompt_tokens))
-    via_gateway = call("POST", kvpush_gateway.url + "/v1/completions", body, timeout_s=180)
-    reference = call("POST", pd_stack.colocated.url + "/v1/completions", body, timeout_s=180)
+    via_gateway = call("POST", local_stack.gateway_url + "/v1/completions", body, timeout_s=180)
+    reference = call("POST", local_stack.colocated.url + "/v1/completions", body, timeout_s=180)
     assert via_gateway.status == 200, via_gateway.text
     assert reference.status == 200, reference.text
     assert via_gateway.body["choices"][0]["token_ids"] == reference.body["choices"][0]["token_ids"]
-    transfer = _transfer(pd_stack.engines.directory.address, via_gateway.headers["x-kvpush-transfer-id"])
+    transfer = _transfer(local_stack.directory.address, via_gateway.headers["x-kvpush-transfer-id"])
     assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
 
 
-def test_streamed_chat_equals_colocated(pd_stack, kvpush_gateway):
+def test_streamed_chat_equals_colocated(local_stack):
     """A streamed chat completion through the gateway yields the colocated engine's text."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 8,
             "temperature": 0.0, "ignore_eos": True}
-    streamed = stream_completion(kvpush_gateway.url + "/v1/chat/completions", body, timeout_s=180)
-    reference = call("POST", pd_stack.colocated.url + "/v1/chat/completions", body, timeout_s=180)
+    streamed = stream_completion(local_stack.gateway_url + "/v1/chat/completions", body, timeout_s=180)
+    reference = call("POST", local_stack.colocated.url + "/v1/chat/completions", body, timeout_s=180)
     assert streamed.status == 200, streamed.error
     assert not streamed.error
     assert streamed.text == reference.body["choices"][0]["message"]["content"]
 
 
-def test_prompt_over_context_length_is_400_and_cancels(pd_stack, kvpush_gateway):
+def test_prompt_over_context_length_is_400_and_cancels(local_stack):
     """A prompt longer than the engines' context is the engines' 400, passed through, and the transfer ends."""
-    result = call("POST", kvpush_gateway.url + "/v1/completions", _greedy(_ids(5000, seed=1)), timeout_s=60)
+    result = call("POST", local_stack.gateway_url + "/v1/completions", _greedy(_ids(5000, seed=1)), timeout_s=60)
     assert result.status == 400, result.text
     assert "4096" in result.body["error"]["message"]
     transfer_id = result.headers.get("x-kvpush-transfer-id")
     if transfer_id:  # error responses may not carry it; the directory must then still hold no live transfer
-        transfer = _transfer(pd_stack.engines.directory.address, transfer_id)
+        transfer = _transfer(local_stack.directory.address, transfer_id)
         assert transfer.state in (tpb.TRANSFER_STATE_CANCELLED, tpb.TRANSFER_STATE_FAILED)
 
 
-def test_models_and_ping_reflect_real_engines(pd_stack, kvpush_gateway):
+def test_models_and_ping_reflect_real_engines(local_stack):
     """/v1/models comes from the decode engine and /ping is 200 once both engines registered."""
-    models = call("GET", kvpush_gateway.url + "/v1/models")
+    models = call("GET", local_stack.gateway_url + "/v1/models")
     assert models.status == 200 and models.body["data"][0]["id"] == "tiny"
-    assert call("GET", kvpush_gateway.url + "/ping").status == 200
+    assert call("GET", local_stack.gateway_url + "/ping").status == 200

@@ -1,0 +1,24 @@
+"""Module-scoped whole stack for the gateway-on-real-engines tests.
+
+`local_stack` is a `LocalStack` (directory, prefill + decode with KVPushConnector, colocated engine,
+gateway) started for test_pd_gateway.py and stopped when the module ends, so its three engines are
+gone before other suites start theirs (tests/conftest.py runs this module first): the 24 GiB machine
+cannot hold every suite's engines at once (~3 GiB each).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.localstack.model import TinyModelSpec
+from kvpush.localstack.stack import LocalStack
+
+
+@pytest.fixture(scope="module")
+def local_stack(session_log_dir, otlp_receiver):
+    """Directory, P/D engines with KVPushConnector, a colocated engine and the gateway, for one module."""
+    stack = LocalStack(spec=TinyModelSpec(), log_dir=session_log_dir / "localstack", progress=None,
+                       engine_timeout_s=600.0, engine_env=otlp_receiver.env("kvpush-localstack-engine"))
+    stack.start()
+    yield stack
+    stack.stop()
