@@ -135,11 +135,22 @@ def receiver_main(conn: Any, shape: KVShape, device: str, config: dict[str, Any]
 class Receiver:
     """Handle on the decode process."""
 
-    def __init__(self, shape: KVShape, device: str, config: dict[str, Any], name: str = "bench-decode") -> None:
+    def __init__(self, shape: KVShape, device: str, config: dict[str, Any], name: str = "bench-decode",
+                 visible_devices: str | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=receiver_main, args=(child, shape, device, config, name), daemon=True)
-        self.process.start()
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible_devices is not None:  # the child inherits the environment at start
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        try:
+            self.process.start()
+        finally:
+            if visible_devices is not None:
+                if saved is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
         if not self.conn.poll(300):
             raise RuntimeError("receiver did not start")
         self.metadata, layout_bytes = self.conn.recv()

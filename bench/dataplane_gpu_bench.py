@@ -148,10 +148,13 @@ def streaming_case(shape: KVShape, kv: dict[str, torch.Tensor], sender: Sender, 
     }
 
 
-def run_config(shape: KVShape, tokens: int, reps: int, num_threads: int, full: bool, args) -> dict[str, Any]:
+def run_config(shape: KVShape, tokens: int, reps: int, num_threads: int, full: bool, args,
+               isolated: bool) -> dict[str, Any]:
     """All cases for one NIXL config, with a fresh pair of agents."""
-    config = {"num_threads": num_threads, "capture_telemetry": True}
-    receiver = Receiver(shape, DST, config, name=f"gpu-decode-t{num_threads}")
+    config = {"num_threads": num_threads, "capture_telemetry": True, "poll_max_s": args.poll_max_us * 1e-6,
+              "notif_poll_s": args.notif_poll_us * 1e-6}
+    receiver = Receiver(shape, "cuda:0" if isolated else DST, config, name=f"gpu-decode-t{num_threads}",
+                        visible_devices="1" if isolated else None)
     torch.cuda.set_device(SRC)
     kv = gpu_kv(shape, SRC)
     torch.cuda.synchronize()
@@ -186,6 +189,88 @@ def run_config(shape: KVShape, tokens: int, reps: int, num_threads: int, full: b
     return out
 
 
+def _probe_target(conn: Any, device: str, nbytes: int) -> None:
+    """Probe peer: register `nbytes` of zeros on `device` with a bare nixl agent, poll until told."""
+    torch.cuda.set_device(device)
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    agent = nixl_agent("probe-target", nixl_agent_config(enable_prog_thread=False))
+    agent.register_memory([buf])
+    conn.send((agent.get_agent_metadata(), buf.data_ptr(), torch.cuda.current_device()))
+    while True:
+        agent.get_new_notifs()
+        if conn.poll(0.001):
+            if conn.recv() == "sum":
+                torch.cuda.synchronize()
+                conn.send(int(buf.sum().item()))
+            else:
+                return
+
+
+def probe(nbytes: int = 64 << 20) -> list[dict[str, Any]]:
+    """Bare NIXL VRAM WRITE cuda:0 -> other GPU: which visibility and descriptor form work."""
+    import multiprocessing as mp
+
+    import numpy as np
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    torch.cuda.set_device(SRC)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=SRC)
+    report = []
+    for isolated in (False, True):
+        for strided in (False, True):
+            ctx = mp.get_context("spawn")
+            conn, child = ctx.Pipe()
+            saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if isolated:
+                os.environ["CUDA_VISIBLE_DEVICES"] = "1"
+            proc = ctx.Process(target=_probe_target, args=(child, "cuda:0" if isolated else DST, nbytes), daemon=True)
+            proc.start()
+            if isolated:
+                os.environ.pop("CUDA_VISIBLE_DEVICES") if saved is None else os.environ.__setitem__(
+                    "CUDA_VISIBLE_DEVICES", saved)
+            entry: dict[str, Any] = {"isolated": isolated, "strided": strided}
+            try:
+                metadata, remote_addr, remote_dev = conn.recv()
+                agent = nixl_agent(f"probe-init-{isolated}-{strided}", nixl_agent_config(enable_prog_thread=False))
+                agent.register_memory([src])
+                name = agent.add_remote_agent(metadata)
+                half = nbytes // 2
+                if strided:
+                    local = np.array([[src.data_ptr(), half, 0, half, 2]], dtype=np.uint64)
+                    remote = np.array([[remote_addr, half, remote_dev, half, 2]], dtype=np.uint64)
+                else:
+                    local = np.array([[src.data_ptr(), half, 0], [src.data_ptr() + half, half, 0]], dtype=np.uint64)
+                    remote = np.array([[remote_addr, half, remote_dev], [remote_addr + half, half, remote_dev]],
+                                      dtype=np.uint64)
+                lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "VRAM")
+                rh = agent.prep_xfer_dlist(name, remote, "VRAM")
+                start = time.perf_counter()
+                handle = agent.make_prepped_xfer("WRITE", lh, [0, 1], rh, [0, 1])
+                state = agent.transfer(handle)
+                while state == "PROC":
+                    time.sleep(0.0001)
+                    state = agent.check_xfer_state(handle)
+                entry["state"] = state
+                entry["gb_s"] = round(nbytes / (time.perf_counter() - start) / 1e9, 1)
+                conn.send("sum")
+                entry["bytes_ok"] = conn.recv() == nbytes
+            except Exception as exc:  # noqa: BLE001 - the probe reports, the bench decides
+                entry["error"] = repr(exc)
+            finally:
+                try:
+                    conn.send("exit")
+                except OSError:
+                    pass
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+            report.append(entry)
+            print("probe", entry, flush=True)
+    return report
+
+
 def main() -> None:
     """Run the GPU cases and write JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,7 +280,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--matmuls", type=int, default=4)
     parser.add_argument("--threads", default="0,4")
+    parser.add_argument("--probe-only", action="store_true")
+    parser.add_argument("--poll-max-us", type=float, default=1000.0, help="NixlConfig.poll_max_s in microseconds")
+    parser.add_argument("--notif-poll-us", type=float, default=1000.0, help="NixlConfig.notif_poll_s in microseconds")
+    parser.add_argument("--out-name", default="dataplane_gpu_bench.json")
     args = parser.parse_args()
+    if args.probe_only:
+        print(json.dumps(probe(), indent=2))
+        return
     assert torch.cuda.device_count() >= 2, "needs two GPUs"
     shape = KVShape(blocks=max(256, 2 * args.tokens // 128))
     request_bytes = shape.layers * (args.tokens // 128) * shape.block_bytes
@@ -204,9 +296,15 @@ def main() -> None:
         "shape": asdict(shape), "tokens": args.tokens, "request_bytes": request_bytes,
         "ucx_tls": os.environ.get("UCX_TLS", ""),
     }
+    results["probe"] = probe()
+    working = [p for p in results["probe"] if p.get("state") == "DONE" and p.get("bytes_ok")]
+    # Prefer the decode process seeing only its own GPU (one process per GPU), as deployments do.
+    isolated = any(p["isolated"] for p in working) or not working
+    results["decode_sees_only_its_gpu"] = isolated
     results["torch_peer_copy"] = asdict(peer_copy_case(request_bytes, max(args.reps, 10)))
     results["configs"] = [
-        run_config(shape, args.tokens, args.reps, int(t), i == 0, args) for i, t in enumerate(args.threads.split(","))
+        run_config(shape, args.tokens, args.reps, int(t), i == 0, args, isolated)
+        for i, t in enumerate(args.threads.split(","))
     ]
     ceiling = results["torch_peer_copy"]["gib_s_median"]
     table = [("case", "threads", "GiB/s med", "best", "vs peer copy", "post ms/write", "desc/write", "notif lag ms")]
@@ -217,7 +315,8 @@ def main() -> None:
                           c["descriptors_per_write"], c["notif_after_done_ms_median"]))
     out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "dataplane_gpu_bench.json").write_text(json.dumps(results, indent=2))
+    results["poll_max_us"], results["notif_poll_us"] = args.poll_max_us, args.notif_poll_us
+    (out_dir / args.out_name).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     print(f"torch peer copy: {ceiling} GiB/s median")
     for row in table:

@@ -22,6 +22,7 @@ writes are one-sided; its thread answers UCX wire-up while it polls notification
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -34,7 +35,7 @@ import numpy as np
 
 from kvpush.connector.dataplane.config import NixlConfig, create_nixl_agent
 from kvpush.connector.dataplane.describe import describe_kv_caches
-from kvpush.connector.dataplane.layout import KVLayoutSpec, LayoutError, check_compatible
+from kvpush.connector.dataplane.layout import MEMORY_VRAM, KVLayoutSpec, LayoutError, check_compatible
 from kvpush.connector.dataplane.peers import DescriptorTables, Peer
 from kvpush.observability import get_logger
 
@@ -198,7 +199,21 @@ class TransferAgent:
 
         self._call(do)
 
+    def _bind_cuda_device(self) -> None:
+        """Make the registered GPU current on the I/O thread (CUDA's current device is per thread).
+
+        Only when torch is already loaded (a GPU engine); this package never imports it.
+        """
+        torch = sys.modules.get("torch")
+        if self._layout is None or self._layout.memory_kind != MEMORY_VRAM or torch is None:
+            return
+        try:
+            torch.cuda.set_device(self._layout.device_id)
+        except Exception as exc:  # noqa: BLE001 - NIXL may still work; say why if it does not
+            self._log.warning("cuda_set_device_failed", device=self._layout.device_id, error=repr(exc))
+
     def _loop(self) -> None:
+        self._bind_cuda_device()
         delay = self._config.poll_min_s
         next_notif_poll = 0.0
         while True:

@@ -245,13 +245,15 @@ class KVLayoutSpec:
     def memory_regions(self) -> list[tuple[int, int]]:
         """Disjoint (address, length) spans covering every layer region, for NIXL registration.
 
-        Layers that share storage (layer-inside-block layouts) overlap; overlapping or touching
-        spans are merged so each byte is registered once.
+        Layers that share storage (layer-inside-block layouts) overlap, and overlapping spans are
+        merged so each byte is registered once. Spans that merely touch stay separate: on a GPU
+        they are usually two allocations that happen to be adjacent, and one registration spanning
+        both breaks CUDA IPC (measured on H200: cuMemcpyDtoDAsync "invalid argument").
         """
         spans = sorted((addr, addr + self.layer_region_bytes) for addr in self.layer_base_addresses)
         merged: list[list[int]] = []
         for start, end in spans:
-            if merged and start <= merged[-1][1]:
+            if merged and start < merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], end)
             else:
                 merged.append([start, end])

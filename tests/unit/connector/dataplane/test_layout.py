@@ -72,6 +72,14 @@ class TestKVLayoutSpec:
         )
         assert shared.memory_regions() == [(layout.layer_base_addresses[0], layout.layer_region_bytes + 64)]
 
+    def test_memory_regions_keep_touching_allocations_apart(self):
+        """Adjacent but separate layer allocations stay separate registrations (CUDA IPC needs that)."""
+        layout, _, _ = make_kv(2, 8, 16, 2, 32, "kv_first")
+        base = layout.layer_base_addresses[0]
+        touching = dataclasses.replace(layout, layer_base_addresses=(base, base + layout.layer_region_bytes))
+        assert touching.memory_regions() == [(base, layout.layer_region_bytes),
+                                             (base + layout.layer_region_bytes, layout.layer_region_bytes)]
+
     def test_compatibility_checks_dtype_and_token_shape(self):
         """Different dtypes or head counts are refused by check_compatible."""
         a, _, _ = make_kv(1, 8, 16, 2, 32, "kv_first")
