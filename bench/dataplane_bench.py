@@ -12,7 +12,10 @@ because this 2-core machine's bandwidth drifts with other load, and its median i
   memcpy              np.copyto of the same bytes, one thread (the ceiling on this machine)
   whole_contiguous    one write of all layers, consecutive blocks on both sides (merged descriptors)
   whole_scattered     one write of all layers, shuffled source and destination blocks
-  per_layer_*         one write per layer (32 submits), notification on the last: the per-layer cost
+  per_layer_*         one write per layer (32 submits), one handle each, notification on the last:
+                      the per-layer cost
+  per_layer_grouped_* the same submits with the writer's grouping on: writes that are ready together
+                      share a handle (what happens when the writer falls behind)
   mismatch_16_128     prefill blocks of 16 tokens into decode blocks of 128, scattered
 Each case reports post time, descriptor counts (NIXL telemetry), and the notification's arrival
 after the writer saw the transfer done (CLOCK_MONOTONIC is shared by the two processes).
@@ -369,8 +372,9 @@ def main() -> None:
             src = block_ids(n_blocks, shape.blocks, scattered, 1)
             dst = block_ids(n_blocks, shape.blocks, scattered, 2, offset=shape.blocks - n_blocks)
             label = "scattered" if scattered else "contiguous"
-            for per_layer in (False, True):
-                name = f"{'per_layer' if per_layer else 'whole'}_{label}"
+            for name, per_layer, group in ((f"whole_{label}", False, 64), (f"per_layer_{label}", True, 1),
+                                           (f"per_layer_grouped_{label}", True, 64)):
+                sender.writer.max_group_writes = group
                 cases.append(run_case(name, sender, receiver, args.reps,
                                       lambda tid, s=src, d=dst, p=per_layer: requests_for(
                                           tid, receiver.name, shape.layers, s, d, args.tokens, p), ceiling))

@@ -173,11 +173,13 @@ def run_config(shape: KVShape, tokens: int, reps: int, num_threads: int, full: b
             src = block_ids(n_blocks, shape.blocks, scattered, 1)
             dst = block_ids(n_blocks, shape.blocks, scattered, 2, offset=shape.blocks - n_blocks)
             label = "scattered" if scattered else "contiguous"
-            for per_layer in (False, True):
-                name = f"{'per_layer' if per_layer else 'whole'}_{label}"
+            for name, per_layer, group in ((f"whole_{label}", False, 64), (f"per_layer_{label}", True, 1),
+                                           (f"per_layer_grouped_{label}", True, 64)):
+                sender.writer.max_group_writes = group
                 out["cases"].append(asdict(run_case(name, sender, receiver, reps,
                                                     lambda tid, s=src, d=dst, p=per_layer: requests_for(
                                                         tid, receiver.name, shape.layers, s, d, tokens, p))))
+            sender.writer.max_group_writes = 64
             ok = ok and verify(kv, receiver, src, dst, [0, shape.layers - 1])
         if full:
             out["streaming"] = streaming_case(shape, kv, sender, receiver, args.stream_tokens, reps,

@@ -37,6 +37,8 @@ class NixlConfig:
     notif_poll_s: how often an otherwise idle I/O thread polls notifications (and UCX progress).
     post_timeout_s: longest a write may wait for its ready event before it fails.
     transfer_timeout_s: longest a posted handle may stay in progress before it fails.
+    max_group_writes: how many queued writes of one transfer that are ready together may share one
+        handle (1 = one handle per write).
     backend_params: extra init parameters per backend name, e.g. {"UCX": {"split_batch_size": "64"}}.
     """
 
@@ -50,6 +52,7 @@ class NixlConfig:
     notif_poll_s: float = 1e-3
     post_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    max_group_writes: int = 64
     backend_params: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def validate(self) -> NixlConfig:
@@ -62,6 +65,8 @@ class NixlConfig:
             raise ValueError("progress_thread_delay_us must be >= 0")
         if not 0 < self.poll_min_s <= self.poll_max_s:
             raise ValueError(f"need 0 < poll_min_s <= poll_max_s, got {self.poll_min_s}, {self.poll_max_s}")
+        if self.max_group_writes < 1:
+            raise ValueError("max_group_writes must be >= 1")
         if self.notif_poll_s <= 0:
             raise ValueError("notif_poll_s must be positive")
         if self.post_timeout_s <= 0 or self.transfer_timeout_s <= 0:

@@ -8,7 +8,9 @@ Life of a write (`WriteRequest`, one per layer or layer group of a transfer):
    before the kernel that computes it finished.
 3. Posting: one `make_prepped_xfer` over the cached tables (+ one `initialize_xfer` for token-exact
    edge descriptors, when the range has partial granules), then `transfer()`. Every handle is fresh,
-   so NIXL's sticky per-handle notification never repeats.
+   so NIXL's sticky per-handle notification never repeats. Writes of the same transfer queued behind
+   it whose events are already complete ride on the same handle (up to `max_group_writes`): a
+   writer that fell behind catches up with one handle instead of one per layer.
 4. Completion: `check_xfer_state` on every in-flight handle, only while some are in flight, with a
    sleep between rounds (the agent's back-off); DONE, ERR, an exception or `transfer_timeout_s`
    ends the handle; handles are released (a release that fails is retried, never forgotten).
@@ -89,6 +91,8 @@ class WriteOutcome:
     post_seconds: time spent in make_prepped_xfer + transfer(); summed over writes for a transfer.
     transfer_seconds: first post to observed completion.
     error: why it failed (None when ok).
+    handle_write_count: writes that shared this write's NIXL handle (they share post time and
+        telemetry); 1 when it had its own.
     """
 
     transfer_id: str
@@ -103,6 +107,7 @@ class WriteOutcome:
     layers: tuple[int, ...] = ()
     notified: bool = False
     telemetry: dict[str, float] | None = None
+    handle_write_count: int = 1
 
 
 @dataclass
@@ -119,6 +124,14 @@ class _Write:
     notif_attached: bool = False
     telemetry: dict[str, float] | None = None
     wall_start_ns: int = 0
+    # Later writes of the same transfer posted on this write's handle (see _gather).
+    group: list[_Write] = field(default_factory=list)
+    post_plan: WritePlan | None = None
+
+    @property
+    def members(self) -> list[_Write]:
+        """This write and the writes riding on its handle, in submission order."""
+        return [self, *self.group]
 
 
 @dataclass
@@ -159,6 +172,7 @@ class PushWriter:
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._zombies: list[tuple[Any, float]] = []
         self._tracer = get_tracer("kvpush.dataplane")
+        self.max_group_writes = self._config.max_group_writes
         agent.attach(self)
 
     # ---- caller side ----------------------------------------------------------------------------
@@ -261,7 +275,47 @@ class PushWriter:
             self._pending.popleft()
             transfer = self._transfers[write.request.transfer_id]
             transfer.queued -= 1
+            if write.error is None:
+                self._gather(write, transfer)
             self._post(write, transfer)
+
+    def _gather(self, leader: _Write, transfer: _Transfer) -> None:
+        """Put the following writes of the same transfer that are ready now on the leader's handle.
+
+        When the writer falls behind (several layers ready at once), one handle instead of one per
+        layer saves per-handle costs (measured on H200: 32 per-layer handles of 32 MiB ran at 105
+        GiB/s, one handle at 275). Streaming, where layers become ready one by one, is unchanged.
+        """
+        limit = self.max_group_writes
+        if limit <= 1 or leader.plan.shared_blocks or leader.request.closes_transfer:
+            return
+        while self._pending and len(leader.group) + 1 < limit:
+            nxt = self._pending[0]
+            req = nxt.request
+            if (
+                req.transfer_id != leader.request.transfer_id
+                or nxt.plan.table != leader.plan.table
+                or nxt.plan.granule != leader.plan.granule
+                or nxt.plan.shared_blocks
+                or not _ready_without_waiting(req.ready_event)
+            ):
+                return
+            self._pending.popleft()
+            transfer.queued -= 1
+            leader.group.append(nxt)
+            if req.closes_transfer:
+                break
+        if leader.group:
+            plans = [m.plan for m in leader.members]
+            leader.post_plan = WritePlan(
+                table=leader.plan.table,
+                granule=leader.plan.granule,
+                local_indices=np.concatenate([p.local_indices for p in plans]),
+                remote_indices=np.concatenate([p.remote_indices for p in plans]),
+                explicit=np.concatenate([p.explicit for p in plans]),
+                total_bytes=sum(p.total_bytes for p in plans),
+                descriptor_count=sum(p.descriptor_count for p in plans),
+            )
 
     def _waits_for_shared_block(self, write: _Write) -> bool:
         """True while an in-flight write of the same transfer copies a block this one copies too."""
@@ -301,8 +355,9 @@ class PushWriter:
             self._fail_transfer(transfer, reason)
             return
         nixl = self._agent.nixl
-        plan = write.plan
-        attach = req.notify is not None and not transfer.in_flight and (
+        plan = write.post_plan or write.plan
+        notify = next((m.request.notify for m in write.members if m.request.notify is not None), None)
+        attach = notify is not None and not transfer.in_flight and (
             (plan.local_indices.size > 0) != (plan.explicit.shape[0] > 0)
         )
         write.wall_start_ns = time.time_ns()
@@ -335,7 +390,7 @@ class PushWriter:
                     )
                 )
             for handle in write.handles:
-                state = nixl.transfer(handle, req.notify if attach else b"")
+                state = nixl.transfer(handle, notify if attach else b"")
                 write.open_handles.append(handle)
                 if state == "ERR":
                     raise RuntimeError("transfer() returned ERR")
@@ -426,43 +481,45 @@ class PushWriter:
                     _log.error("xfer_handle_abandoned", handle=repr(handle))
         self._zombies = keep
 
-    def _descriptor_count(self, write: _Write) -> int:
-        if write.telemetry is not None:
-            return int(write.telemetry["descriptors"])
-        return write.plan.descriptor_count
-
     def _report_success(self, write: _Write, transfer: _Transfer, now: float) -> None:
-        req = write.request
-        write.reported = True
-        descriptors = self._descriptor_count(write)
-        transfer.bytes += write.plan.total_bytes
-        transfer.descriptors += descriptors
-        transfer.writes += 1
-        transfer.layers.update(int(layer) for layer in req.layers)
-        transfer.last_done = now
-        if req.closes_transfer:
-            transfer.closing = write
-        outcome = WriteOutcome(
-            req.transfer_id, True, write.plan.total_bytes, descriptors, write.post_seconds, now - write.posted_at,
-            None, req.peer_agent, 1, tuple(int(x) for x in req.layers), write.notif_attached, write.telemetry,
-        )
-        self._span(write, outcome)
-        self._emit(self._on_request_done, outcome)
+        """Report the write and every write on its handle (they share post time and telemetry)."""
+        alone = not write.group
+        for member in write.members:
+            req = member.request
+            member.reported = True
+            descriptors = int(write.telemetry["descriptors"]) if (alone and write.telemetry) else member.plan.descriptor_count
+            transfer.bytes += member.plan.total_bytes
+            transfer.descriptors += descriptors
+            transfer.writes += 1
+            transfer.layers.update(int(layer) for layer in req.layers)
+            transfer.last_done = now
+            if req.closes_transfer:
+                transfer.closing = write  # the handle that carried (or will send) the notification
+            outcome = WriteOutcome(
+                req.transfer_id, True, member.plan.total_bytes, descriptors, write.post_seconds,
+                now - write.posted_at, None, req.peer_agent, 1, tuple(int(x) for x in req.layers),
+                write.notif_attached and req.notify is not None, write.telemetry, len(write.members),
+            )
+            self._span(member, outcome, write.wall_start_ns)
+            self._emit(self._on_request_done, outcome)
 
     def _report_failure(self, write: _Write, reason: str) -> None:
-        if write.reported:
-            return
-        write.reported = True
-        write.error = reason
-        req = write.request
+        """Report the write (and every write on its handle) failed, once."""
         elapsed = time.monotonic() - write.posted_at if write.posted_at else 0.0
-        outcome = WriteOutcome(
-            req.transfer_id, False, 0, 0, write.post_seconds, elapsed, reason, req.peer_agent, 1,
-            tuple(int(x) for x in req.layers),
-        )
-        _log.warning("write_failed", transfer_id=req.transfer_id, peer=req.peer_agent, error=reason)
-        self._span(write, outcome)
-        self._emit(self._on_request_done, outcome)
+        for member in write.members:
+            if member.reported:
+                continue
+            member.reported = True
+            member.error = reason
+            req = member.request
+            outcome = WriteOutcome(
+                req.transfer_id, False, 0, 0, write.post_seconds, elapsed, reason, req.peer_agent, 1,
+                tuple(int(x) for x in req.layers),
+            )
+            _log.warning("write_failed", transfer_id=req.transfer_id, peer=req.peer_agent, error=reason)
+            self._span(member, outcome, write.wall_start_ns)
+            self._emit(self._on_request_done, outcome)
+        write.error = write.error or reason
 
     def _fail_transfer(self, transfer: _Transfer, reason: str) -> None:
         if transfer.failed is None:
@@ -490,9 +547,10 @@ class PushWriter:
         if error is None and transfer.closing is not None:
             closing = transfer.closing
             notified = closing.notif_attached
-            if closing.request.notify is not None and not notified:
+            notify = next((m.request.notify for m in closing.members if m.request.notify is not None), None)
+            if notify is not None and not notified:
                 try:
-                    self._agent.nixl.send_notif(transfer.peer, closing.request.notify)
+                    self._agent.nixl.send_notif(transfer.peer, notify)
                     notified = True
                 except Exception as exc:  # noqa: BLE001 - the peer never learns; that is a failure
                     error = f"send_notif failed: {exc!r}"
@@ -529,10 +587,10 @@ class PushWriter:
         except Exception as exc:  # noqa: BLE001 - a callback bug must not kill the I/O thread
             _log.error("outcome_callback_failed", transfer_id=outcome.transfer_id, error=repr(exc))
 
-    def _span(self, write: _Write, outcome: WriteOutcome) -> None:
+    def _span(self, write: _Write, outcome: WriteOutcome, start_ns: int = 0) -> None:
         req = write.request
         context = _PROPAGATOR.extract({"traceparent": req.trace_context}) if req.trace_context else None
-        start = write.wall_start_ns or time.time_ns()
+        start = start_ns or time.time_ns()
         span = self._tracer.start_span("kvpush.dataplane.write", context=context, start_time=start)
         if span.is_recording():
             span.set_attribute("kvpush.transfer_id", req.transfer_id)
@@ -548,6 +606,14 @@ class PushWriter:
             if not outcome.ok:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, outcome.error or "failed"))
         span.end()
+
+
+def _ready_without_waiting(event: Any) -> bool:
+    """True when `event` is absent or reports completion without blocking."""
+    if event is None:
+        return True
+    query = getattr(event, "query", None)
+    return bool(query()) if query is not None else False
 
 
 def _without_event(request: WriteRequest) -> WriteRequest:

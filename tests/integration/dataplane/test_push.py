@@ -320,3 +320,37 @@ def test_vllm_cpu_kernel_kv_moves_whole_blocks():
                 assert not dumped[i][0].any()
         finally:
             agent.stop()
+
+
+def test_writes_ready_together_share_one_handle():
+    """Per-layer writes that are all ready when the first one is go out on one handle, byte-exact, notif last."""
+    spec = PeerSpec("decode-group", 4, 16, 32, 2, 32, "kv_first")
+    with decode_peer(spec) as peer, prefill_agent(4, 16, 32, 2, 32, "kv_first") as (agent, writer, out, layout, arrays):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        gate = GateEvent()
+        src_ids, dst_ids = [4, 9, 1], [7, 2, 12]
+        for layer in range(4):
+            writer.submit(WriteRequest("t-group", spec.name, range(layer, layer + 1), src_ids, dst_ids, 0, 80,
+                                       notify=b"g" if layer == 3 else None, ready_event=gate if layer == 0 else None))
+        time.sleep(0.2)
+        assert out.requests == []
+        gate.set()
+        assert out.wait(lambda: out.transfers)
+        assert out.transfers[0].ok and out.transfers[0].notified and out.transfers[0].write_count == 4
+        assert [o.handle_write_count for o in out.requests] == [4, 4, 4, 4]
+        assert peer.notifs(1) == [(agent.agent_name, b"g")]
+        _assert_tokens(layout, arrays, peer.layout, peer.dump(), range(4), src_ids, dst_ids, 0, 80)
+
+
+def test_group_writes_can_be_turned_off():
+    """With max_group_writes=1 every write gets its own handle."""
+    spec = PeerSpec("decode-nogroup", 2, 16, 32, 2, 32, "kv_first")
+    config = NixlConfig(max_group_writes=1)
+    with decode_peer(spec) as peer, prefill_agent(2, 16, 32, 2, 32, "kv_first", config) as (agent, writer, out, _, _):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        gate = GateEvent()
+        writer.submit(WriteRequest("t-ng", spec.name, range(1), [1], [2], 0, 32, ready_event=gate))
+        writer.submit(WriteRequest("t-ng", spec.name, range(1, 2), [1], [2], 0, 32, notify=b"n"))
+        gate.set()
+        assert out.wait(lambda: out.transfers) and out.transfers[0].ok
+        assert [o.handle_write_count for o in out.requests] == [1, 1]
