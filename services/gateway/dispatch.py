@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from opentelemetry import propagate, trace
 from kvpush.observability import get_logger, get_tracer
 from kvpush.services.gateway import legs
 from kvpush.services.gateway.config import GatewayConfig
-from kvpush.services.gateway.errors import GatewayError
+from kvpush.services.gateway.errors import GatewayError, bad_gateway
 from kvpush.services.gateway.routing import Route, Router, pull_decode_params
 from kvpush.services.gateway.validation import ClientRequest, decode_body, prefill_body
 
@@ -181,6 +182,11 @@ class Dispatcher:
 
     async def _pass_through(self, http_request: web.Request, response: aiohttp.ClientResponse, first_chunk: bytes,
                             route: Route, outcome: Outcome, prefill_task: asyncio.Task | None) -> web.StreamResponse:
+        engine_error = _stream_error(first_chunk)
+        if engine_error is not None:
+            # The engine failed before its first token; headers are not sent yet, so say it with a status.
+            response.release()
+            raise bad_gateway(f"decode engine at {route.decode_url} failed: {engine_error}")
         out = web.StreamResponse(status=200, headers={
             "Content-Type": response.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache", **_route_headers(route, outcome.request_id)})
@@ -206,6 +212,23 @@ class Dispatcher:
                 _log.warning("prefill leg failed after decode streamed", transfer_id=route.transfer_id,
                              error=str(prefill_task.exception()))
         return out
+
+
+def _stream_error(first_chunk: bytes) -> str | None:
+    """The message of an SSE error event at the start of a stream (vLLM's way to fail after a 200), else None."""
+    for line in first_chunk.split(b"\n"):
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            event = json.loads(line[5:].strip())
+        except ValueError:
+            return None
+        if isinstance(event, dict) and "error" in event:
+            error = event["error"]
+            return str(error.get("message", error) if isinstance(error, dict) else error)[:500]
+        return None
+    return None
 
 
 def _route_headers(route: Route, request_id: str) -> dict[str, str]:

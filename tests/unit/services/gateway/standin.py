@@ -99,6 +99,8 @@ class StandInEngine:
         if status == 200 and leg.body.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
+            if "stream_error" in body:  # vLLM fails a started stream with an error event after a 200
+                await response.write(f"data: {json.dumps({'error': body['stream_error']})}\n\n".encode())
             for token in body.get("stream_tokens", ["a", "b"]):
                 await response.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': token}]})}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")

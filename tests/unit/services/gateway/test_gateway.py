@@ -172,6 +172,18 @@ def test_streaming_with_failed_prefill_gets_an_error_status(gw):
     assert "no capacity" in result.error
 
 
+def test_stream_failing_before_its_first_token_is_a_502(gw):
+    """A decode stream whose first event is vLLM's error event becomes a 502 with the engine's message."""
+    gw.decode.behaviour = lambda leg: (200, {"stream_error": {"message": "KV load failed", "code": 500},
+                                             "stream_tokens": []}, 0.0)
+    result = stream_completion(gw.gateway.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3},
+                               timeout_s=30)
+    assert result.status == 502
+    assert "KV load failed" in result.error
+    transfer = gw.transfer(gw.decode.legs[0].body["kv_transfer_params"]["transfer_id"])
+    assert transfer.state == tpb.TRANSFER_STATE_CANCELLED
+
+
 @pytest.mark.parametrize("body, field", [
     ({"model": "tiny", "prompt": "x", "kv_transfer_params": {"transfer_id": "t"}}, "kv_transfer_params"),
     ({"model": "tiny", "prompt": "x", "n": 2}, "n"),
