@@ -17,6 +17,7 @@ Scenarios in one run (same directory build, same machine), so ratios compare lik
   max_batched     unpaced, readiness batched per step          -> peak layer events/s
   max_unbatched   unpaced, one readiness event per message     -> what batching buys
   paced_5k        5,000 layer events/s, batched                -> dispatch latency p50/p99
+  unary_rtt_baseline  sequential cheapest unary calls          -> the gRPC round-trip floor under latency
 
 Usage:  python bench/directory_bench.py [--duration-s 10] [--prefill 4] [--decode 4] [--profile]
 Prints JSON and writes it to bench/results/directory_bench.json.
@@ -183,6 +184,7 @@ class Load:
         self.transfers: dict[str, Transfer] = {}
         self.stopping = False
         self.total_done = 0
+        self.admit_per_step = max(1, math.ceil(args.in_flight / (args.layers * args.chunks)))
 
     async def run(self) -> Stats:
         """Warm up, measure for the duration, drain; returns the stats of the window."""
@@ -303,7 +305,9 @@ class Load:
                         self.stats.call_errors[key] = self.stats.call_errors.get(key, 0) + 1
             pending_plans = [p for p in pending_plans if not p.done()]
             if not self.stopping:
-                missing = self.args.in_flight - len(in_flight) - len(pending_plans)
+                # Admit few new requests per step, as an engine does: transfers start and end staggered
+                # instead of in lockstep waves (whose bursts of plans would queue behind each other).
+                missing = min(self.args.in_flight - len(in_flight) - len(pending_plans), self.admit_per_step)
                 for _ in range(max(0, missing)):
                     pending_plans.append(asyncio.create_task(self._plan(registration.engine_id)))
             if self.stopping and not in_flight and not pending_plans:
@@ -422,6 +426,29 @@ async def run_scenario(address: str, args, name: str, rate: float, batched: bool
     }
 
 
+async def unary_rtt_baseline(address: str, count: int = 1000, interval_s: float = 0.002) -> dict:
+    """Round trips of the cheapest unary call (GetTransfer of an unknown id: NOT_FOUND) on the same channel kind.
+
+    It is the floor any dispatch latency sits on: one client->directory->client trip through gRPC Python.
+    Paced like the latency scenario (one call every `interval_s`), so both see the same machine.
+    """
+    client = DirectoryClient(ChannelConfig(address=address, timeout_s=30, max_attempts=1))
+    samples = []
+    request = dpb.GetTransferRequest(transfer_id="baseline")
+    for _ in range(count):
+        started = time.perf_counter()
+        try:
+            await client.stub.GetTransfer(request, timeout=30)
+        except grpc.aio.AioRpcError:
+            pass
+        samples.append((time.perf_counter() - started) * 1e3)
+        await asyncio.sleep(interval_s)
+    await client.close()
+    return {"scenario": "unary_rtt_baseline", "calls": count,
+            "rtt_ms": {"p50": round(_percentile(samples, 50), 3), "p90": round(_percentile(samples, 90), 3),
+                       "p99": round(_percentile(samples, 99), 3)}}
+
+
 def summarize_profile(path: str, top: int = 18) -> dict:
     """Top functions of the directory by own time, from its cProfile output."""
     stats = pstats.Stats(path)
@@ -451,11 +478,18 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4, help="chunked-prefill steps per prompt")
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--paced-rate", type=float, default=5000.0)
-    parser.add_argument("--scenarios", default="max_batched,max_unbatched,paced_5k")
+    parser.add_argument("--scenarios", default="max_batched,max_unbatched,paced_5k,unary_rtt_baseline")
     parser.add_argument("--directory-core", type=int, default=0)
     parser.add_argument("--load-core", type=int, default=1)
     parser.add_argument("--no-pin", action="store_true", help="do not pin the two processes to cores")
     parser.add_argument("--no-uvloop", action="store_true", help="directory and load on asyncio's default loop")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="run directory and load at this niceness (negative needs root): on a shared machine, "
+                             "stands in for the dedicated core a production directory has")
+    parser.add_argument("--realtime", action="store_true",
+                        help="paced scenarios only: run directory and load under SCHED_FIFO (root) so other work on a "
+                             "shared machine cannot delay them; refused with the unpaced scenarios, which would "
+                             "starve a core")
     parser.add_argument("--profile", action="store_true", help="profile the directory; report where time goes")
     args = parser.parse_args()
 
@@ -466,6 +500,12 @@ def main() -> None:
     if pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.load_core})
     profile_path = tempfile.mktemp(suffix=".prof") if args.profile else None
+    if args.nice:
+        os.nice(args.nice)  # the directory process inherits it
+    if args.realtime:
+        if any(name.startswith("max") for name in args.scenarios.split(",")):
+            parser.error("--realtime is only for paced scenarios")
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))  # inherited by the directory process
     directory = DirectoryProcess(directory_core, profile_path, ["--no-uvloop"] if args.no_uvloop else [])
     address = f"127.0.0.1:{directory.port}"
     scenarios = {
@@ -476,8 +516,11 @@ def main() -> None:
     results = []
     try:
         for name in args.scenarios.split(","):
-            rate, batched = scenarios[name]
-            runner = run_scenario(address, args, name, rate, batched, directory)
+            if name == "unary_rtt_baseline":
+                runner = unary_rtt_baseline(address)
+            else:
+                rate, batched = scenarios[name]
+                runner = run_scenario(address, args, name, rate, batched, directory)
             if args.no_uvloop:
                 results.append(asyncio.run(runner))
             else:
@@ -501,6 +544,8 @@ def main() -> None:
         "directory_pinned_core": directory_core,
         "load_pinned_core": args.load_core if pin else None,
         "event_loop": "asyncio" if args.no_uvloop else "uvloop",
+        "niceness": args.nice,
+        "realtime_sched_fifo": args.realtime,
         "workload": {"prefill_workers": args.prefill, "decode_engines": args.decode,
                      "in_flight_per_worker": args.in_flight, "layers": args.layers, "chunks": args.chunks,
                      "events_per_transfer": args.layers * args.chunks, "duration_s": args.duration_s},
@@ -512,7 +557,9 @@ def main() -> None:
         report["directory_profile_top_own_time"] = summarize_profile(profile_path)
         os.unlink(profile_path)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("directory_bench_profile.json" if args.profile else "directory_bench.json")
+    name = "directory_bench_profile" if args.profile else "directory_bench"
+    suffix = "_realtime" if args.realtime else f"_nice{args.nice}" if args.nice else ""
+    out = RESULTS / f"{name}{suffix}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
