@@ -82,11 +82,30 @@ def _print_timeline(stack: LocalStack, answer: dict) -> None:
          f" | decode allocated {_ts(transfer.allocate_time, origin)} | first layer ready "
          f"{_ts(transfer.first_ready_time, origin)} | push dispatched {_ts(transfer.dispatch_time, origin)}"
          f" | ended {_ts(transfer.end_time, origin)}")
-    params = info.get("prefill_kv_transfer_params")
-    if params:
-        _say(f"      prefill reported: {params}")
+    params = info.get("prefill_kv_transfer_params") or {}
+    timeline = params.get("push_timeline") if isinstance(params, dict) else None
+    if timeline:
+        _say("      prefill reported: " + _describe_push(timeline))
     else:
-        _say("      prefill reported no timeline in its kv_transfer_params")
+        _say(f"      prefill reported no push timeline (kv_transfer_params: {params or None})")
+
+
+def _describe_push(timeline: dict) -> str:
+    """One line from the connector's push timeline (unix seconds and counts)."""
+    origin = timeline.get("prefill_start_time") or timeline.get("first_write_start_time")
+
+    def at(key: str) -> str:
+        value = timeline.get(key)
+        return f"+{(value - origin) * 1000:.1f} ms" if value and origin else "-"
+
+    tail = "-"
+    if timeline.get("last_write_end_time") and timeline.get("prefill_end_time"):
+        tail = f"{(timeline['last_write_end_time'] - timeline['prefill_end_time']) * 1000:.1f} ms"
+    return (f"{timeline.get('layers_written_before_prefill_end_count')} layers written before prefill ended; "
+            f"{timeline.get('bytes_written')} bytes in {timeline.get('write_count')} WRITEs "
+            f"({timeline.get('descriptor_count')} descriptors); first write {at('first_write_start_time')}, "
+            f"prefill end {at('prefill_end_time')}, last write end {at('last_write_end_time')} "
+            f"(exposed tail {tail}); state {timeline.get('state')}")
 
 
 def run(args: argparse.Namespace) -> int:
