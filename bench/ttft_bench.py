@@ -201,13 +201,32 @@ def transfer_figures(directory_address: str, transfer_id: str) -> dict:
             return None
         return round((later.ToNanoseconds() - earlier.ToNanoseconds()) / 1e6, 2)
 
-    return {"transfer_id": transfer_id, "state": transfer.State.Name(transfer.state) if hasattr(transfer, "State")
-            else int(transfer.state), "layers_written": transfer.layers_written_count,
+    from kvpush.v1 import types_pb2
+
+    return {"transfer_id": transfer_id, "state": types_pb2.TransferState.Name(transfer.state),
+            "layers_written": transfer.layers_written_count,
             "bytes_written": transfer.bytes_written,
             "allocate_after_plan_ms": ms(transfer.allocate_time, transfer.create_time),
             "first_ready_after_plan_ms": ms(transfer.first_ready_time, transfer.create_time),
             "dispatch_after_plan_ms": ms(transfer.dispatch_time, transfer.create_time),
             "end_after_plan_ms": ms(transfer.end_time, transfer.create_time)}
+
+
+def push_figures(prefill_params_header: str | None) -> dict:
+    """Layers written before prefill ended and the exposed write tail, from the prefill's push timeline."""
+    if not prefill_params_header:
+        return {}
+    try:
+        timeline = json.loads(prefill_params_header).get("push_timeline") or {}
+    except (ValueError, AttributeError):
+        return {}
+    out = {"layers_written_before_prefill_end": timeline.get("layers_written_before_prefill_end_count"),
+           "push_bytes": timeline.get("bytes_written"), "write_count": timeline.get("write_count"),
+           "push_state": timeline.get("state")}
+    if timeline.get("last_write_end_time") and timeline.get("prefill_end_time"):
+        out["write_tail_after_prefill_ms"] = round(
+            (timeline["last_write_end_time"] - timeline["prefill_end_time"]) * 1000, 2)
+    return out
 
 
 def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_dir: Path) -> dict:
@@ -267,9 +286,11 @@ def run_cell(args, connector: str, gateway: GatewayHandle, prefill: EngineHandle
         transfer_id = via_gateway.headers.get("x-kvpush-transfer-id")
         if transfer_id and directory is not None:
             try:
-                transfers.append(transfer_figures(f"127.0.0.1:{directory.port}", transfer_id))
+                figures = transfer_figures(f"127.0.0.1:{directory.port}", transfer_id)
             except Exception as error:  # figures are a bonus; never lose the TTFT for them
-                transfers.append({"transfer_id": transfer_id, "error": str(error)})
+                figures = {"transfer_id": transfer_id, "error": str(error)}
+            figures.update(push_figures(via_gateway.headers.get("x-kvpush-prefill-params")))
+            transfers.append(figures)
     cell = {"disagg_ms": [round(t * 1000, 1) for t in disagg], "p_direct_ms": [round(t * 1000, 1) for t in direct],
             "median_disagg_ms": median_ms(disagg), "median_p_direct_ms": median_ms(direct),
             "outputs_equal": equal, "compared": compared, "failures": failures}
@@ -377,6 +398,7 @@ def main(argv=None) -> int:
     finally:
         if network:
             network.destroy()
+    result["cpu"]["loadavg_at_end"] = os.getloadavg()
     add_ratios(result)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else RESULTS_DIR / f"ttft-{stamp}.json"

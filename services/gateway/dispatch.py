@@ -36,6 +36,8 @@ _log = get_logger("gateway.dispatch")
 _tracer = get_tracer("kvpush.gateway")
 
 TRANSFER_ID_HEADER = "X-KVPush-Transfer-Id"
+# On streamed answers: the prefill leg's kv_transfer_params (kvpush: transfer id and push timeline) as JSON.
+PREFILL_PARAMS_HEADER = "X-KVPush-Prefill-Params"
 
 
 @dataclass
@@ -187,9 +189,14 @@ class Dispatcher:
             # The engine failed before its first token; headers are not sent yet, so say it with a status.
             response.release()
             raise bad_gateway(f"decode engine at {route.decode_url} failed: {engine_error}")
-        out = web.StreamResponse(status=200, headers={
-            "Content-Type": response.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache", **_route_headers(route, outcome.request_id)})
+        headers = {"Content-Type": response.headers.get("Content-Type", "text/event-stream"),
+                   "Cache-Control": "no-cache", **_route_headers(route, outcome.request_id)}
+        if outcome.prefill_params:
+            # Streams have no body field for it: the prefill's params (push timeline) go in a header, if small.
+            encoded = json.dumps(outcome.prefill_params, separators=(",", ":"), default=str)
+            if len(encoded) <= 4096:
+                headers[PREFILL_PARAMS_HEADER] = encoded
+        out = web.StreamResponse(status=200, headers=headers)
         try:
             await out.prepare(http_request)
             outcome.status = 200

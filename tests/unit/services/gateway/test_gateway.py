@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -160,6 +161,9 @@ def test_streaming_passes_decode_events_through(gw):
     assert result.text == "one two three"
     assert result.headers["x-kvpush-transfer-id"] == gw.decode.legs[0].body["kv_transfer_params"]["transfer_id"]
     assert gw.prefill.legs[0].body["stream"] is False
+    # The stand-in prefill echoes its params; they come back in a header since a stream has no body field.
+    prefill_params = json.loads(result.headers["x-kvpush-prefill-params"])
+    assert prefill_params["echo"]["transfer_id"] == result.headers["x-kvpush-transfer-id"]
 
 
 def test_streaming_with_failed_prefill_gets_an_error_status(gw):
