@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import grpc
+import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -402,4 +403,22 @@ def test_a_second_directory_cannot_take_a_bound_port():
                     raise AssertionError("second directory bound the same port")
             except OSError:
                 pass
+    run(body())
+
+
+def test_transfer_end_is_logged_with_ids_bound():
+    """A failed transfer leaves one structured log entry naming the transfer, both engines and the reason."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            await _pair(s)
+            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            with structlog.testing.capture_logs() as logs:
+                await s.CancelTransfer(dpb.CancelTransferRequest(transfer_id=tid, reason="client gone"))
+            ended = [e for e in logs if e["event"] == "transfer ended"]
+            assert len(ended) == 1 and ended[0]["transfer_id"] == tid
+            assert (ended[0]["state"], ended[0]["reason"]) == ("TRANSFER_STATE_CANCELLED", "client gone")
+            assert (ended[0]["prefill_engine_id"], ended[0]["decode_engine_id"]) == ("p1", "d1")
+            assert ended[0]["log_level"] == "info"
+            await channel.close()
     run(body())
