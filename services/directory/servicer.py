@@ -109,6 +109,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         self._sessions: dict[tuple[str, int], _PrefillSession] = {}
         self._watchers: dict[str, set[asyncio.Event]] = {}
         self._shutting_down = False
+        self._renew_streams: set[asyncio.Event] = set()
 
     # ---------------------------------------------------------------- plumbing
 
@@ -130,6 +131,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         for wakes in self._watchers.values():
             for wake in wakes:
                 wake.set()
+        for wake in self._renew_streams:
+            wake.set()
 
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, error: DirectoryError) -> None:
@@ -167,18 +170,31 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
     async def RenewLease(self, request_iterator, context):
         """Renew leases as requests arrive; NOT_FOUND ends the stream for an unknown or lapsed lease."""
         ttl = _duration(self.limits.lease_ttl_s)
-        async for request in request_iterator:
-            try:
-                check.require_id(request.lease_id, "lease_id", self.limits)
-                self.state.renew(request.lease_id, request.load if request.HasField("load") else None)
-            except DirectoryError as error:
-                log.info("renewal refused", lease_id=request.lease_id, error=str(error))
-                await self._abort(context, error)
-            yield dpb.RenewLeaseResponse(lease_id=request.lease_id, ttl=ttl)
-            if self._shutting_down:
-                context.set_code(grpc.StatusCode.UNAVAILABLE)
-                context.set_details(_SHUTDOWN_DETAILS)
-                return
+        stopping = asyncio.Event()
+        self._renew_streams.add(stopping)
+        try:
+            while not self._shutting_down:
+                reading = asyncio.ensure_future(context.read())
+                waiting = asyncio.ensure_future(stopping.wait())
+                await asyncio.wait({reading, waiting}, return_when=asyncio.FIRST_COMPLETED)
+                waiting.cancel()
+                if not reading.done():  # stopping: the client renews on the next directory
+                    reading.cancel()
+                    break
+                request = reading.result()
+                if request is grpc.aio.EOF:
+                    return
+                try:
+                    check.require_id(request.lease_id, "lease_id", self.limits)
+                    self.state.renew(request.lease_id, request.load if request.HasField("load") else None)
+                except DirectoryError as error:
+                    log.info("renewal refused", lease_id=request.lease_id, error=str(error))
+                    await self._abort(context, error)
+                await context.write(dpb.RenewLeaseResponse(lease_id=request.lease_id, ttl=ttl))
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(_SHUTDOWN_DETAILS)
+        finally:
+            self._renew_streams.discard(stopping)
 
     async def GetEngine(self, request, context):
         """One engine's workers in rank order."""

@@ -359,6 +359,9 @@ def test_graceful_stop_flushes_and_ends_streams_unavailable():
             channel, s = stub(directory.address)
             p_lease, _ = await _pair(s)
             watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
+            renew = s.RenewLease()
+            await renew.write(dpb.RenewLeaseRequest(lease_id=p_lease))
+            assert (await read(renew)).lease_id == p_lease
             prefill = await open_prefill(s, "p1", p_lease)
             tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
             await s.ReportAllocation(allocation(tid))
@@ -369,7 +372,8 @@ def test_graceful_stop_flushes_and_ends_streams_unavailable():
             await directory.server.stop(10.0)
             assert await code_of(prefill.read()) == grpc.StatusCode.UNAVAILABLE
             assert await code_of(watch.read()) == grpc.StatusCode.UNAVAILABLE
-            assert loop.time() - started < 5.0
+            assert await code_of(renew.read()) == grpc.StatusCode.UNAVAILABLE
+            assert loop.time() - started < 5.0  # streams ended on request, not by the 10 s grace running out
             await channel.close()
     run(body())
 
