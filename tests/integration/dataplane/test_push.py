@@ -354,3 +354,17 @@ def test_group_writes_can_be_turned_off():
         gate.set()
         assert out.wait(lambda: out.transfers) and out.transfers[0].ok
         assert [o.handle_write_count for o in out.requests] == [1, 1]
+
+
+def test_paced_progress_thread_agent_pushes_byte_exact():
+    """With NIXL's progress thread on (sleeping 100 us, not spinning) on both sides, writes still arrive exactly."""
+    config = {"enable_prog_thread": True, "progress_thread_delay_us": 100}
+    spec = PeerSpec("decode-progthread", 2, 16, 32, 2, 32, "kv_first", config)
+    with decode_peer(spec) as peer, prefill_agent(2, 16, 32, 2, 32, "kv_first", NixlConfig(**config)) as (
+            agent, writer, out, layout, arrays):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        src_ids, dst_ids = [3, 8, 0], [11, 5, 9]
+        writer.submit(WriteRequest("t-pt", spec.name, range(2), src_ids, dst_ids, 0, 90, notify=b"pt"))
+        assert out.wait(lambda: out.transfers) and out.transfers[0].ok
+        assert peer.notifs(1) == [(agent.agent_name, b"pt")]
+        _assert_tokens(layout, arrays, peer.layout, peer.dump(), range(2), src_ids, dst_ids, 0, 90)
