@@ -141,6 +141,31 @@ def start_pd_engines(args, model_dir: Path, connector: str, topology: Topology, 
     return handles[0], handles[1]
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by every live process of a process group."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the command: state, ppid, pgrp, ...
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def idle_cpu(engines: list[EngineHandle], window_s: float = 3.0) -> dict[str, float]:
+    """CPU cores each idle engine burns (its whole process group), over `window_s`: busy-spinning threads show."""
+    before = {e.spec.name: group_cpu_seconds(e.process.pid) for e in engines}
+    time.sleep(window_s)
+    return {e.spec.name: round((group_cpu_seconds(e.process.pid) - before[e.spec.name]) / window_s, 2)
+            for e in engines}
+
+
 def start_bench_gateway(mode: str, log_dir: Path, *, prefill: EngineHandle, decode: EngineHandle,
                         topology: Topology, directory_address: str = "") -> GatewayHandle:
     """The gateway in the root namespace on loopback, in `mode`."""
@@ -167,7 +192,7 @@ def measure_colocated(args, model_dir: Path, log_dir: Path) -> dict:
     try:
         engine.wait_ready(args.engine_timeout, progress=say)
         say(f"colocated ready at {engine.url}")
-        out = {}
+        out: dict = {"idle_cpu_cores": idle_cpu([engine])}
         for tokens in args.tokens:
             ttfts = []
             for i in range(args.warmup + args.iterations):
@@ -242,7 +267,8 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
         prefill, decode = start_pd_engines(args, model_dir, connector, topology, log_dir, directory_port)
         gateway = start_bench_gateway(connector, log_dir, prefill=prefill, decode=decode, topology=topology,
                                       directory_address=f"127.0.0.1:{directory_port}")
-        out: dict = {}
+        out: dict = {"idle_cpu_cores": idle_cpu([prefill, decode])}
+        say(f"{connector}: idle engines burn {out['idle_cpu_cores']} CPU cores")
         for rate in args.rates:
             if topology.network:
                 topology.network.set_rate(None if rate == "unshaped" else rate)
@@ -306,6 +332,8 @@ def add_ratios(result: dict) -> None:
         if not isinstance(rates, dict) or "error" in rates:
             continue
         for rate, cells in rates.items():
+            if rate == "idle_cpu_cores":
+                continue
             for tokens, cell in cells.items():
                 if cell["median_p_direct_ms"]:
                     cell["ratio_vs_p_direct"] = round(cell["median_disagg_ms"] / cell["median_p_direct_ms"], 3)
