@@ -299,7 +299,7 @@ class PushWriter:
                 or nxt.plan.shared_blocks
                 or not _ready_without_waiting(req.ready_event)
             ):
-                return
+                break
             self._pending.popleft()
             transfer.queued -= 1
             leader.group.append(nxt)

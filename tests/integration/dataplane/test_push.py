@@ -368,3 +368,23 @@ def test_paced_progress_thread_agent_pushes_byte_exact():
         assert out.wait(lambda: out.transfers) and out.transfers[0].ok
         assert peer.notifs(1) == [(agent.agent_name, b"pt")]
         _assert_tokens(layout, arrays, peer.layout, peer.dump(), range(2), src_ids, dst_ids, 0, 90)
+
+
+def test_group_stops_at_a_write_that_is_not_ready():
+    """Ready writes behind the first share its handle; a write whose event is pending waits for its own."""
+    spec = PeerSpec("decode-group-stop", 4, 16, 32, 2, 32, "kv_first")
+    with decode_peer(spec) as peer, prefill_agent(4, 16, 32, 2, 32, "kv_first") as (agent, writer, out, layout, arrays):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        first, later = GateEvent(), GateEvent()
+        events = [first, None, later, None]
+        for layer in range(4):
+            writer.submit(WriteRequest("t-gs", spec.name, range(layer, layer + 1), [2], [5], 0, 32,
+                                       notify=b"gs" if layer == 3 else None, ready_event=events[layer]))
+        time.sleep(0.1)
+        first.set()
+        assert out.wait(lambda: len(out.requests) == 2)
+        assert [o.handle_write_count for o in out.requests] == [2, 2]
+        later.set()
+        assert out.wait(lambda: out.transfers) and out.transfers[0].ok
+        assert [o.handle_write_count for o in out.requests] == [2, 2, 2, 2]
+        _assert_tokens(layout, arrays, peer.layout, peer.dump(), range(4), [2], [5], 0, 32)
