@@ -97,8 +97,8 @@ def streaming_case(shape: KVShape, kv: dict[str, torch.Tensor], sender: Sender, 
     x0 = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=SRC)
     per_layer_elems = kv["layers.0"][:, :n_blocks].numel()
 
-    def compute(submit_per_layer: bool, tid: str) -> tuple[float, float]:
-        x = x0
+    def compute(submit_per_layer: bool, tid: str, rep: int) -> tuple[float, float]:
+        x = x0 + float(rep)  # different KV every repetition, so a lost write shows in the check below
         layer_ms = []
         events = []
         for layer in range(shape.layers):
@@ -125,12 +125,14 @@ def streaming_case(shape: KVShape, kv: dict[str, torch.Tensor], sender: Sender, 
     for rep in range(reps + 1):
         tid = f"stream-{rep}"
         sender._done.clear()
-        ready_at, layer_ms = compute(True, tid)
+        ready_at, layer_ms = compute(True, tid, rep)
         if not sender._done.wait(60) or not sender.final.ok:
             raise RuntimeError(f"streamed transfer failed: {sender.final}")
         streamed = (sender.done_at - ready_at) * 1e3
+        if rep == reps:
+            results["streamed_bytes_verified"] = [float(verify(kv, receiver, ids[:1], dst[:1], list(range(shape.layers))))]
         tid = f"after-{rep}"
-        ready_at, _ = compute(False, tid)
+        ready_at, _ = compute(False, tid, rep + 1000)
         sender._done.clear()
         sender.writer.submit(WriteRequest(tid, receiver.name, range(shape.layers), ids, dst, 0, tokens,
                                           notify=tid.encode()))
