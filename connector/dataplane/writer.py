@@ -91,6 +91,8 @@ class WriteOutcome:
     post_seconds: time spent in make_prepped_xfer + transfer(); summed over writes for a transfer.
     transfer_seconds: first post to observed completion.
     error: why it failed (None when ok).
+    write_count: 1 for a write; for a transfer, every write it accepted (failed and dropped ones
+        included), so 0 only when a cancelled transfer never had a write.
     handle_write_count: writes that shared this write's NIXL handle (they share post time and
         telemetry); 1 when it had its own.
     """
@@ -264,6 +266,7 @@ class PushWriter:
             self._report_failure(write, transfer.failed)
             return
         transfer.closed_for_submit = req.closes_transfer
+        transfer.writes += 1
         transfer.queued += 1
         self._pending.append(write)
 
@@ -490,7 +493,6 @@ class PushWriter:
             descriptors = int(write.telemetry["descriptors"]) if (alone and write.telemetry) else member.plan.descriptor_count
             transfer.bytes += member.plan.total_bytes
             transfer.descriptors += descriptors
-            transfer.writes += 1
             transfer.layers.update(int(layer) for layer in req.layers)
             transfer.last_done = now
             if req.closes_transfer:

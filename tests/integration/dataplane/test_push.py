@@ -254,7 +254,10 @@ def test_cancel_drops_queued_writes_and_refuses_later_ones():
         agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
         writer.submit(WriteRequest("t-c", spec.name, range(1), [1], [3], 0, 32, ready_event=GateEvent()))
         result = writer.cancel("t-c").result(BOUND_S)
-        assert not result.ok and result.error == "cancelled"
+        assert not result.ok and result.error == "cancelled" and result.write_count == 1
+        assert out.transfers == [result]
+        never = writer.cancel("t-never").result(BOUND_S)
+        assert never.write_count == 0 and never.error == "cancelled"
         writer.submit(WriteRequest("t-c", spec.name, range(1), [1], [3], 0, 32))
         assert out.wait(lambda: len(out.requests) == 2)
         assert [o.ok for o in out.requests] == [False, False]
