@@ -51,6 +51,7 @@ from kvpush.localstack.processes import (
     start_directory,
 )
 from kvpush.localstack.stack import (
+    DIRECTORY_ARGS,
     NIXL_DECODE_SIDE_CHANNEL_PORT,
     NIXL_PREFILL_SIDE_CHANNEL_PORT,
     kv_transfer_config,
@@ -260,7 +261,8 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
     directory_port = 0
     if connector == "kvpush":
         # Root namespace; engines in the namespaces reach it over their control links.
-        directory = start_directory(log_dir, host="0.0.0.0" if topology.network else "127.0.0.1", progress=say)
+        directory = start_directory(log_dir, host="0.0.0.0" if topology.network else "127.0.0.1", progress=say,
+                                    extra_args=DIRECTORY_ARGS)
         directory_port = directory.port
     prefill = decode = gateway = None
     try:

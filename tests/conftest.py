@@ -31,7 +31,7 @@ from kvpush.localstack.processes import (
     start_directory,
     start_gateway,
 )
-from kvpush.localstack.stack import kv_transfer_config
+from kvpush.localstack.stack import DIRECTORY_ARGS, kv_transfer_config
 from tests.fixtures.otlp import OTLPReceiver
 
 ENGINE_READY_TIMEOUT_S = 480.0
@@ -108,7 +108,7 @@ def otlp_receiver():
 @pytest.fixture(scope="session")
 def kv_directory(session_log_dir, otlp_receiver) -> DirectoryHandle:
     """The session's KV directory (a real `kvpush directory` process on 127.0.0.1)."""
-    handle = start_directory(session_log_dir, env=otlp_receiver.env("kvpush-directory"))
+    handle = start_directory(session_log_dir, env=otlp_receiver.env("kvpush-directory"), extra_args=DIRECTORY_ARGS)
     yield handle
     handle.process.stop(grace_s=5.0)
 

@@ -31,6 +31,8 @@ from kvpush.localstack.processes import (
     start_gateway,
 )
 
+# Directory flags for local stacks: leases outlive a few seconds of CPU starvation.
+DIRECTORY_ARGS = ("--lease-ttl-s", "30")
 NIXL_PREFILL_SIDE_CHANNEL_PORT = 5611
 NIXL_DECODE_SIDE_CHANNEL_PORT = 5622
 
@@ -90,7 +92,8 @@ class LocalStack:
             self._say(f"[stack] logs in {self.log_dir}")
             self.model_dir = ensure_tiny_model(self.spec)
             self._say(f"[stack] tiny model ready: {self.model_dir}")
-            self.directory = start_directory(self.log_dir, progress=self.progress)
+            # 30 s leases: on a 2-core machine shared with engines a renewal can be late by seconds.
+            self.directory = start_directory(self.log_dir, progress=self.progress, extra_args=DIRECTORY_ARGS)
             self._say(f"[stack] directory ready at {self.directory.address}")
             self._launch_engines()
             self._wait_engines(started)
