@@ -27,6 +27,7 @@ class PeerSpec:
     head_size: int
     hint: str
     config: dict = field(default_factory=dict)
+    listener: bool = True
 
 
 def decode_peer_main(conn: Connection, spec: PeerSpec) -> None:
@@ -39,7 +40,8 @@ def decode_peer_main(conn: Connection, spec: PeerSpec) -> None:
     agent.register(caches, spec.block_size, spec.heads, spec.head_size, spec.hint)
     agent.start()
     notes: list[tuple[str, bytes]] = []
-    NotificationListener(agent, lambda name, msg: notes.append((name, msg)))
+    if spec.listener:
+        NotificationListener(agent, lambda name, msg: notes.append((name, msg)))
     conn.send((agent.agent_metadata(), layout.to_proto().SerializeToString()))
     while True:
         cmd, arg = conn.recv()

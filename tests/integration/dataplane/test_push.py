@@ -391,3 +391,13 @@ def test_group_stops_at_a_write_that_is_not_ready():
         assert out.wait(lambda: out.transfers) and out.transfers[0].ok
         assert [o.handle_write_count for o in out.requests] == [2, 2, 2, 2]
         _assert_tokens(layout, arrays, peer.layout, peer.dump(), range(4), [2], [5], 0, 32)
+
+
+def test_decode_without_listener_receives_pushes():
+    """A decode agent that only registered and started (no listener, no other action) receives writes byte-exact."""
+    spec = PeerSpec("decode-passive", 2, 16, 32, 2, 32, "kv_first", listener=False)
+    with decode_peer(spec) as peer, prefill_agent(2, 16, 32, 2, 32, "kv_first") as (agent, writer, out, layout, arrays):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        writer.submit(WriteRequest("t-passive", spec.name, range(2), [6, 1], [0, 13], 0, 64, ends_transfer=True))
+        assert out.wait(lambda: out.transfers) and out.transfers[0].ok and not out.transfers[0].notified
+        _assert_tokens(layout, arrays, peer.layout, peer.dump(), range(2), [6, 1], [0, 13], 0, 64)
