@@ -45,6 +45,7 @@ _SERVE_FLAGS: dict[str, tuple[str, object, type]] = {
     "retained_watch_events": ("KVPUSH_DIRECTORY_RETAINED_WATCH_EVENTS", 10_000, int),
     "max_message_bytes": ("KVPUSH_DIRECTORY_MAX_MESSAGE_BYTES", 16 * 1024 * 1024, int),
     "reap_interval_s": ("KVPUSH_DIRECTORY_REAP_INTERVAL_S", 0.1, float),
+    "reap_stall_threshold_s": ("KVPUSH_DIRECTORY_REAP_STALL_THRESHOLD_S", 2.0, float),
     "grace_s": ("KVPUSH_DIRECTORY_GRACE_S", 5.0, float),
     "max_connection_age_s": ("KVPUSH_DIRECTORY_MAX_CONNECTION_AGE_S", 0.0, float),
 }
@@ -187,7 +188,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_live_transfers=args.max_live_transfers, max_workers=args.max_workers,
             max_block_ids=args.max_block_ids, max_events_per_batch=args.max_events_per_batch,
             retained_terminal_transfers=args.retained_transfers,
-            retained_watch_events_per_engine=args.retained_watch_events)
+            retained_watch_events_per_engine=args.retained_watch_events,
+            reap_stall_threshold_s=args.reap_stall_threshold_s)
         config = DirectoryConfig(
             host=args.host, port=args.port, token=args.token, tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca, limits=limits,

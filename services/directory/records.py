@@ -57,6 +57,10 @@ class Limits:
     retained_watch_events_per_engine: int = 10_000
     # How long the watch log of a decode engine with no registered worker is kept (for a re-registration).
     gone_engine_log_retention_s: float = 300.0
+    # A gap between two reaps longer than this means the directory itself stalled (GC, a starved
+    # or frozen process): renewals could not be taken meanwhile, so leases are extended by the gap
+    # instead of all lapsing at once. Transfer deadlines are not extended.
+    reap_stall_threshold_s: float = 2.0
     max_id_length: int = 128
 
     def __post_init__(self) -> None:
@@ -73,10 +77,12 @@ class Effects:
 
     prefill_outboxes: (engine_id, tp_rank) whose outbox received messages.
     watch_engines: decode engine ids whose watch log received events.
+    stall_s: from `reap()` only, how long the directory stalled (0: it did not); leases were extended by it.
     """
 
     prefill_outboxes: set[tuple[str, int]] = field(default_factory=set)
     watch_engines: set[str] = field(default_factory=set)
+    stall_s: float = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.prefill_outboxes or self.watch_engines)

@@ -144,7 +144,10 @@ class DirectoryServer:
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
             try:
-                self.servicer.deliver(self.state.reap())
+                effects = self.state.reap()
+                if effects.stall_s:
+                    log.warning("directory stalled; leases extended by the stall", stall_s=round(effects.stall_s, 3))
+                self.servicer.deliver(effects)
             except Exception:  # a reaper that dies would stop every lease from lapsing
                 log.exception("reap failed")
 

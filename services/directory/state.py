@@ -92,6 +92,7 @@ class DirectoryState:
         self._event_sequence = 0
         self._transfer_sequence = itertools.count(1)
         self._session_ids = itertools.count(1)
+        self._last_reap: float | None = None
 
     # ---------------------------------------------------------------- engines and leases
 
@@ -543,9 +544,19 @@ class DirectoryState:
         self.observer.on_ended(record)
 
     def reap(self, now: float | None = None) -> Effects:
-        """End lapsed leases (engine lost) and transfers past their deadline (EXPIRED); scans everything."""
+        """End lapsed leases (engine lost) and transfers past their deadline (EXPIRED); scans everything.
+
+        A gap since the previous reap over `reap_stall_threshold_s` is the directory's own stall: every
+        lease is extended by it first (see `Limits.reap_stall_threshold_s`), and `Effects.stall_s` says so.
+        """
         now = self.clock.monotonic() if now is None else now
         fx = Effects()
+        if self._last_reap is not None and now - self._last_reap > self.limits.reap_stall_threshold_s:
+            fx.stall_s = now - self._last_reap
+            for worker in self._leases.values():
+                worker.lease_deadline += fx.stall_s
+                worker.lease_deadline_wall += fx.stall_s
+        self._last_reap = now
         lapsed = [w for w in self._leases.values() if w.lease_deadline < now]
         for worker in lapsed:
             if worker.lease_id in self._leases:

@@ -466,3 +466,20 @@ def test_watch_log_of_a_gone_engine_is_kept_for_a_while_then_dropped():
     d.state.reap()
     with pytest.raises(NotFound):
         d.events()
+
+
+def test_a_directory_stall_extends_leases_but_not_transfer_deadlines():
+    """After a 30 s gap between reaps, leases are extended by the gap; transfer deadlines still expire."""
+    d = Directory(Limits(lease_ttl_s=10, transfer_ttl_s=20, reap_stall_threshold_s=2))
+    tid = d.plan()
+    d.state.reap()
+    d.time.advance(30)
+    effects = d.state.reap()
+    assert effects.stall_s == 30
+    assert d.state.get_engine("p1") and d.state.get_engine("d1")
+    assert d.transfer(tid).state == S.TRANSFER_STATE_EXPIRED
+    for _ in range(25):  # regular reaps, no renewals: the extended leases lapse 10 s later
+        d.time.advance(0.5)
+        assert d.state.reap().stall_s == 0
+    with pytest.raises(NotFound):
+        d.state.get_engine("p1")

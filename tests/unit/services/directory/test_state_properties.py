@@ -31,7 +31,9 @@ class DirectoryMachine(RuleBasedStateMachine):
     def start(self) -> None:
         self.time = ManualClock()
         self.state = DirectoryState(
-            Limits(lease_ttl_s=LEASE_TTL, transfer_ttl_s=TRANSFER_TTL, max_active_transfers_per_engine=8),
+            # Time jumps model time passing while the directory reaps regularly, not a directory stall.
+            Limits(lease_ttl_s=LEASE_TTL, transfer_ttl_s=TRANSFER_TTL, max_active_transfers_per_engine=8,
+                   reap_stall_threshold_s=1e9),
             self.time.clock())
         self.transfers: list[str] = []
         self.terminal_seen: dict[str, int] = {}
