@@ -222,7 +222,14 @@ class TransferAgent:
             now = time.monotonic()
             busy = False
             for participant in self._participants:
-                busy = participant.poll(now) or busy
+                try:
+                    busy = participant.poll(now) or busy
+                except Exception as exc:  # noqa: BLE001 - a bug must end writes explicitly, not kill the thread
+                    self._log.exception("io_loop_participant_failed", error=repr(exc))
+                    try:
+                        participant.shutdown(f"internal data-plane error: {exc!r}")
+                    except Exception:  # noqa: BLE001
+                        self._log.exception("participant_shutdown_failed")
             self._finish_leaving_peers()
             if now >= next_notif_poll:
                 self._poll_notifications()
@@ -312,6 +319,11 @@ class TransferAgent:
 
         def do() -> str:
             try:
+                if agent_name in self._peers:
+                    raise ValueError(
+                        f"peer {agent_name!r} is still leaving (handles in flight); add it again once "
+                        "remove_peer's future has resolved"
+                    )
                 loaded = self._nixl.add_remote_agent(metadata)
                 loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
                 if loaded_name != agent_name:

@@ -245,6 +245,11 @@ def test_remove_peer_mid_push_fails_queued_writes():
         assert out.requests[1].ok is False and "decode engine left" in out.requests[1].error
         with pytest.raises(WriteRequestError, match="unknown peer"):
             writer.submit(WriteRequest("t-rm2", spec.name, range(1), [1], [3], 0, 32))
+        # The same decode worker can be loaded again once it is gone, and writes flow again.
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        writer.submit(WriteRequest("t-rm3", spec.name, range(1), [1], [3], 0, 32, notify=b"again"))
+        assert out.wait(lambda: len(out.transfers) == 2) and out.transfers[1].ok
+        assert peer.notifs(1) == [(agent.agent_name, b"again")]
 
 
 def test_cancel_drops_queued_writes_and_refuses_later_ones():
