@@ -163,8 +163,13 @@ class PushWriter:
         agent: TransferAgent,
         on_request_done: Callable[[WriteOutcome], None] | None = None,
         on_transfer_done: Callable[[WriteOutcome], None] | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
-        """Attach to `agent`; callbacks run on its I/O thread and must not block."""
+        """Attach to `agent`; callbacks run on its I/O thread and must not block.
+
+        Each write becomes a `kvpush.dataplane.write` span (child of its `trace_context`) from
+        `tracer`, by default the process's (a no-op unless OTLP export is configured).
+        """
         self._agent = agent
         self._config = agent.config
         self._on_request_done = on_request_done
@@ -173,7 +178,7 @@ class PushWriter:
         self._transfers: dict[str, _Transfer] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._zombies: list[tuple[Any, float]] = []
-        self._tracer = get_tracer("kvpush.dataplane")
+        self._tracer = tracer or get_tracer("kvpush.dataplane")
         self.max_group_writes = self._config.max_group_writes
         agent.attach(self)
 

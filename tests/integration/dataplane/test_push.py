@@ -406,3 +406,54 @@ def test_decode_without_listener_receives_pushes():
         writer.submit(WriteRequest("t-passive", spec.name, range(2), [6, 1], [0, 13], 0, 64, ends_transfer=True))
         assert out.wait(lambda: out.transfers) and out.transfers[0].ok and not out.transfers[0].notified
         _assert_tokens(layout, arrays, peer.layout, peer.dump(), range(2), [6, 1], [0, 13], 0, 64)
+
+
+def test_writes_become_spans_under_the_request_trace():
+    """Each write is a kvpush.dataplane.write span, child of the request's traceparent, failures marked as errors."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    parent = f"00-{trace_id}-00f067aa0ba902b7-01"
+    spec = PeerSpec("decode-spans", 2, 16, 32, 2, 32, "kv_first")
+    with decode_peer(spec) as peer, prefill_agent(2, 16, 32, 2, 32, "kv_first") as (agent, _, out, layout, _):
+        writer = PushWriter(agent, out.on_request, out.on_transfer, tracer=provider.get_tracer("test"))
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        writer.submit(WriteRequest("t-span", spec.name, range(2), [1, 2], [3, 4], 0, 64, notify=b"s",
+                                   trace_context=parent))
+        assert out.wait(lambda: out.transfers)
+        writer.submit(WriteRequest("t-span", spec.name, range(1), [1], [3], 0, 32, trace_context=parent))
+        assert out.wait(lambda: len(out.requests) == 2)
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["kvpush.dataplane.write"] * 2
+    ok_span, failed_span = spans
+    assert format(ok_span.context.trace_id, "032x") == trace_id
+    assert format(ok_span.parent.span_id, "016x") == "00f067aa0ba902b7"
+    assert ok_span.attributes["kvpush.transfer_id"] == "t-span"
+    assert ok_span.attributes["kvpush.bytes"] == 2 * 2 * layout.block_bytes_per_layer
+    assert ok_span.attributes["kvpush.layer_count"] == 2
+    assert failed_span.status.status_code == StatusCode.ERROR
+    assert "already ended" in failed_span.status.description
+
+
+def test_ready_event_without_query_is_synchronized_before_posting():
+    """An event that only has synchronize() is waited on (on the I/O thread) before its write is posted."""
+    calls: list[str] = []
+
+    class SyncOnlyEvent:
+        def synchronize(self) -> None:
+            calls.append("synchronize")
+
+    spec = PeerSpec("decode-sync", 1, 8, 32, 2, 32, "kv_first")
+    with decode_peer(spec) as peer, prefill_agent(1, 8, 32, 2, 32, "kv_first") as (agent, writer, out, layout, arrays):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        writer.submit(WriteRequest("t-sync", spec.name, range(1), [2], [6], 0, 32, notify=b"y",
+                                   ready_event=SyncOnlyEvent()))
+        assert out.wait(lambda: out.transfers) and out.transfers[0].ok
+        assert calls == ["synchronize"]
+        _assert_tokens(layout, arrays, peer.layout, peer.dump(), range(1), [2], [6], 0, 32)
