@@ -48,14 +48,17 @@ class PrefillSession:
                  on_cancellation: Callable[[dpb.Cancellation], None] | None = None,
                  on_rejection: Callable[[dpb.EventRejection], None] | None = None,
                  on_reconnect: Callable[[], None] | None = None,
-                 max_batch_events: int = 4096) -> None:
+                 max_batch_events: int = 4096, write_timeout_s: float = 30.0) -> None:
         self.client = client
         self.registration = registration
         self.on_instruction = on_instruction
         self.on_cancellation = on_cancellation
         self.on_rejection = on_rejection
         self.on_reconnect = on_reconnect
+        # Keep at or below the directory's --max-events-per-batch: an over-cap batch ends the session.
         self.max_batch_events = max_batch_events
+        # A write blocked this long (the directory stopped reading) ends the stream; the session reconnects.
+        self.write_timeout_s = write_timeout_s
         self.connect_count = 0
         self.fatal_error: str = ""
         self._queue: deque[dpb.LayerReady | dpb.WriteResult] = deque()
@@ -146,7 +149,7 @@ class PrefillSession:
         """Send queued items until stopping or the reader ends (the stream is over)."""
         while not reader.done():
             while self._queue:
-                await call.write(self._next_message())
+                await asyncio.wait_for(call.write(self._next_message()), self.write_timeout_s)
             if self._stopping:
                 return
             self._wake.clear()
