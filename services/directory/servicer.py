@@ -94,7 +94,7 @@ class _PrefillSession:
         self.session_id = session_id
         self.wake = asyncio.Event()
         self.rejections: deque[dpb.StreamPrefillResponse] = deque()
-        self.sent_agents: set[str] = set()
+        self.sent_agents: set[tuple[str, int]] = set()
         self.reader_done = False
         self.end_status: tuple[grpc.StatusCode, str] | None = None
         self.end_reason = "prefill stream closed"
@@ -368,11 +368,14 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             for message in self.state.drain_outbox(session.engine_id, session.tp_rank, session.session_id):
                 if message.WhichOneof("message") == "instruction":
                     instruction = message.instruction
-                    if instruction.decode_agent_name in session.sent_agents:
+                    # Keyed by the metadata too: a decode worker re-registered under the same agent name
+                    # (a restarted process) has new memory registrations that prefill must load.
+                    agent = (instruction.decode_agent_name, hash(instruction.decode_agent_metadata))
+                    if agent in session.sent_agents:
                         instruction.ClearField("decode_agent_metadata")
                         instruction.ClearField("decode_layout")
                     else:
-                        session.sent_agents.add(instruction.decode_agent_name)
+                        session.sent_agents.add(agent)
                 await context.write(message)
             if session.end_status is not None:
                 session.end_reason = session.end_status[1]

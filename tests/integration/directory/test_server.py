@@ -426,3 +426,28 @@ def test_transfer_end_is_logged_with_ids_bound():
             assert ended[0]["log_level"] == "info"
             await channel.close()
     run(body())
+
+
+def test_new_agent_metadata_is_sent_again_under_the_same_agent_name():
+    """A decode worker that re-registers under the same agent name with new NIXL metadata gets it re-sent."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            p_lease, d_lease = await _pair(s)
+            prefill = await open_prefill(s, "p1", p_lease)
+            metadata = []
+            for round_ in range(3):
+                tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+                await s.ReportAllocation(allocation(tid, block_ids=[1, 2, 3]))
+                await send_ready(prefill, ready(tid, 0, 3))
+                metadata.append((await read(prefill)).instruction.decode_agent_metadata)
+                await prefill.write(dpb.StreamPrefillRequest(result=result(tid, DONE)))
+                if round_ == 1:  # the decode process restarts: same agent name, new memory registrations
+                    await s.DeregisterEngine(dpb.DeregisterEngineRequest(engine_id="d1", lease_id=d_lease))
+                    request = register_request("d1", DECODE)
+                    request.agent_metadata = b"nixl-md-after-restart"
+                    d_lease = (await s.RegisterEngine(request)).lease_id
+            assert metadata == [b"nixl-md-d1-0", b"", b"nixl-md-after-restart"]
+            await prefill.done_writing()
+            await channel.close()
+    run(body())
