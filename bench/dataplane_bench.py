@@ -20,7 +20,10 @@ because this 2-core machine's bandwidth drifts with other load, and its median i
 Each case reports post time, descriptor counts (NIXL telemetry), and the notification's arrival
 after the writer saw the transfer done (CLOCK_MONOTONIC is shared by the two processes).
 
-Usage:  python bench/dataplane_bench.py [--tokens 2048] [--reps 5] [--num-threads 0] [--prog-thread]
+  bare_nixl_contiguous  the contiguous write with a bare nixl_agent (prepped once, polled every 100 us):
+                      NIXL's own ceiling, so the writer's overhead shows
+
+Usage:  python bench/dataplane_bench.py [--tokens 2048] [--reps 5] [--num-threads 0] [--prog-thread] [--telemetry]
 Prints JSON and writes bench/results/dataplane_bench.json. The GPU variant (dataplane_gpu_bench.py)
 reuses the receiver and the cases with torch tensors on two GPUs.
 """
@@ -322,6 +325,56 @@ def memcpy_case(nbytes: int, reps: int) -> CaseResult:
                       round(statistics.median(seconds), 6))
 
 
+def bare_nixl_case(kv: dict[str, Any], layout: KVLayoutSpec, receiver: Receiver, src: list[int], dst: list[int],
+                   reps: int, ceiling) -> CaseResult:
+    """The same contiguous write with a bare nixl_agent on this thread: NIXL's own ceiling, no writer.
+
+    One descriptor per (layer, plane) (what the writer's plan merges to), prepared once, then
+    make_prepped_xfer + transfer + check_xfer_state every 100 us, as in REFERENCE's measurements.
+    """
+    from kvpush.connector.dataplane.config import _nixl_modules
+
+    api, _ = _nixl_modules()
+    agent = api.nixl_agent("bench-bare", api.nixl_agent_config(enable_prog_thread=False))
+    agent.register_memory(np.array([(a, n, 0) for a, n in layout.memory_regions()], dtype=np.uint64), "DRAM")
+    name = agent.add_remote_agent(receiver.metadata)
+    remote = receiver.layout
+    local_rows, remote_rows = [], []
+    for layer in range(layout.layer_count):
+        for plane in range(len(layout.planes)):
+            length = len(src) * layout.planes[plane].block_bytes
+            local_rows.append((layout.plane_block_address(layer, src[0], plane), length, 0))
+            remote_rows.append((remote.plane_block_address(layer, dst[0], plane), length, 0))
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(local_rows, dtype=np.uint64), "DRAM")
+    far = agent.prep_xfer_dlist(name, np.array(remote_rows, dtype=np.uint64), "DRAM")
+    indices = np.arange(len(local_rows), dtype=np.int32)
+    nbytes = sum(row[1] for row in local_rows)
+    seconds, ratios = [], []
+    for rep in range(reps + 1):
+        ceiling_s = ceiling()
+        start = time.perf_counter()
+        handle = agent.make_prepped_xfer("WRITE", local, indices, far, indices)
+        state = agent.transfer(handle)
+        while state == "PROC":
+            time.sleep(1e-4)
+            state = agent.check_xfer_state(handle)
+        elapsed = time.perf_counter() - start
+        agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"bare NIXL write ended {state}")
+        if rep:  # the first one connects
+            seconds.append(elapsed)
+            ratios.append(ceiling_s / elapsed)
+    agent.release_dlist_handle(local)
+    agent.release_dlist_handle(far)
+    agent.remove_remote_agent(name)
+    gib = [nbytes / s / 2**30 for s in seconds]
+    return CaseResult("bare_nixl_contiguous", nbytes, 1, round(statistics.median(gib), 3), round(max(gib), 3),
+                      round(statistics.median(seconds), 6), descriptors_per_write=len(local_rows),
+                      extra={"vs_ceiling_interleaved_median": round(statistics.median(ratios), 3),
+                             "vs_ceiling_interleaved_best": round(max(ratios), 3)})
+
+
 def block_ids(count: int, limit: int, scattered: bool, seed: int, offset: int = 0) -> list[int]:
     """`count` ids out of [0, limit): consecutive from `offset`, or shuffled (never two neighbours in order)."""
     if not scattered:
@@ -348,9 +401,11 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=0)
     parser.add_argument("--prog-thread", action="store_true", help="NIXL progress thread on (paced, 100 us)")
     parser.add_argument("--skip-mismatch", action="store_true")
+    parser.add_argument("--telemetry", action="store_true", help="NIXL per-transfer telemetry (costs on CPU)")
     args = parser.parse_args()
     shape = KVShape(blocks=max(64, 2 * args.tokens // 128))
-    config = {"num_threads": args.num_threads, "enable_prog_thread": args.prog_thread, "capture_telemetry": True}
+    config = {"num_threads": args.num_threads, "enable_prog_thread": args.prog_thread,
+              "capture_telemetry": args.telemetry}
     n_blocks = args.tokens // 128
     request_bytes = shape.layers * n_blocks * shape.block_bytes
     results: dict[str, Any] = {
@@ -379,6 +434,8 @@ def main() -> None:
                                       lambda tid, s=src, d=dst, p=per_layer: requests_for(
                                           tid, receiver.name, shape.layers, s, d, args.tokens, p), ceiling))
             ok = ok and verify(kv, receiver, src, dst, [0, shape.layers - 1])
+            if not scattered:
+                cases.append(bare_nixl_case(kv, agent.layout, receiver, src, dst, args.reps, ceiling))
         if not args.skip_mismatch:
             cases.append(mismatch_case(shape, config, receiver, args, ceiling))
         results["bytes_verified"] = ok
