@@ -36,7 +36,6 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from kvpush.services.directory.errors import (
-    AlreadyExists,
     DirectoryError,
     FailedPrecondition,
     InvalidArgument,
@@ -46,6 +45,7 @@ from kvpush.services.directory.errors import (
     ResourceExhausted,
 )
 from kvpush.services.directory.planning import choose_pair
+from kvpush.services.directory.registry import EngineRegistry
 from kvpush.services.directory.records import (
     DECODE,
     PREFILL,
@@ -79,9 +79,7 @@ class DirectoryState:
         self.limits = limits or Limits()
         self.clock = clock or Clock()
         self.observer = observer or TransferObserver()
-        self._groups: dict[str, EngineGroup] = {}
-        self._leases: dict[str, Worker] = {}
-        self._worker_count = 0
+        self.engines = EngineRegistry(self.limits, self.clock)
         # Every retained transfer, in creation order (live and the last N terminal ones).
         self._transfers: dict[str, TransferRecord] = {}
         self._live: dict[str, TransferRecord] = {}
@@ -100,40 +98,13 @@ class DirectoryState:
         """Register one worker and grant it a lease; a same-agent re-registration returns the live lease."""
         fx = Effects()
         now = self.clock.monotonic()
-        group = self._groups.get(request.engine_id)
-        if group is not None:
-            if group.role != request.role or group.tp_size != request.tp_size:
-                raise InvalidArgument(
-                    f"engine {request.engine_id!r} is registered with role {tpb.EngineRole.Name(group.role)} "
-                    f"and tp_size {group.tp_size}; this request says {tpb.EngineRole.Name(request.role)} "
-                    f"and {request.tp_size}")
-            existing = group.workers.get(request.tp_rank)
-            if existing is not None and existing.lease_deadline >= now:
-                if existing.agent_name != request.agent_name:
-                    raise AlreadyExists(
-                        f"engine {request.engine_id!r} rank {request.tp_rank} is registered with agent "
-                        f"{existing.agent_name!r}")
-                self._extend_lease(existing, now)
-                return existing, fx
-            if existing is not None:  # lapsed but not reaped yet: end it first
-                self._remove_worker(existing, "lease expired", fx)
-        if self._worker_count >= self.limits.max_workers:
-            raise ResourceExhausted(f"{self._worker_count} workers registered; the cap is {self.limits.max_workers}")
-        group = self._groups.get(request.engine_id)
-        if group is None:
-            group = EngineGroup(request.engine_id, request.role, request.tp_size)
-            self._groups[request.engine_id] = group
-        wall = self.clock.wall()
-        worker = Worker(
-            engine_id=request.engine_id, tp_rank=request.tp_rank, role=request.role, tp_size=request.tp_size,
-            agent_name=request.agent_name, agent_metadata=bytes(request.agent_metadata),
-            layout=copy_message(request.layout), endpoint=request.endpoint, lease_id=uuid.uuid4().hex,
-            lease_deadline=now + self.limits.lease_ttl_s, register_wall=wall,
-            lease_deadline_wall=wall + self.limits.lease_ttl_s,
-        )
-        group.workers[request.tp_rank] = worker
-        self._leases[worker.lease_id] = worker
-        self._worker_count += 1
+        existing = self.engines.existing(request, now)
+        if existing is not None and existing.lease_deadline >= now:
+            self.engines.extend(existing, now)  # same agent (existing() refused another): same lease
+            return existing, fx
+        if existing is not None:  # lapsed but not reaped yet: end it first
+            self._remove_worker(existing, "lease expired", fx)
+        worker = self.engines.add(request, now)
         if request.role == DECODE:
             self._watch_logs.setdefault(
                 request.engine_id, WatchLog(self.limits.retained_watch_events_per_engine)).gone_since = None
@@ -141,42 +112,20 @@ class DirectoryState:
 
     def renew(self, lease_id: str, load: tpb.EngineLoad | None) -> Worker:
         """Renew a live lease and record the reported load; NotFound for an unknown or lapsed lease."""
-        worker = self._leases.get(lease_id)
-        now = self.clock.monotonic()
-        if worker is None or worker.lease_deadline < now:
-            raise NotFound(f"lease {lease_id!r} is unknown or expired")
-        self._extend_lease(worker, now)
-        if load is not None:
-            worker.load = copy_message(load)
-        return worker
-
-    def _extend_lease(self, worker: Worker, now: float) -> None:
-        worker.lease_deadline = now + self.limits.lease_ttl_s
-        worker.lease_deadline_wall = self.clock.wall() + self.limits.lease_ttl_s
+        return self.engines.renew(lease_id, load)
 
     def deregister(self, engine_id: str, tp_rank: int, lease_id: str) -> Effects:
         """Remove one worker; every live transfer of its engine fails towards the peer."""
-        worker = self._worker(engine_id, tp_rank)
+        worker = self.engines.worker(engine_id, tp_rank)
         if worker.lease_id != lease_id:
             raise NotFound(f"engine {engine_id!r} rank {tp_rank} holds no lease {lease_id!r}")
         fx = Effects()
         self._remove_worker(worker, f"engine {engine_id} rank {tp_rank} deregistered", fx)
         return fx
 
-    def _worker(self, engine_id: str, tp_rank: int) -> Worker:
-        group = self._groups.get(engine_id)
-        worker = group.workers.get(tp_rank) if group is not None else None
-        if worker is None:
-            raise NotFound(f"engine {engine_id!r} rank {tp_rank} is not registered")
-        return worker
-
     def _remove_worker(self, worker: Worker, reason: str, fx: Effects) -> None:
-        group = self._groups[worker.engine_id]
-        del group.workers[worker.tp_rank]
-        self._leases.pop(worker.lease_id, None)
-        self._worker_count -= 1
-        worker.outbox.clear()
-        worker.session_id = 0
+        """Drop a worker: each live transfer of its engine fails (a pending cancellation ends CANCELLED)."""
+        group = self.engines.remove(worker)
         for transfer_id in list(group.active_transfers):
             record = self._live.get(transfer_id)
             if record is None:
@@ -186,38 +135,22 @@ class DirectoryState:
             else:
                 self._end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
         if not group.workers:
-            del self._groups[worker.engine_id]
             log = self._watch_logs.get(worker.engine_id)
             if log is not None:
                 log.gone_since = self.clock.monotonic()
 
     def get_engine(self, engine_id: str) -> list[Worker]:
         """Registered workers of one engine in rank order; NotFound when none."""
-        group = self._groups.get(engine_id)
-        if group is None:
-            raise NotFound(f"engine {engine_id!r} is not registered")
-        return [group.workers[rank] for rank in sorted(group.workers)]
+        return self.engines.workers_of(engine_id)
 
     def active_transfer_count(self, engine_id: str) -> int:
         """Live transfers the engine takes part in (0 for an unknown engine)."""
-        group = self._groups.get(engine_id)
+        group = self.engines.groups.get(engine_id)
         return len(group.active_transfers) if group is not None else 0
 
     def list_workers(self, page_size: int, page_token: str, role: int) -> tuple[list[Worker], str]:
         """One page of workers ordered by (engine id, rank); returns the next page token ("" at the end)."""
-        after: tuple[str, int] | None = None
-        if page_token:
-            rank_text, sep, engine_id = page_token.partition(":")
-            if not sep or not rank_text.isdigit():
-                raise InvalidArgument(f"page_token {page_token!r} is not a token this server issued")
-            after = (engine_id, int(rank_text))
-        keys = sorted((w.engine_id, w.tp_rank) for g in self._groups.values() for w in g.workers.values()
-                      if role == tpb.ENGINE_ROLE_UNSPECIFIED or g.role == role)
-        if after is not None:
-            keys = [k for k in keys if k > after]
-        page = keys[:page_size]
-        next_token = f"{page[-1][1]}:{page[-1][0]}" if len(keys) > page_size else ""
-        return [self._groups[e].workers[r] for e, r in page], next_token
+        return self.engines.list_workers(page_size, page_token, role)
 
     # ---------------------------------------------------------------- planning
 
@@ -228,27 +161,10 @@ class DirectoryState:
             raise InvalidArgument(f"ttl {ttl}s is over the server maximum {self.limits.max_transfer_ttl_s}s")
         if len(self._live) >= self.limits.max_live_transfers:
             raise ResourceExhausted(f"{len(self._live)} live transfers; the cap is {self.limits.max_live_transfers}")
-        prefill, decode = choose_pair(self._candidates(PREFILL, request.prefill_engine_id),
-                                      self._candidates(DECODE, request.decode_engine_id),
+        prefill, decode = choose_pair(self.engines.candidates(PREFILL, request.prefill_engine_id),
+                                      self.engines.candidates(DECODE, request.decode_engine_id),
                                       request.prompt_token_count, self.limits.max_active_transfers_per_engine)
         return self._mint(request, prefill, decode, ttl)
-
-    def _candidates(self, role: int, pinned: str) -> list[EngineGroup]:
-        name = tpb.EngineRole.Name(role)
-        if pinned:
-            group = self._groups.get(pinned)
-            if group is None:
-                raise NotFound(f"engine {pinned!r} is not registered")
-            if group.role != role:
-                raise FailedPrecondition(f"engine {pinned!r} is not a {name} engine")
-            if not group.complete:
-                raise FailedPrecondition(
-                    f"engine {pinned!r} has {len(group.workers)} of {group.tp_size} ranks registered")
-            return [group]
-        groups = [g for g in self._groups.values() if g.role == role and g.complete]
-        if not groups:
-            raise ResourceExhausted(f"no {name} engine is registered with all its ranks")
-        return groups
 
     def _mint(self, request: dpb.PlanTransferRequest, prefill: EngineGroup, decode: EngineGroup,
               ttl: float) -> TransferRecord:
@@ -272,7 +188,7 @@ class DirectoryState:
     def report_allocation(self, request: dpb.ReportAllocationRequest) -> tuple[TransferRecord, Effects]:
         """Record decode's blocks; dispatch if readiness is already known. Identical repeats are no-ops."""
         record = self._transfer(request.transfer_id)
-        if request.engine_id not in self._groups:
+        if request.engine_id not in self.engines.groups:
             raise NotFound(f"engine {request.engine_id!r} is not registered")
         if request.engine_id != record.decode_engine_id:
             raise PermissionDenied(
@@ -288,7 +204,7 @@ class DirectoryState:
                 f"transfer {record.transfer_id} is {tpb.TransferState.Name(record.state)}")
         if record.ending is not None:
             raise FailedPrecondition(f"transfer {record.transfer_id} is being cancelled")
-        layout = self._groups[record.decode_engine_id].layout()
+        layout = self.engines.groups[record.decode_engine_id].layout()
         needed = math.ceil(allocation.prompt_token_count / layout.block_size_tokens)
         if len(allocation.block_ids) < needed:
             raise InvalidArgument(
@@ -330,7 +246,7 @@ class DirectoryState:
 
     def open_session(self, engine_id: str, tp_rank: int, lease_id: str) -> tuple[int, Effects]:
         """Bind a new StreamPrefill session to a prefill worker; it replaces any previous session."""
-        worker = self._worker(engine_id, tp_rank)
+        worker = self.engines.worker(engine_id, tp_rank)
         if worker.lease_id != lease_id:
             raise NotFound(f"engine {engine_id!r} rank {tp_rank} holds no lease {lease_id!r}")
         if worker.role != PREFILL:
@@ -343,7 +259,7 @@ class DirectoryState:
 
     def session_worker(self, engine_id: str, tp_rank: int, session_id: int) -> Worker | None:
         """The worker if `session_id` is still its current session, else None."""
-        group = self._groups.get(engine_id)
+        group = self.engines.groups.get(engine_id)
         worker = group.workers.get(tp_rank) if group is not None else None
         if worker is None or worker.session_id != session_id:
             return None
@@ -357,7 +273,7 @@ class DirectoryState:
             return fx
         worker.session_id = 0
         worker.outbox.clear()
-        group = self._groups[engine_id]
+        group = self.engines.groups[engine_id]
         for transfer_id in list(group.active_transfers):
             record = self._live.get(transfer_id)
             if record is not None and (record.dispatched or tp_rank in record.ready):
@@ -417,8 +333,8 @@ class DirectoryState:
     def _dispatch(self, record: TransferRecord, fx: Effects) -> None:
         """Send ONE instruction per prefill rank; it covers every layer, present and future."""
         allocation = record.allocation
-        prefill = self._groups[record.prefill_engine_id]
-        decode = self._groups[record.decode_engine_id]
+        prefill = self.engines.groups[record.prefill_engine_id]
+        decode = self.engines.groups[record.decode_engine_id]
         for rank in range(record.tp_size):
             target = decode.workers[rank]
             instruction = dpb.PushInstruction(
@@ -501,7 +417,7 @@ class DirectoryState:
 
     def _tell_prefill(self, record: TransferRecord, state: int, reason: str, fx: Effects) -> None:
         """Queue a Cancellation for every prefill rank that may still work on the transfer."""
-        group = self._groups.get(record.prefill_engine_id)
+        group = self.engines.groups.get(record.prefill_engine_id)
         if group is None:
             return
         for rank, worker in group.workers.items():
@@ -521,7 +437,7 @@ class DirectoryState:
         record.ending = None
         del self._live[record.transfer_id]
         for engine_id in (record.prefill_engine_id, record.decode_engine_id):
-            group = self._groups.get(engine_id)
+            group = self.engines.groups.get(engine_id)
             if group is not None:
                 group.active_transfers.discard(record.transfer_id)
         index = self._owned_blocks.get(record.decode_engine_id)
@@ -553,20 +469,17 @@ class DirectoryState:
         fx = Effects()
         if self._last_reap is not None and now - self._last_reap > self.limits.reap_stall_threshold_s:
             fx.stall_s = now - self._last_reap
-            for worker in self._leases.values():
-                worker.lease_deadline += fx.stall_s
-                worker.lease_deadline_wall += fx.stall_s
+            self.engines.extend_all(fx.stall_s)
         self._last_reap = now
-        lapsed = [w for w in self._leases.values() if w.lease_deadline < now]
-        for worker in lapsed:
-            if worker.lease_id in self._leases:
+        for worker in self.engines.lapsed(now):
+            if worker.lease_id in self.engines.leases:
                 self._remove_worker(
                     worker, f"engine {worker.engine_id} rank {worker.tp_rank} lease expired", fx)
         for record in [r for r in self._live.values() if r.deadline < now]:
             self._end(record, tpb.TRANSFER_STATE_EXPIRED, "transfer deadline passed", fx)
         retention = self.limits.gone_engine_log_retention_s
         for engine_id in [e for e, log in self._watch_logs.items()
-                          if e not in self._groups and (log.gone_since is None or now - log.gone_since > retention)]:
+                          if e not in self.engines.groups and (log.gone_since is None or now - log.gone_since > retention)]:
             del self._watch_logs[engine_id]
         return fx
 
@@ -625,7 +538,7 @@ class DirectoryState:
 
     def is_decode_engine(self, engine_id: str) -> bool:
         """True when a decode engine of this id is registered."""
-        group = self._groups.get(engine_id)
+        group = self.engines.groups.get(engine_id)
         return group is not None and group.role == DECODE
 
     def drain_outbox(self, engine_id: str, tp_rank: int, session_id: int) -> list[dpb.StreamPrefillResponse]:
@@ -663,7 +576,7 @@ class DirectoryState:
         indexed = {(e, b): t for e, idx in self._owned_blocks.items() for b, t in idx.items()}
         if indexed != owners:
             problems.append("block index disagrees with live allocations")
-        for group in self._groups.values():
+        for group in self.engines.groups.values():
             for transfer_id in group.active_transfers:
                 if transfer_id not in self._live:
                     problems.append(f"engine {group.engine_id} lists ended transfer {transfer_id}")
