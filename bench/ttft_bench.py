@@ -300,8 +300,15 @@ def run_cell(args, connector: str, gateway: GatewayHandle, prefill: EngineHandle
         seed = zlib.crc32(f"{connector}/{rate}/{tokens}/{i}".encode())
         body = completion_body(prompt_ids(tokens, seed, args.vocab), args.max_tokens)
         headers = {"X-Request-Id": f"bench-{uuid.uuid4().hex[:16]}"}
-        via_gateway = stream_completion(gateway.url + "/v1/completions", body, headers=headers, timeout_s=300)
-        on_prefill = stream_completion(prefill.url + "/v1/completions", body, timeout_s=300)
+        try:
+            via_gateway = stream_completion(gateway.url + "/v1/completions", body, headers=headers,
+                                            timeout_s=args.request_timeout)
+            on_prefill = stream_completion(prefill.url + "/v1/completions", body, timeout_s=args.request_timeout)
+        except OSError as error:  # a hung engine: record it, and stop this cell after two in a row
+            failures.append(f"request {i}: {type(error).__name__}: {error}")
+            if len(failures) >= 2 and all("request" in f for f in failures[-2:]):
+                break
+            continue
         if via_gateway.status != 200 or via_gateway.error:
             failures.append(f"disagg: {via_gateway.status} {via_gateway.error[:300]}")
             continue
@@ -366,6 +373,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-cpus", default="", help="taskset CPU list for decode (e.g. 1)")
     parser.add_argument("--colocated-cpus", default="", help="taskset CPU list for the colocated engine")
     parser.add_argument("--engine-timeout", type=float, default=420.0)
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds per streamed request")
     parser.add_argument("--log-dir", default="", help="engine logs (default: a temp folder)")
     parser.add_argument("--out", default="", help="JSON path (default bench/results/ttft-<time>.json)")
     args = parser.parse_args(argv)
