@@ -214,7 +214,10 @@ class Load:
         self.stats.measuring = False
         self.elapsed_s = loop.time() - started
         self.stopping = True
-        await asyncio.wait_for(asyncio.gather(*workers), 60)
+        done, pending = await asyncio.wait(workers, timeout=120)
+        for task in pending:  # a starved machine: report it rather than lose the whole run
+            task.cancel()
+            self.stats.call_errors["drain_timeout"] = self.stats.call_errors.get("drain_timeout", 0) + 1
         deadline = loop.time() + 30
         while self.stats.completions_seen < self.total_done and loop.time() < deadline:
             await asyncio.sleep(0.05)
