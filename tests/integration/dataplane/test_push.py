@@ -27,7 +27,9 @@ from tests.integration.dataplane.kvbuffers import block_bytes, make_kv, token_by
 from tests.integration.dataplane.peer_process import PeerSpec, decode_peer_main
 
 pytestmark = pytest.mark.nixl
-BOUND_S = 10.0
+# Generous waits: the suite shares 2 cores with vLLM engines (load averages above 30 were seen).
+BOUND_S = 30.0
+PEER_START_S = 240.0
 
 
 class Peer:
@@ -52,7 +54,7 @@ def decode_peer(spec: PeerSpec) -> Iterator[Peer]:
     parent, child = ctx.Pipe()
     process = ctx.Process(target=decode_peer_main, args=(child, spec), daemon=True)
     process.start()
-    if not parent.poll(60):
+    if not parent.poll(PEER_START_S):
         process.kill()
         raise AssertionError("decode peer did not start")
     metadata, layout_bytes = parent.recv()
@@ -225,7 +227,7 @@ def test_killed_peer_fails_within_bound():
         elapsed = time.monotonic() - killed_at
         final = out.transfers[0]
         assert not final.ok and final.error and not final.notified
-        assert elapsed < config.transfer_timeout_s + 2.0
+        assert elapsed < config.transfer_timeout_s + 5.0
         assert len(out.requests) == 4 and not all(o.ok for o in out.requests[1:])
 
 
