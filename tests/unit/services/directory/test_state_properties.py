@@ -25,7 +25,9 @@ TRANSFER_TTL = 30.0
 
 
 class DirectoryMachine(RuleBasedStateMachine):
-    """Drives one DirectoryState with random operations in random orders."""
+    """Drives one DirectoryState with random operations in random orders (every engine has TP ranks)."""
+
+    TP = 1
 
     @initialize()
     def start(self) -> None:
@@ -37,17 +39,21 @@ class DirectoryMachine(RuleBasedStateMachine):
             self.time.clock())
         self.transfers: list[str] = []
         self.terminal_seen: dict[str, int] = {}
-        self.sessions: dict[str, int] = {}
+        self.sessions: dict[tuple[str, int], int] = {}
         for engine_id, role in ENGINES:
-            self._register(engine_id, role)
+            for rank in range(self.TP):
+                self._register(engine_id, role, rank)
 
-    def _register(self, engine_id: str, role: int) -> None:
+    def _register(self, engine_id: str, role: int, rank: int) -> None:
         try:
-            worker, _ = self.state.register(register_request(engine_id, role))
+            worker, _ = self.state.register(register_request(engine_id, role, rank, self.TP))
         except DirectoryError:
             return
         if role == PREFILL:
-            self.sessions[engine_id] = self.state.open_session(engine_id, 0, worker.lease_id)[0]
+            self.sessions[(engine_id, rank)] = self.state.open_session(engine_id, rank, worker.lease_id)[0]
+
+    def _rank(self, data) -> int:
+        return data.draw(st.integers(0, self.TP - 1))
 
     def _pick(self, data) -> str:
         return self.transfers[data.draw(st.integers(0, len(self.transfers) - 1))]
@@ -72,37 +78,89 @@ class DirectoryMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.transfers)
     @rule(data=st.data(), engine=st.sampled_from(["p1", "p2"]), first=st.integers(0, 3), span=st.integers(0, 3))
     def layer_ready(self, data, engine, first, span) -> None:
-        self.state.report_ready(engine, 0, [ready(self._pick(data), first, min(3, first + span))])
+        self.state.report_ready(engine, self._rank(data), [ready(self._pick(data), first, min(3, first + span))])
 
     @precondition(lambda self: self.transfers)
     @rule(data=st.data(), engine=st.sampled_from(["p1", "p2"]), status=st.sampled_from(STATUSES),
           written=st.integers(0, 4))
     def write_result(self, data, engine, status, written) -> None:
         try:
-            self.state.report_result(engine, 0, result(self._pick(data), status, layers=written,
-                                                       bytes_written=written * 100))
+            self.state.report_result(engine, self._rank(data), result(self._pick(data), status, layers=written,
+                                                                      bytes_written=written * 100))
         except DirectoryError:
             pass
+
+    # The rules below address a transfer's own engines, so that random runs also reach dispatch,
+    # per-rank results and completion often, not only refusals.
+
+    @precondition(lambda self: self.transfers)
+    @rule(data=st.data(), prefix=st.sampled_from([0, 16]))
+    def allocate_own(self, data, prefix) -> None:
+        record = self.state.get_transfer(self._pick(data))
+        start = data.draw(st.integers(0, 60))
+        try:
+            self.state.report_allocation(allocation(record.transfer_id, engine_id=record.decode_engine_id,
+                                                    block_ids=[start, start + 1, start + 2], prefix=prefix))
+        except DirectoryError:
+            pass
+
+    @precondition(lambda self: self.transfers)
+    @rule(data=st.data(), first=st.integers(0, 3))
+    def ready_own(self, data, first) -> None:
+        record = self.state.get_transfer(self._pick(data))
+        self.state.report_ready(record.prefill_engine_id, self._rank(data), [ready(record.transfer_id, first, 3)])
+
+    @precondition(lambda self: self.transfers)
+    @rule(data=st.data(), status=st.sampled_from(STATUSES + (dpb.WRITE_RESULT_STATUS_DONE,) * 3))
+    def result_own(self, data, status) -> None:
+        record = self.state.get_transfer(self._pick(data))
+        try:
+            self.state.report_result(record.prefill_engine_id, self._rank(data),
+                                     result(record.transfer_id, status, layers=4, bytes_written=400))
+        except DirectoryError:
+            pass
+
+    @precondition(lambda self: self.transfers)
+    @rule(data=st.data())
+    def drive_to_completion(self, data) -> None:
+        """Allocation, readiness of every rank and DONE of every rank for one transfer, in a random order."""
+        record = self.state.get_transfer(self._pick(data))
+        start = data.draw(st.integers(0, 60))
+        steps = [("alloc", 0)] + [("ready", r) for r in range(self.TP)] + [("done", r) for r in range(self.TP)]
+        for kind, rank in data.draw(st.permutations(steps)):
+            try:
+                if kind == "alloc":
+                    self.state.report_allocation(allocation(record.transfer_id, engine_id=record.decode_engine_id,
+                                                            block_ids=[start, start + 1, start + 2]))
+                elif kind == "ready":
+                    self.state.report_ready(record.prefill_engine_id, rank, [ready(record.transfer_id, 0, 3)])
+                else:
+                    self.state.report_result(record.prefill_engine_id, rank, result(
+                        record.transfer_id, dpb.WRITE_RESULT_STATUS_DONE, layers=4, bytes_written=400))
+            except DirectoryError:
+                pass
 
     @precondition(lambda self: self.transfers)
     @rule(data=st.data())
     def cancel(self, data) -> None:
         self.state.cancel(self._pick(data), "random cancel")
 
-    @rule(engine=st.sampled_from(["p1", "p2"]))
-    def break_stream(self, engine) -> None:
-        if engine in self.sessions:
-            self.state.close_session(engine, 0, self.sessions[engine], "broken")
+    @rule(data=st.data(), engine=st.sampled_from(["p1", "p2"]))
+    def break_stream(self, data, engine) -> None:
+        key = (engine, self._rank(data))
+        if key in self.sessions:
+            self.state.close_session(*key, self.sessions[key], "broken")
 
-    @rule(engine=st.sampled_from(ENGINES))
-    def renew_or_register(self, engine) -> None:
+    @rule(data=st.data(), engine=st.sampled_from(ENGINES))
+    def renew_or_register(self, data, engine) -> None:
         engine_id, role = engine
+        rank = self._rank(data)
         try:
-            self.state.renew(self.state.get_engine(engine_id)[0].lease_id, None)
+            self.state.renew(self.state.engines.worker(engine_id, rank).lease_id, None)
         except DirectoryError:
-            self._register(engine_id, role)
+            self._register(engine_id, role, rank)
 
-    @rule(seconds=st.sampled_from([0.5, 3.0, 11.0, 31.0]))
+    @rule(seconds=st.sampled_from([0.5, 0.5, 1.0, 3.0, 11.0, 31.0]))
     def advance_and_reap(self, seconds) -> None:
         self.time.advance(seconds)
         self.state.reap()
@@ -115,6 +173,21 @@ class DirectoryMachine(RuleBasedStateMachine):
                     assert worker.lease_deadline >= now
             except DirectoryError:
                 pass
+
+    @rule()
+    def time_passes_with_renewals(self) -> None:
+        """Engines keep renewing while 35 s pass: transfers outlive their deadline and expire."""
+        for _ in range(7):
+            for engine_id, _role in ENGINES:
+                try:
+                    for worker in self.state.get_engine(engine_id):
+                        self.state.renew(worker.lease_id, None)
+                except DirectoryError:
+                    pass
+            self.time.advance(5.0)
+            self.state.reap()
+        for record in self.state.live_transfers():
+            assert record.deadline >= self.time.now
 
     @invariant()
     def sound(self) -> None:
@@ -142,6 +215,16 @@ class DirectoryMachine(RuleBasedStateMachine):
 DirectoryMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestDirectoryMachine = DirectoryMachine.TestCase
+
+
+class DirectoryMachineTP2(DirectoryMachine):
+    """The same machine with two TP ranks per engine: per-rank results, one rank failing, partial engines."""
+
+    TP = 2
+
+
+DirectoryMachineTP2.TestCase.settings = DirectoryMachine.TestCase.settings
+TestDirectoryMachineTP2 = DirectoryMachineTP2.TestCase
 
 
 @settings(max_examples=200, deadline=None)
