@@ -26,6 +26,7 @@ Prints the JSON and writes it to bench/results/ttft-<UTC time>.json. Needs root 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -230,6 +231,7 @@ def transfer_figures(directory_address: str, transfer_id: str) -> dict:
     from kvpush.v1 import types_pb2
 
     return {"transfer_id": transfer_id, "state": types_pb2.TransferState.Name(transfer.state),
+            "failure_reason": transfer.failure_reason,
             "layers_written": transfer.layers_written_count,
             "bytes_written": transfer.bytes_written,
             "allocate_after_plan_ms": ms(transfer.allocate_time, transfer.create_time),
@@ -311,6 +313,10 @@ def run_cell(args, connector: str, gateway: GatewayHandle, prefill: EngineHandle
             continue
         if via_gateway.status != 200 or via_gateway.error:
             failures.append(f"disagg: {via_gateway.status} {via_gateway.error[:300]}")
+            failed_transfer = via_gateway.headers.get("x-kvpush-transfer-id")
+            if failed_transfer and directory is not None:
+                with contextlib.suppress(Exception):  # why it failed, when the directory knows
+                    transfers.append(transfer_figures(f"127.0.0.1:{directory.port}", failed_transfer))
             continue
         if i < args.warmup:
             continue
@@ -344,6 +350,8 @@ def add_ratios(result: dict) -> None:
             if rate == "idle_cpu_cores":
                 continue
             for tokens, cell in cells.items():
+                if not cell["median_disagg_ms"]:
+                    continue
                 if cell["median_p_direct_ms"]:
                     cell["ratio_vs_p_direct"] = round(cell["median_disagg_ms"] / cell["median_p_direct_ms"], 3)
                     cell["exposed_vs_p_direct_ms"] = round(cell["median_disagg_ms"] - cell["median_p_direct_ms"], 1)
