@@ -54,6 +54,8 @@ class DirectoryConfig:
     grace_s: float = 5.0
     keepalive_time_ms: int = 20_000
     max_connection_age_ms: int = 0
+    # After max_connection_age_ms, streams get this long to finish before the connection closes.
+    max_connection_age_grace_ms: int = 5_000
 
     @property
     def address(self) -> str:
@@ -181,6 +183,7 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
     ]
     if config.max_connection_age_ms:
         options.append(("grpc.max_connection_age_ms", config.max_connection_age_ms))
+        options.append(("grpc.max_connection_age_grace_ms", config.max_connection_age_grace_ms))
     interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     directory_pb2_grpc.add_KVDirectoryServiceServicer_to_server(servicer, server)

@@ -8,6 +8,7 @@ import threading
 
 import grpc
 import pytest
+import structlog.testing
 
 from kvpush.services.client import (
     ChannelConfig,
@@ -198,4 +199,42 @@ def test_sync_client_from_threads():
                     client.run(registration.stop())
 
             await asyncio.to_thread(scenario)
+    run(body())
+
+
+def test_streams_survive_max_connection_age():
+    """With connections recycled every second, the watch resumes without loss or repeats and the lease stays."""
+    async def body():
+        async with running_directory(Limits(lease_ttl_s=10), max_connection_age_ms=1000,
+                                     max_connection_age_grace_ms=200) as directory:
+            config = ChannelConfig(address=directory.address, backoff_max_s=0.1)
+            async with DirectoryClient(config) as client:
+                registration = EngineRegistration(client, register_request("d1", DECODE))
+                await registration.start()
+                await client.register_engine(register_request("p1", PREFILL))
+                seen: list[int] = []
+                cancelled: list[str] = []
+
+                async def follow():
+                    async for event in client.watch_transfers("d1"):
+                        seen.append(event.sequence_number)
+
+                with structlog.testing.capture_logs() as logs:
+                    watcher = asyncio.create_task(follow())
+                    await asyncio.sleep(0.3)
+                    loop = asyncio.get_running_loop()
+                    until = loop.time() + 4.0  # four connection lifetimes
+                    while loop.time() < until:
+                        tid = (await client.plan_transfer()).transfer.transfer_id
+                        await client.cancel_transfer(tid)
+                        cancelled.append(tid)
+                        await asyncio.sleep(0.05)
+                    await _wait_until(lambda: len(seen) == len(cancelled), timeout_s=15)
+                reconnects = [e for e in logs if e["event"] == "watch stream ended; reconnecting"]
+                assert len(reconnects) >= 2 and reconnects[0]["details"] == "max connection age"
+                assert seen == list(range(1, len(cancelled) + 1))  # every event once, in order
+                assert registration.registration_count == 1 and registration.renewal_count >= 2
+                assert [w.lease_id for w in await client.get_engine("d1")] == [registration.lease_id]
+                watcher.cancel()
+                await registration.stop()
     run(body())
