@@ -63,3 +63,9 @@ def test_readiness_timeout_is_bounded_and_reports_progress(tmp_path):
         proc.stop(grace_s=1.0)
     assert time.monotonic() - started < 5
     assert reports and "sleeper: waiting" in reports[0]
+
+
+def test_namespace_and_cpu_wrappers_compose(tmp_path):
+    """A process placed in a namespace and on CPUs runs as `ip netns exec NS taskset -c CPUS cmd`."""
+    proc = ManagedProcess("placed", ["cmd", "arg"], tmp_path / "placed.log", netns="ns1", cpus="0")
+    assert proc.full_argv() == ["ip", "netns", "exec", "ns1", "taskset", "-c", "0", "cmd", "arg"]
