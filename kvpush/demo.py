@@ -21,6 +21,7 @@ import time
 from datetime import datetime, timezone
 
 from kvpush.localstack.client import call
+from kvpush.observability import configure_logging
 from kvpush.localstack.model import TinyModelSpec
 from kvpush.localstack.stack import LocalStack
 
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-timeout", type=float, default=600.0, help="seconds for all engines to load")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     args = parser.parse_args(argv)
+    # The demo narrates itself; kvpush's own info lines (process started, ...) would interleave.
+    configure_logging(level="WARNING", fmt="console")
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")

@@ -125,7 +125,7 @@ class Dispatcher:
             with _tracer.start_as_current_span("gateway.prefill_leg", kind=trace.SpanKind.CLIENT) as span:
                 span.set_attribute("server.address", route.prefill_url)
                 answer = await legs.post_json(self._session, "prefill", route.prefill_url + request.path,
-                                              prefill_body(request, route.prefill_params), headers,
+                                              prefill_body(request, route.prefill_params), _leg_headers(headers),
                                               self._config.prefill_timeout_s, self._config.connect_timeout_s)
             outcome.prefill_ms = (time.monotonic() - started) * 1000
             outcome.prefill_params = answer.get("kv_transfer_params")
@@ -140,9 +140,7 @@ class Dispatcher:
         decode = decode_body(request, route.decode_params)
         try:
             if not request.stream:
-                decode_task = asyncio.create_task(legs.post_json(
-                    self._session, "decode", decode_url, decode, headers, self._config.decode_timeout_s,
-                    self._config.connect_timeout_s))
+                decode_task = asyncio.create_task(self._decode_json(decode_url, decode, headers))
                 answer = await _both(prefill_task, decode_task)
                 return self._json_response(answer, route, outcome)
             stream_task = asyncio.create_task(self._first_chunk(decode_url, decode, headers))
@@ -161,20 +159,28 @@ class Dispatcher:
         decode = decode_body(request, pull_decode_params(prefill_answer))
         decode_url = route.decode_url + request.path
         if not request.stream:
-            answer = await legs.post_json(self._session, "decode", decode_url, decode, headers,
-                                          self._config.decode_timeout_s, self._config.connect_timeout_s)
+            answer = await self._decode_json(decode_url, decode, headers)
             return self._json_response(answer, route, outcome)
         response, first_chunk = await self._first_chunk(decode_url, decode, headers)
         return await self._pass_through(http_request, response, first_chunk, route, outcome, None)
 
+    async def _decode_json(self, url: str, body: dict, headers: dict[str, str]) -> dict[str, Any]:
+        with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("server.address", url)
+            return await legs.post_json(self._session, "decode", url, body, _leg_headers(headers),
+                                        self._config.decode_timeout_s, self._config.connect_timeout_s)
+
     async def _first_chunk(self, url: str, body: dict, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
-        response = await legs.open_stream(self._session, "decode", url, body, headers,
-                                          self._config.decode_timeout_s, self._config.connect_timeout_s)
-        try:
-            return response, await response.content.readany()
-        except BaseException:
-            response.release()
-            raise
+        # The span covers the decode leg up to its first chunk (TTFT as the gateway sees it).
+        with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("server.address", url)
+            response = await legs.open_stream(self._session, "decode", url, body, _leg_headers(headers),
+                                              self._config.decode_timeout_s, self._config.connect_timeout_s)
+            try:
+                return response, await response.content.readany()
+            except BaseException:
+                response.release()
+                raise
 
     def _json_response(self, answer: dict[str, Any], route: Route, outcome: Outcome) -> web.Response:
         if route.transfer_id:
@@ -236,6 +242,13 @@ def _stream_error(first_chunk: bytes) -> str | None:
             return str(error.get("message", error) if isinstance(error, dict) else error)[:500]
         return None
     return None
+
+
+def _leg_headers(headers: dict[str, str]) -> dict[str, str]:
+    """A leg's headers: the request's, with the traceparent of the current (leg) span."""
+    leg = dict(headers)
+    propagate.inject(leg)
+    return leg
 
 
 def _route_headers(route: Route, request_id: str) -> dict[str, str]:

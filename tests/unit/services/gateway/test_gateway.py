@@ -116,6 +116,13 @@ def test_gateway_span_carries_transfer_id(gw, otlp_receiver):
     span = next(s for s in spans if s.attributes.get("kvpush.transfer_id") == transfer_id)
     assert span.trace_id == CLIENT_TRACE_ID
     assert span.attributes["http.status_code"] == 200
+    spans = otlp_receiver.wait_for(lambda spans: {"gateway.prefill_leg", "gateway.decode_leg"} <= {
+        s.name for s in spans if s.parent_span_id == span.span_id}, 15)
+    legs = {s.name: s for s in spans if s.parent_span_id == span.span_id}
+    assert {"gateway.plan", "gateway.prefill_leg", "gateway.decode_leg"} <= set(legs)
+    # Each leg's traceparent names its own span, so engine spans hang under the right leg.
+    assert gw.prefill.legs[0].headers["traceparent"].split("-")[2] == legs["gateway.prefill_leg"].span_id
+    assert gw.decode.legs[0].headers["traceparent"].split("-")[2] == legs["gateway.decode_leg"].span_id
 
 
 def test_failed_prefill_leg_returns_502_and_cancels_transfer(gw):
