@@ -39,6 +39,9 @@ class ConnectorConfig:
     engine_endpoint: this engine's HTTP URL, registered with the directory (optional).
     transfer_timeout_s: decode-side bound on waiting for one transfer (default 60).
     push_timeout_s: prefill-side bound on holding a finished request's blocks for pushes (default 60).
+    fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it
+        plans no more, as a stuck or dying writer would (default None: off). Fault-injection tests use it to
+        kill a prefill engine while a transfer is really half-written.
     """
 
     role: str
@@ -51,6 +54,7 @@ class ConnectorConfig:
     engine_endpoint: str = ""
     transfer_timeout_s: float = 60.0
     push_timeout_s: float = 60.0
+    fault_stall_after_writes: int | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -104,6 +108,8 @@ class ConnectorConfig:
             engine_endpoint=_optional_str(extra, "engine_endpoint") or "",
             transfer_timeout_s=_seconds(extra, "transfer_timeout_s", 60.0),
             push_timeout_s=_seconds(extra, "push_timeout_s", 60.0),
+            fault_stall_after_writes=(_int(extra, "fault_stall_after_writes", 0, minimum=0, maximum=1 << 30)
+                                      if extra.get("fault_stall_after_writes") is not None else None),
         )
 
 

@@ -141,6 +141,8 @@ class PrefillScheduler:
             # Nothing ever reached the workers: no write can read these blocks. The transfer ends by its TTL
             # at the directory (or decode's cancellation).
             return False, params
+        _log.debug("holding blocks for pushes", request_id=request.request_id, transfer_id=tracked.transfer_id,
+                   blocks=len(block_ids))
         self._held[request.request_id] = time.monotonic()
         self._newly_held.append(request.request_id)
         self._response_params[request.request_id] = params
@@ -160,6 +162,7 @@ class PrefillScheduler:
         # Only the step that finished a request can still change its response; later timelines are logged.
         self._response_params.clear()
         for request_id in connector_output.finished_sending or ():
+            _log.debug("blocks released", request_id=request_id)
             self._held.pop(request_id, None)
 
     def has_pending_push_work(self) -> bool:

@@ -38,6 +38,8 @@ from kvpush.v1 import types_pb2 as tpb
 
 _log = get_logger("connector.worker.decode")
 
+_EXPIRY_GRACE_S = 10.0
+
 _TERMINAL_STATES = {
     tpb.TRANSFER_STATE_COMPLETE: "complete",
     tpb.TRANSFER_STATE_FAILED: "failed",
@@ -65,6 +67,8 @@ class _Receive:
     span: TransferSpan
     started_at: float
     aborted: bool = False
+    # Past transfer_timeout_s: cancelled at the directory, waiting (bounded) for it to confirm no write is in flight.
+    expiring: bool = False
 
 
 class DecodeWorker:
@@ -177,14 +181,24 @@ class DecodeWorker:
         self._early[transfer_id] = signal
 
     def _on_deadline(self, receive: _Receive, now: float) -> None:
+        """A wait passed its bound: cancel, then give the directory a grace period to confirm no write is in flight.
+
+        The grace (min(transfer_timeout_s, 10 s)) bounds the whole wait; only past it are the blocks released
+        without confirmation (logged), because a request must end in bounded time.
+        """
         transfer_id = receive.start.transfer_id
-        if receive.aborted:
-            reason = f"no terminal state within transfer_timeout_s={self._config.transfer_timeout_s}s after the abort"
-            _log.warning("releasing aborted receive's blocks on the local bound", transfer_id=transfer_id,
-                         request_id=receive.start.request_id)
-        else:
-            reason = f"transfer not complete within transfer_timeout_s={self._config.transfer_timeout_s}s"
+        timeout = self._config.transfer_timeout_s
+        if not receive.aborted and not receive.expiring:
+            receive.expiring = True
+            receive.deadline = now + min(timeout, _EXPIRY_GRACE_S)
+            reason = f"transfer not complete within transfer_timeout_s={timeout}s"
+            receive.span.event("timeout")
             self._directory.cancel_transfer(transfer_id, reason)
+            return
+        reason = (f"no terminal state within the bound after the {'abort' if receive.aborted else 'timeout'}; "
+                  "blocks released unconfirmed")
+        _log.warning("releasing a receive's blocks on the local bound", transfer_id=transfer_id,
+                     request_id=receive.start.request_id, aborted=receive.aborted)
         self._early[transfer_id] = _Signal("expired", reason, "timeout", now)
 
     def _end_receive(self, receive: _Receive, signal: _Signal) -> None:
@@ -205,6 +219,9 @@ class DecodeWorker:
             _log.info("receive complete", transfer_id=start.transfer_id, request_id=start.request_id,
                       signal=signal.source, wait_s=round(waited, 4))
             return
+        if receive.expiring and signal.outcome != "complete":
+            signal = _Signal("expired", f"timed out; transfer then {signal.outcome}: {signal.reason}", signal.source,
+                             signal.received_at)
         self.failed_count += 1
         self._load_errors.update(start.pushed_block_ids(self._block_size))
         receive.span.end(ok=False, reason=f"{signal.outcome}: {signal.reason}")

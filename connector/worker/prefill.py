@@ -23,6 +23,7 @@ directory and NIXL callbacks only enqueue into `_inbox`, drained at every hook):
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -134,6 +135,9 @@ class PrefillWorker:
         """Before the forward: open transfers for new chunks, apply holds and preemptions."""
         self._drain()
         self._step_chunks = []
+        if self._live and os.environ.get("KVPUSH_DEBUG_STEPS"):
+            _log.debug("step", live=len(self._live), chunks=len(meta.prefill_chunks), held=meta.held_prefills,
+                       empty=meta.empty_step)
         for request_id in meta.preempted:
             live = self._live.get(request_id)
             if live is not None:
@@ -180,6 +184,8 @@ class PrefillWorker:
             live.span.event("prefix_cache_ready", {"kvpush.token_end": chunk.cached_token_count})
         live.chunks.append((chunk.token_start, chunk.token_end))
         self._step_chunks.append(chunk)
+        _log.debug("chunk", transfer_id=chunk.transfer_id, token_start=chunk.token_start, token_end=chunk.token_end,
+                   prompt=chunk.prompt_token_count, blocks=len(chunk.block_ids), cached=chunk.cached_token_count)
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Forward thread, after a layer's attention wrote its KV: mark it ready and push what became possible."""
@@ -379,12 +385,17 @@ class PrefillWorker:
             if live.push.quiescent:
                 self._send_final_result(live)
             return
+        stall = self._config.fault_stall_after_writes
+        if stall is not None and live.push.writes_submitted >= stall:
+            return  # fault injection (tests only): behave like a writer that stopped making progress
         try:
             writes = live.push.next_writes()
         except ValueError as exc:
             self._stop(live, STATE_FAILED, str(exc))
             return
         for write in writes:
+            _log.debug("write", transfer_id=live.push.transfer_id, layer=write.layer, token_start=write.token_start,
+                       token_end=write.token_end, notify=write.notify)
             self._submit(live, write, ready_event)
         if live.push.terminal and live.push.quiescent:
             self._on_terminal(live)

@@ -1,0 +1,207 @@
+"""Real-engine P/D fixtures for the connector: directory, prefill, decode, a victim prefill and a reference engine.
+
+One session-scoped `ConnectorStack` starts, in parallel, on 127.0.0.1:
+  * `prefill` and `decode`: vLLM CPU engines with KVPushConnector, chunked prefill (max_num_batched_tokens
+    = 256, so long prompts take several steps), prefix caching on, decode with kv_load_failure_policy
+    "recompute" and a short transfer_timeout_s;
+  * `victim`: a second prefill engine whose writer stalls after its first writes (fault injection), for
+    the test that kills a prefill engine mid-transfer;
+  * `colocated`: a plain engine with the same chunking, the reference for greedy outputs.
+Engines keep vLLM's stats on, so /metrics shows KV-cache usage (the leak check). They export spans to
+the session OTLP receiver. Helpers plan transfers at the directory and send both legs concurrently.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.localstack.client import call
+from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
+from kvpush.localstack.processes import EngineHandle, EngineSpec, free_port, launch_engine, start_directory
+from kvpush.localstack.stack import kv_transfer_config
+from kvpush.services.client.config import ChannelConfig
+from kvpush.services.client.sync import SyncDirectoryClient
+
+BLOCK_SIZE = 128
+MAX_BATCHED_TOKENS = 256
+TRANSFER_TIMEOUT_S = 20.0
+READY_TIMEOUT_S = 600.0
+PREFILL_ID = "conn-prefill"
+DECODE_ID = "conn-decode"
+VICTIM_ID = "conn-victim"
+# A 4-layer model makes per-layer streaming visible; the rest is the session's tiny Llama.
+MODEL_SPEC = TinyModelSpec(num_layers=4)
+
+
+class _StatsEngineSpec(EngineSpec):
+    """An EngineSpec with vLLM's stats left on (the launcher disables them), so /metrics reports KV usage."""
+
+    def argv(self) -> list[str]:
+        return [arg for arg in super().argv() if arg != "--disable-log-stats"]
+
+
+def _engine_args(prefix_caching: bool) -> list[str]:
+    return ["--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
+            "--max-num-seqs", "32"]
+
+
+def _kvpush_spec(name: str, role: str, engine_id: str, model_dir: Path, directory: str, env: dict[str, str],
+                 extra: dict[str, Any] | None = None, policy: str | None = None) -> EngineSpec:
+    port = free_port()
+    config = kv_transfer_config("kvpush", role, engine_id=engine_id, directory_address=directory,
+                                engine_endpoint=f"http://127.0.0.1:{port}",
+                                extra={"transfer_timeout_s": TRANSFER_TIMEOUT_S, "push_timeout_s": 30, **(extra or {})})
+    if policy:
+        config["kv_load_failure_policy"] = policy
+    return _StatsEngineSpec(name=name, model_dir=model_dir, port=port, kv_transfer_config=config, env=env,
+                            enable_prefix_caching=True, extra_args=_engine_args(True))
+
+
+@dataclass
+class ConnectorStack:
+    """The running engines plus a directory client for planning and inspecting transfers."""
+
+    directory_address: str
+    prefill: EngineHandle
+    decode: EngineHandle
+    victim: EngineHandle
+    colocated: EngineHandle
+    directory: SyncDirectoryClient
+    model_dir: Path
+    _reference_cache: dict[tuple, list[int]] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- requests
+
+    def complete(self, engine: EngineHandle, prompt: list[int], max_tokens: int, params: dict | None = None,
+                 timeout_s: float = 120.0) -> dict:
+        """POST /v1/completions with token ids; return the JSON body (asserting HTTP 200)."""
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "return_token_ids": True, "ignore_eos": True}
+        if params is not None:
+            body["kv_transfer_params"] = params
+        result = call("POST", engine.url + "/v1/completions", body, timeout_s=timeout_s)
+        assert result.status == 200, f"{engine.spec.name} answered {result.status}: {result.text[:500]}"
+        return result.body
+
+    def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy tokens of the colocated engine (cached per prompt)."""
+        key = (tuple(prompt), max_tokens)
+        if key not in self._reference_cache:
+            body = self.complete(self.colocated, prompt, max_tokens)
+            self._reference_cache[key] = list(body["choices"][0]["token_ids"])
+        return self._reference_cache[key]
+
+    def plan(self, prompt_len: int, prefill_id: str = PREFILL_ID) -> str:
+        """PlanTransfer pinned to (prefill_id, decode); returns the transfer id."""
+        response = self.directory.plan_transfer(prompt_token_count=prompt_len, prefill_engine_id=prefill_id,
+                                                decode_engine_id=DECODE_ID)
+        return response.transfer.transfer_id
+
+    def disaggregated(self, prompt: list[int], max_tokens: int, prefill: EngineHandle | None = None,
+                      prefill_id: str = PREFILL_ID) -> tuple[dict, dict, str]:
+        """Plan, then send the prefill and decode legs at the same time; return (prefill body, decode body, id)."""
+        transfer_id = self.plan(len(prompt), prefill_id)
+        prefill = prefill or self.prefill
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            p_leg = pool.submit(self.complete, prefill, prompt, 1,
+                                {"transfer_id": transfer_id, "do_remote_decode": True})
+            d_leg = pool.submit(self.complete, self.decode, prompt, max_tokens,
+                                {"transfer_id": transfer_id, "do_remote_prefill": True})
+            return p_leg.result(), d_leg.result(), transfer_id
+
+    def wait_transfer(self, transfer_id: str, states: set[int], timeout_s: float = 30.0):
+        """Poll GetTransfer until its state is in `states` (bounded); return the transfer."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            transfer = self.directory.get_transfer(transfer_id)
+            if transfer.state in states or time.monotonic() > deadline:
+                return transfer
+            time.sleep(0.05)
+
+    # ---------------------------------------------------------------- inspection
+
+    def kv_usage(self, engine: EngineHandle) -> float:
+        """vLLM's KV-cache usage gauge (0.0 = no block held by any request)."""
+        text = call("GET", engine.url + "/metrics", timeout_s=10).text
+        values = [float(m.group(1)) for m in re.finditer(r'^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$', text, re.M)]
+        assert values, f"no vllm:kv_cache_usage_perc in {engine.spec.name}'s /metrics"
+        return max(values)
+
+    def wait_kv_usage_zero(self, engine: EngineHandle, timeout_s: float = 40.0) -> float:
+        """Wait (bounded) until the engine holds no KV block; return the last usage seen."""
+        deadline = time.monotonic() + timeout_s
+        usage = self.kv_usage(engine)
+        while usage > 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            usage = self.kv_usage(engine)
+        return usage
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    """A deterministic prompt of `length` token ids in [10, 1000)."""
+    return [10 + (seed * 7919 + i * 104729 + (i * i) % 13) % 990 for i in range(length)]
+
+
+def abort_after(engine: EngineHandle, body: dict, delay_s: float) -> None:
+    """Send a completion on a raw socket and close it after `delay_s`: vLLM aborts the request."""
+    host, port = engine.spec.host, engine.spec.port
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+        time.sleep(delay_s)
+
+
+@pytest.fixture(scope="session")
+def connector_stack(otlp_receiver, session_log_dir) -> ConnectorStack:
+    """A directory, then prefill, decode, victim prefill and colocated engines (started in parallel).
+
+    The directory's lease TTL is 600 s: on this 2-core machine we saw a worker's lease keep-alive miss
+    renewals for over 30 s while several engines ran, which fails transfers (correctly, but not what these
+    tests are about). Lease loss itself is covered by the directory and client suites.
+    """
+    model_dir = ensure_tiny_model(MODEL_SPEC)
+    log_dir = session_log_dir / "connector"
+    directory = start_directory(log_dir, extra_args=["--lease-ttl-s", "600"], env=otlp_receiver.env("conn-directory"))
+    address = directory.address
+    specs = [
+        _kvpush_spec("conn-prefill", "prefill", PREFILL_ID, model_dir, address, otlp_receiver.env("conn-prefill")),
+        _kvpush_spec("conn-decode", "decode", DECODE_ID, model_dir, address, otlp_receiver.env("conn-decode"),
+                     policy="recompute"),
+        _kvpush_spec("conn-victim", "prefill", VICTIM_ID, model_dir, address, otlp_receiver.env("conn-victim"),
+                     extra={"fault_stall_after_writes": 2}),
+        _StatsEngineSpec(name="conn-colocated", model_dir=model_dir, enable_prefix_caching=False,
+                         extra_args=_engine_args(False)),
+    ]
+    handles: list[EngineHandle] = []
+    client = None
+    try:
+        for spec in specs:
+            handles.append(launch_engine(spec, log_dir))
+        for handle in handles:
+            handle.wait_ready(READY_TIMEOUT_S)
+        client = SyncDirectoryClient(ChannelConfig(address=address))
+        stack = ConnectorStack(address, handles[0], handles[1], handles[2], handles[3], client, model_dir)
+        # Warm-up: the first WRITEs between a new P/D pair wait for UCX wire-up, which on this loaded
+        # 2-core machine has taken longer than transfer_timeout_s (decode then recomputes; the tests
+        # below are about steady-state behaviour, so the pair is connected first, whatever the outcome).
+        for seed in range(2):
+            stack.disaggregated(prompt_of(BLOCK_SIZE + 5, seed=100 + seed), 2)
+        yield stack
+    finally:
+        for handle in handles:
+            handle.process.terminate()
+        for handle in handles:
+            handle.stop(grace_s=20.0)
+        if client is not None:
+            client.close()
+        directory.process.stop(grace_s=5.0)

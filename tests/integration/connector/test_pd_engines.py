@@ -1,0 +1,151 @@
+"""Real vLLM engines on CPU, P/D through KVPushConnector: outputs, streaming, prefix hits, aborts, failures, leaks.
+
+Every test drives real processes (directory, prefill, decode, colocated reference) through HTTP and the
+directory's gRPC API; nothing is mocked. Greedy decode on the decode engine must equal the colocated
+engine token for token.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import pytest
+
+from kvpush.v1 import types_pb2 as tpb
+from tests.integration.connector.conftest import (
+    BLOCK_SIZE,
+    DECODE_ID,
+    MAX_BATCHED_TOKENS,
+    TRANSFER_TIMEOUT_S,
+    VICTIM_ID,
+    abort_after,
+    prompt_of,
+)
+
+pytestmark = [pytest.mark.engines, pytest.mark.nixl]
+
+MAX_TOKENS = 12
+TERMINAL = {tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER_STATE_CANCELLED,
+            tpb.TRANSFER_STATE_EXPIRED}
+
+
+def test_outputs_match_colocated_for_every_prompt_shape(connector_stack):
+    """Shorter than a block, exactly k blocks, k blocks + 1, and several chunked-prefill steps: D equals colocated."""
+    lengths = [50, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1, 4 * MAX_BATCHED_TOKENS + 37]
+    prompts = [prompt_of(n, seed=i) for i, n in enumerate(lengths)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: connector_stack.disaggregated(p, MAX_TOKENS), prompts))
+    for prompt, (prefill_body, decode_body, transfer_id) in zip(prompts, results):
+        expected = connector_stack.reference(prompt, MAX_TOKENS)
+        assert decode_body["choices"][0]["token_ids"] == expected, f"prompt of {len(prompt)} tokens"
+        assert prefill_body["kv_transfer_params"]["transfer_id"] == transfer_id
+        transfer = connector_stack.wait_transfer(transfer_id, TERMINAL)
+        assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
+        assert transfer.bytes_written > 0
+
+
+def test_concurrent_requests_match_colocated(connector_stack):
+    """Ten P/D requests in flight at once all decode exactly what the colocated engine decodes."""
+    prompts = [prompt_of(90 + 61 * i, seed=20 + i) for i in range(10)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: connector_stack.disaggregated(p, MAX_TOKENS), prompts))
+    for prompt, (_, decode_body, transfer_id) in zip(prompts, results):
+        assert decode_body["choices"][0]["token_ids"] == connector_stack.reference(prompt, MAX_TOKENS)
+        transfer = connector_stack.wait_transfer(transfer_id, TERMINAL)
+        assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
+
+
+def test_push_is_layer_streamed(connector_stack, otlp_receiver):
+    """A multi-chunk prompt's first layer write starts before prefill ends (response timeline and span agree)."""
+    prompt = prompt_of(6 * MAX_BATCHED_TOKENS, seed=41)
+    prefill_body, decode_body, transfer_id = connector_stack.disaggregated(prompt, MAX_TOKENS)
+    assert decode_body["choices"][0]["token_ids"] == connector_stack.reference(prompt, MAX_TOKENS)
+    timeline = prefill_body["kv_transfer_params"]["push_timeline"]
+    assert timeline["chunk_count"] >= 6
+    assert timeline["first_write_start_time"] < timeline["prefill_end_time"]
+    assert timeline["layers_written_before_prefill_end_count"] > 0
+    spans = otlp_receiver.wait_for(
+        lambda spans: any(s.name == "kvpush.push" and s.attributes.get("kvpush.transfer_id") == transfer_id
+                          and "kvpush.state" in s.attributes for s in spans), timeout_s=30)
+    push = next(s for s in spans if s.name == "kvpush.push" and s.attributes.get("kvpush.transfer_id") == transfer_id
+                and "kvpush.state" in s.attributes)
+    assert push.attributes["kvpush.state"] == "done"
+    assert push.attributes["kvpush.first_write_start_time"] < push.attributes["kvpush.prefill_end_time"]
+    assert push.attributes["kvpush.layers_written_before_prefill_end_count"] > 0
+    assert push.event_names.count("layer_write") >= 4
+    receive = otlp_receiver.wait_for(
+        lambda spans: any(s.name == "kvpush.receive" and s.attributes.get("kvpush.transfer_id") == transfer_id
+                          for s in spans), timeout_s=30)
+    assert any(s.attributes.get("kvpush.outcome") == "complete" for s in receive
+               if s.name == "kvpush.receive" and s.attributes.get("kvpush.transfer_id") == transfer_id)
+
+
+def test_prefix_hit_on_decode_shrinks_the_push(connector_stack):
+    """Decode's own cached prefix is not pushed (prefix_hit_token_count > 0) and output still matches."""
+    shared = prompt_of(3 * BLOCK_SIZE, seed=51)
+    connector_stack.complete(connector_stack.decode, shared + [7, 8, 9], 1)  # decode caches the shared blocks
+    prompt = shared + prompt_of(150, seed=52)
+    _, decode_body, transfer_id = connector_stack.disaggregated(prompt, MAX_TOKENS)
+    assert decode_body["choices"][0]["token_ids"] == connector_stack.reference(prompt, MAX_TOKENS)
+    transfer = connector_stack.wait_transfer(transfer_id, TERMINAL)
+    assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
+    assert transfer.prefix_hit_token_count == 3 * BLOCK_SIZE
+
+
+def test_prefix_hit_on_prefill_is_still_pushed(connector_stack):
+    """Blocks reused from prefill's prefix cache are never recomputed yet reach decode intact."""
+    shared = prompt_of(4 * BLOCK_SIZE, seed=61)
+    connector_stack.complete(connector_stack.prefill, shared + [3, 4], 1)  # prefill caches the shared blocks
+    prompt = shared + prompt_of(70, seed=62)
+    prefill_body, decode_body, transfer_id = connector_stack.disaggregated(prompt, MAX_TOKENS)
+    assert prefill_body["kv_transfer_params"]["push_timeline"]["cached_token_count"] == 4 * BLOCK_SIZE
+    assert decode_body["choices"][0]["token_ids"] == connector_stack.reference(prompt, MAX_TOKENS)
+    transfer = connector_stack.wait_transfer(transfer_id, TERMINAL)
+    assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
+
+
+def test_abort_on_decode_cancels_the_transfer(connector_stack):
+    """A decode request aborted while it waits cancels its transfer; a later prefill leg pushes nothing."""
+    prompt = prompt_of(400, seed=71)
+    transfer_id = connector_stack.plan(len(prompt))
+    abort_after(connector_stack.decode, {"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                         "kv_transfer_params": {"transfer_id": transfer_id, "do_remote_prefill": True}},
+                delay_s=1.5)
+    transfer = connector_stack.wait_transfer(transfer_id, TERMINAL, timeout_s=TRANSFER_TIMEOUT_S + 15)
+    assert transfer.state == tpb.TRANSFER_STATE_CANCELLED, transfer.failure_reason
+    prefill_body = connector_stack.complete(connector_stack.prefill, prompt, 1,
+                                            {"transfer_id": transfer_id, "do_remote_decode": True})
+    assert prefill_body["kv_transfer_params"]["transfer_id"] == transfer_id
+    assert connector_stack.wait_transfer(transfer_id, TERMINAL).bytes_written == 0
+
+
+def test_prefill_killed_mid_transfer_ends_decode_request(connector_stack):
+    """Prefill killed with a half-written push: decode recomputes (policy) within the bound and matches colocated."""
+    prompt = prompt_of(5 * BLOCK_SIZE + 17, seed=81)
+    transfer_id = connector_stack.plan(len(prompt), prefill_id=VICTIM_ID)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        started = time.monotonic()
+        decode_leg = pool.submit(connector_stack.complete, connector_stack.decode, prompt, MAX_TOKENS,
+                                 {"transfer_id": transfer_id, "do_remote_prefill": True}, 120.0)
+        prefill_leg = pool.submit(connector_stack.complete, connector_stack.victim, prompt, 1,
+                                  {"transfer_id": transfer_id, "do_remote_decode": True})
+        prefill_leg.result()
+        streaming = connector_stack.wait_transfer(transfer_id, {tpb.TRANSFER_STATE_STREAMING} | TERMINAL)
+        assert streaming.state == tpb.TRANSFER_STATE_STREAMING
+        os.killpg(connector_stack.victim.process.pid, signal.SIGKILL)  # the whole engine dies at once
+        decode_body = decode_leg.result()
+        elapsed = time.monotonic() - started
+    assert decode_body["choices"][0]["token_ids"] == connector_stack.reference(prompt, MAX_TOKENS)
+    assert elapsed < TRANSFER_TIMEOUT_S + 15
+    assert connector_stack.wait_transfer(transfer_id, TERMINAL).state == tpb.TRANSFER_STATE_FAILED
+
+
+def test_zz_no_blocks_leak_on_either_side(connector_stack):
+    """After every test above, neither prefill nor decode holds a KV block and no transfer is live."""
+    assert connector_stack.wait_kv_usage_zero(connector_stack.prefill) == 0.0
+    assert connector_stack.wait_kv_usage_zero(connector_stack.decode) == 0.0
+    live = [t for t in connector_stack.directory.list_transfers(limit=1000) if t.state not in TERMINAL]
+    assert live == []

@@ -1,0 +1,99 @@
+"""Connector configuration and kv_transfer_params parsing: good input accepted, bad input refused precisely."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kvpush.connector.config import ConnectorConfig, ConnectorConfigError
+from kvpush.connector.params import TransferParamsError, parse_transfer_params
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+class _KVTransferConfig:
+    def __init__(self, kv_role, extra, engine_id="engine-a"):
+        self.kv_role = kv_role
+        self.engine_id = engine_id
+        self.kv_connector_extra_config = extra
+
+
+def test_producer_and_consumer_roles_parse_with_defaults():
+    """kv_producer is prefill, kv_consumer decode; unspecified keys take their documented defaults."""
+    prefill = ConnectorConfig.from_kv_transfer_config(_KVTransferConfig("kv_producer", {"directory_address": "h:1"}))
+    decode = ConnectorConfig.from_kv_transfer_config(_KVTransferConfig("kv_consumer", {"directory_address": "h:1"}))
+    assert prefill.is_prefill and decode.is_decode
+    assert prefill.nixl_backends == ("UCX",) and prefill.nixl_enable_prog_thread is False
+    assert decode.transfer_timeout_s == 60.0 and decode.fault_stall_after_writes is None
+
+
+def test_directory_settings_reach_the_channel_config():
+    """directory_* keys travel to the client library's ChannelConfig untouched."""
+    config = ConnectorConfig.from_extra_config(
+        {"directory_address": "10.0.0.1:50051", "directory_token": "secret", "directory_timeout_s": 2},
+        role="decode", engine_id="d")
+    assert config.channel_config_dict() == {"directory_address": "10.0.0.1:50051", "directory_token": "secret",
+                                            "directory_timeout_s": 2}
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({}, "directory_address"),
+    ({"directory_address": "nohost"}, "host:port"),
+    ({"directory_address": "h:99999"}, "host:port"),
+    ({"directory_address": "h:1", "typo_key": 1}, "unknown key"),
+    ({"directory_address": "h:1", "nixl_backends": "UCX"}, "nixl_backends"),
+    ({"directory_address": "h:1", "nixl_backends": ["QUIC"]}, "unknown backend"),
+    ({"directory_address": "h:1", "transfer_timeout_s": 0}, "transfer_timeout_s"),
+    ({"directory_address": "h:1", "nixl_enable_prog_thread": "yes"}, "nixl_enable_prog_thread"),
+    ({"directory_address": "h:1", "directory_tls_client_cert": "c.pem"}, "directory settings refused"),
+])
+def test_bad_extra_config_is_refused_naming_the_key(extra, match):
+    """Every bad value raises ConnectorConfigError whose message names what is wrong."""
+    with pytest.raises(ConnectorConfigError, match=match):
+        ConnectorConfig.from_extra_config(extra, role="prefill", engine_id="p")
+
+
+def test_kv_both_is_refused():
+    """kvpush engines are either prefill or decode."""
+    with pytest.raises(ConnectorConfigError, match="kv_producer"):
+        ConnectorConfig.from_kv_transfer_config(_KVTransferConfig("kv_both", {"directory_address": "h:1"}))
+
+
+def test_transfer_params_of_both_legs():
+    """The prefill and decode legs parse to their side, with the trace context kept."""
+    p_leg = parse_transfer_params({"transfer_id": "t1", "do_remote_decode": True, "traceparent": TRACEPARENT})
+    d_leg = parse_transfer_params({"transfer_id": "t1", "do_remote_prefill": True})
+    assert p_leg.is_prefill_leg and p_leg.traceparent == TRACEPARENT
+    assert not d_leg.is_prefill_leg and d_leg.transfer_id == "t1"
+    assert parse_transfer_params(None) is None and parse_transfer_params({"other": 1}) is None
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"do_remote_decode": True}, "transfer_id"),
+    ({"transfer_id": "", "do_remote_prefill": True}, "transfer_id"),
+    ({"transfer_id": "x" * 200, "do_remote_prefill": True}, "transfer_id"),
+    ({"transfer_id": "t", "do_remote_prefill": True, "do_remote_decode": True}, "both"),
+])
+def test_malformed_transfer_params_are_refused(params, match):
+    """A leg without a usable transfer id, or claiming both sides, raises TransferParamsError."""
+    with pytest.raises(TransferParamsError, match=match):
+        parse_transfer_params(params)
+
+
+def test_a_bad_traceparent_only_drops_tracing():
+    """A malformed traceparent never fails the request: it is ignored."""
+    assert parse_transfer_params({"transfer_id": "t", "do_remote_prefill": True, "traceparent": "junk"}).traceparent == ""
+
+
+def test_package_imports_without_vllm_and_exposes_the_class_lazily():
+    """`import kvpush.connector` does not import vLLM; KVPushConnector resolves on first attribute access."""
+    import importlib
+
+    for name in [m for m in sys.modules if m == "kvpush.connector" or m.startswith("kvpush.connector.connector")]:
+        sys.modules.pop(name)
+    module = importlib.import_module("kvpush.connector")
+    assert "kvpush.connector.connector" not in sys.modules
+    assert module.KVPushConnector.__name__ == "KVPushConnector"
+    with pytest.raises(AttributeError):
+        module.NoSuchThing  # noqa: B018

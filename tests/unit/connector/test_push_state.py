@@ -1,0 +1,141 @@
+"""The prefill push state machine: which writes become possible, exactly-once blocks, notify, done/failed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.connector.worker.push_state import STATE_CANCELLED, STATE_DONE, STATE_FAILED, PushTransfer
+
+BS = 128
+
+
+def _push(prompt: int, layers: int = 2) -> PushTransfer:
+    push = PushTransfer("t1", "r1", prompt, layers, BS)
+    push.set_source_blocks(tuple(range(100, 100 + -(-prompt // BS))))
+    return push
+
+
+def _instruct(push: PushTransfer, skip: int = 0) -> None:
+    push.set_instruction("decode-agent", tuple(range(500, 500 + push.total_blocks)), skip, push.prompt_token_count,
+                         b"t1")
+
+
+def _land(push: PushTransfer, writes) -> None:
+    for _ in writes:
+        push.write_submitted()
+    for _ in writes:
+        push.write_finished(True, end_time=1.0)
+    push.writer_is_quiet()
+
+
+def test_nothing_is_written_before_the_instruction():
+    """Readiness alone plans no write; the instruction then releases the backlog of every ready layer."""
+    push = _push(300)
+    push.mark_ready(0, 256)
+    push.mark_ready(1, 256)
+    assert push.next_writes() == []
+    _instruct(push)
+    writes = push.next_writes()
+    assert [(w.layer, w.token_start, w.token_end) for w in writes] == [(0, 0, 256), (1, 0, 256)]
+    assert writes[0].src_block_ids == (100, 101) and writes[0].dst_block_ids == (500, 501)
+
+
+def test_a_chunk_ending_mid_block_leaves_that_block_for_later():
+    """Tokens [0, 200) ready: only block 0 is written; the final chunk writes block 1 with the partial block 2."""
+    push = _push(300, layers=1)
+    _instruct(push)
+    push.mark_ready(0, 200)
+    first = push.next_writes()
+    assert [(w.token_start, w.token_end) for w in first] == [(0, 128)]
+    push.mark_ready(0, 300)
+    second = push.next_writes()
+    assert [(w.token_start, w.token_end, w.notify) for w in second] == [(128, 300, True)]
+    assert push.next_writes() == []
+
+
+def test_every_block_of_every_layer_is_planned_exactly_once():
+    """Over many uneven chunks, each (layer, block) appears in exactly one write."""
+    push = _push(1061, layers=3)
+    _instruct(push)
+    seen: list[tuple[int, int]] = []
+    for end in (100, 256, 300, 512, 700, 1024, 1061):
+        for layer in range(3):
+            push.mark_ready(layer, end)
+            for w in push.next_writes():
+                seen += [(w.layer, b) for b in range(w.token_start // BS, -(-w.token_end // BS))]
+    assert sorted(seen) == sorted((layer, b) for layer in range(3) for b in range(push.total_blocks))
+
+
+def test_decode_prefix_hit_is_skipped():
+    """skip_token_count = 256: blocks 0 and 1 are never written."""
+    push = _push(400, layers=1)
+    _instruct(push, skip=256)
+    push.mark_ready(0, 400)
+    writes = push.next_writes()
+    assert [(w.token_start, w.token_end) for w in writes] == [(256, 400)]
+
+
+def test_done_only_after_every_write_landed_and_the_writer_is_quiet():
+    """DONE needs the notifying write and all earlier ones landed; quiescent needs the data plane's word too."""
+    push = _push(256)
+    _instruct(push)
+    push.mark_ready(0, 256)
+    push.mark_ready(1, 256)
+    writes = push.next_writes()
+    assert writes[-1].notify and not writes[0].notify
+    for _ in writes:
+        push.write_submitted()
+    push.write_finished(True, end_time=1.0)
+    assert not push.terminal
+    push.write_finished(True, end_time=2.0)
+    assert push.state == STATE_DONE
+    assert not push.quiescent
+    push.writer_is_quiet()
+    assert push.quiescent
+
+
+def test_a_failed_write_fails_the_transfer_and_stops_planning():
+    """The first failure wins; later readiness plans nothing."""
+    push = _push(512, layers=1)
+    _instruct(push)
+    push.mark_ready(0, 256)
+    writes = push.next_writes()
+    push.write_submitted()
+    push.write_finished(False, "ERR")
+    assert push.state == STATE_FAILED and push.reason == "ERR"
+    push.mark_ready(0, 512)
+    assert push.next_writes() == [] and writes
+
+
+def test_layers_written_before_prefill_end_counts_writes_that_landed_earlier():
+    """Writes ending before prefill_end_time are counted; later ones are not."""
+    push = _push(512, layers=1)
+    _instruct(push)
+    push.mark_ready(0, 256)
+    first = push.next_writes()
+    _land(push, first)
+    push.prefill_ended(5.0)
+    push.mark_ready(0, 512)
+    second = push.next_writes()
+    for _ in second:
+        push.write_submitted()
+        push.write_finished(True, end_time=9.0)
+    assert push.finalize_timing().writes_before_prefill_end_count == 1
+
+
+def test_bad_instruction_is_refused():
+    """A prompt length or block list that cannot fit is refused with a precise error and changes nothing."""
+    push = _push(300)
+    with pytest.raises(ValueError, match="prompt tokens"):
+        push.set_instruction("d", tuple(range(3)), 0, 299, b"")
+    with pytest.raises(ValueError, match="cannot hold"):
+        push.set_instruction("d", (1, 2), 0, 300, b"")
+    assert not push.has_instruction
+
+
+def test_stop_keeps_the_first_reason():
+    """A cancellation after a failure does not overwrite the failure."""
+    push = _push(300)
+    push.stop(STATE_FAILED, "first")
+    push.stop(STATE_CANCELLED, "second")
+    assert (push.state, push.reason) == (STATE_FAILED, "first")
