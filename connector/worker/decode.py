@@ -10,7 +10,8 @@ and the directory client thread only enqueue into `_inbox`, drained at every hoo
   3. Completion is whichever comes first: prefill's NIXL notification (sent only after every write
      landed) or the directory's COMPLETE event. The request is reported in finished_recving.
   4. Failure: a FAILED / EXPIRED / CANCELLED event, a refused allocation report, or the deadline
-     (then CancelTransfer is sent too) -> the request is reported in finished_recving and the
+     (then CancelTransfer, and the failure waits for the directory's terminal state, at most a further
+     min(transfer_timeout_s, 10 s)) -> the request is reported in finished_recving and the
      blocks the push was to fill are reported as load errors in the same step, so vLLM's
      kv_load_failure_policy applies (fail: the request errors; recompute: decode computes those
      tokens itself, keeping its own prefix hit).
