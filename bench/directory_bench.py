@@ -92,7 +92,7 @@ class DirectoryProcess:
         self.process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._collect, daemon=True).start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a loaded machine can take long to start a process
         while not self._healthy():
             if time.monotonic() > deadline or self.process.poll() is not None:
                 self.process.kill()
