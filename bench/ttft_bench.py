@@ -187,29 +187,35 @@ def start_bench_gateway(mode: str, log_dir: Path, *, prefill: EngineHandle, deco
     return GatewayHandle(proc, "127.0.0.1", port)
 
 
-def measure_colocated(args, model_dir: Path, log_dir: Path) -> dict:
-    """TTFT of plain engines (no connector) for every prompt length."""
+def start_colocated(args, model_dir: Path, log_dir: Path) -> EngineHandle:
+    """The plain reference engine (no connector), in the root namespace."""
     engine = launch_engine(EngineSpec(name="colocated", model_dir=model_dir, cpus=args.colocated_cpus or None,
                                       max_model_len=args.max_model_len), log_dir)
     try:
         engine.wait_ready(args.engine_timeout, progress=say)
-        say(f"colocated ready at {engine.url}")
-        out: dict = {"idle_cpu_cores": idle_cpu([engine])}
-        for tokens in args.tokens:
-            ttfts = []
-            for i in range(args.warmup + args.iterations):
-                body = completion_body(prompt_ids(tokens, 10_000 + i, args.vocab), args.max_tokens)
-                result = stream_completion(engine.url + "/v1/completions", body, timeout_s=300)
-                if result.status != 200:
-                    raise RuntimeError(f"colocated request failed: {result.status} {result.error}")
-                if i >= args.warmup:
-                    ttfts.append(result.ttft_s)
-            out[str(tokens)] = {"ttft_ms": [round(t * 1000, 1) for t in ttfts], "median_ms": median_ms(ttfts),
-                                "min_ms": round(min(ttfts) * 1000, 1)}
-            say(f"colocated {tokens} tokens: median TTFT {median_ms(ttfts)} ms")
-        return out
-    finally:
-        engine.stop(15.0)
+    except BaseException:
+        engine.stop(5.0)
+        raise
+    say(f"colocated ready at {engine.url}")
+    return engine
+
+
+def measure_colocated(args, engine: EngineHandle) -> dict:
+    """TTFT of the plain engine alone (no P/D engines running) for every prompt length."""
+    out: dict = {"idle_cpu_cores": idle_cpu([engine])}
+    for tokens in args.tokens:
+        ttfts = []
+        for i in range(args.warmup + args.iterations):
+            body = completion_body(prompt_ids(tokens, 10_000 + i, args.vocab), args.max_tokens)
+            result = stream_completion(engine.url + "/v1/completions", body, timeout_s=args.request_timeout)
+            if result.status != 200:
+                raise RuntimeError(f"colocated request failed: {result.status} {result.error}")
+            if i >= args.warmup:
+                ttfts.append(result.ttft_s)
+        out[str(tokens)] = {"ttft_ms": [round(t * 1000, 1) for t in ttfts], "median_ms": median_ms(ttfts),
+                            "min_ms": round(min(ttfts) * 1000, 1)}
+        say(f"colocated {tokens} tokens: median TTFT {median_ms(ttfts)} ms")
+    return out
 
 
 def transfer_figures(directory_address: str, transfer_id: str) -> dict:
@@ -258,7 +264,8 @@ def push_figures(prefill_params_header: str | None) -> dict:
     return out
 
 
-def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_dir: Path) -> dict:
+def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_dir: Path,
+               colocated: EngineHandle | None) -> dict:
     """Disaggregated vs p_direct TTFT for one connector, over every rate and prompt length."""
     directory = None
     directory_port = 0
@@ -278,8 +285,13 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
             if topology.network:
                 topology.network.set_rate(None if rate == "unshaped" else rate)
             for tokens in args.tokens:
-                cell = run_cell(args, connector, gateway, prefill, tokens, directory, rate)
+                cell = run_cell(args, connector, gateway, prefill, tokens, directory, rate, colocated)
                 out.setdefault(rate, {})[str(tokens)] = cell
+                if not cell["compared"] and any(f.startswith("request ") for f in cell["failures"]):
+                    # Requests hung (not refused): the engines are stuck; later cells would only wait too.
+                    say(f"{connector}: engines hung in {rate}/{tokens}; skipping the phase's remaining cells")
+                    out["stopped_early"] = f"engines hung at {rate}/{tokens}"
+                    return out
                 say(f"{connector} {rate} {tokens} tokens: disagg {cell['median_disagg_ms']} ms, "
                     f"p_direct {cell['median_p_direct_ms']} ms, outputs equal {cell['outputs_equal']}/"
                     f"{cell['compared']}, failures {len(cell['failures'])}")
@@ -295,10 +307,10 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
 
 
 def run_cell(args, connector: str, gateway: GatewayHandle, prefill: EngineHandle, tokens: int, directory,
-             rate: str) -> dict:
+             rate: str, colocated: EngineHandle | None = None) -> dict:
     """Warm-up plus `iterations` of (disaggregated request, same prompt straight to prefill)."""
-    disagg, direct, failures, transfers = [], [], [], []
-    equal = compared = 0
+    disagg, direct, alongside, failures, transfers = [], [], [], [], []
+    equal = compared = colocated_equal = 0
     for i in range(args.warmup + args.iterations):
         seed = zlib.crc32(f"{connector}/{rate}/{tokens}/{i}".encode())
         body = completion_body(prompt_ids(tokens, seed, args.vocab), args.max_tokens)
@@ -323,6 +335,12 @@ def run_cell(args, connector: str, gateway: GatewayHandle, prefill: EngineHandle
             continue
         disagg.append(via_gateway.ttft_s)
         direct.append(on_prefill.ttft_s)
+        if colocated is not None:
+            # Same prompt on the plain engine, interleaved: same ambient load as the disaggregated sample.
+            reference = stream_completion(colocated.url + "/v1/completions", body, timeout_s=args.request_timeout)
+            if reference.status == 200:
+                alongside.append(reference.ttft_s)
+                colocated_equal += reference.text == via_gateway.text
         compared += 1
         equal += via_gateway.text == on_prefill.text
         transfer_id = via_gateway.headers.get("x-kvpush-transfer-id")
@@ -338,7 +356,10 @@ def run_cell(args, connector: str, gateway: GatewayHandle, prefill: EngineHandle
             # The minimum is the least disturbed sample on a shared machine; the median is the figure of record.
             "min_disagg_ms": round(min(disagg) * 1000, 1) if disagg else 0.0,
             "min_p_direct_ms": round(min(direct) * 1000, 1) if direct else 0.0,
-            "outputs_equal": equal, "compared": compared, "failures": failures}
+            "colocated_alongside_ms": [round(t * 1000, 1) for t in alongside],
+            "median_colocated_alongside_ms": median_ms(alongside),
+            "outputs_equal": equal, "outputs_equal_colocated": colocated_equal, "compared": compared,
+            "failures": failures}
     if transfers:
         cell["transfers"] = transfers
     return cell
@@ -351,7 +372,7 @@ def add_ratios(result: dict) -> None:
         if not isinstance(rates, dict) or "error" in rates:
             continue
         for rate, cells in rates.items():
-            if rate == "idle_cpu_cores":
+            if rate in ("idle_cpu_cores", "stopped_early"):
                 continue
             for tokens, cell in cells.items():
                 if not cell["median_disagg_ms"]:
@@ -359,6 +380,9 @@ def add_ratios(result: dict) -> None:
                 if cell["median_p_direct_ms"]:
                     cell["ratio_vs_p_direct"] = round(cell["median_disagg_ms"] / cell["median_p_direct_ms"], 3)
                     cell["exposed_vs_p_direct_ms"] = round(cell["median_disagg_ms"] - cell["median_p_direct_ms"], 1)
+                if cell.get("median_colocated_alongside_ms"):
+                    cell["ratio_vs_colocated_alongside"] = round(
+                        cell["median_disagg_ms"] / cell["median_colocated_alongside_ms"], 3)
                 reference = colocated.get(tokens, {}).get("median_ms")
                 if reference:
                     cell["ratio_vs_colocated"] = round(cell["median_disagg_ms"] / reference, 3)
@@ -385,6 +409,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-cpus", default="", help="taskset CPU list for decode (e.g. 1)")
     parser.add_argument("--colocated-cpus", default="", help="taskset CPU list for the colocated engine")
     parser.add_argument("--engine-timeout", type=float, default=420.0)
+    parser.add_argument("--colocated-alongside", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep the colocated engine running and sample it in every P/D iteration too")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds per streamed request")
     parser.add_argument("--log-dir", default="", help="engine logs (default: a temp folder)")
     parser.add_argument("--out", default="", help="JSON path (default bench/results/ttft-<time>.json)")
@@ -425,11 +451,17 @@ def main(argv=None) -> int:
                     "settings": {"iterations": args.iterations, "warmup": args.warmup, "max_tokens": args.max_tokens,
                                  "netns": not args.no_netns, "rates": args.rates, "tokens": args.tokens,
                                  "prefill_cpus": args.prefill_cpus, "decode_cpus": args.decode_cpus,
-                                 "colocated_cpus": args.colocated_cpus, "prefix_caching": False},
+                                 "colocated_cpus": args.colocated_cpus, "prefix_caching": False,
+                                 "colocated_alongside": args.colocated_alongside},
                     "cpu": cpu_context(), "log_dir": str(log_dir), "phases": {}}
+    colocated = None
     if "colocated" in args.phases:
         say("phase colocated")
-        result["colocated"] = measure_colocated(args, model_dir, log_dir)
+        colocated = start_colocated(args, model_dir, log_dir)
+        result["colocated"] = measure_colocated(args, colocated)
+        if not args.colocated_alongside:
+            colocated.stop(15.0)
+            colocated = None
     network = None if args.no_netns else PDNetwork(prefix="kvb", rate=args.rates[0] if args.rates[0] != "unshaped"
                                                      else None)
     try:
@@ -441,13 +473,15 @@ def main(argv=None) -> int:
                 continue
             say(f"phase {connector}")
             try:
-                result["phases"][connector] = measure_pd(args, model_dir, connector, topology, log_dir)
+                result["phases"][connector] = measure_pd(args, model_dir, connector, topology, log_dir, colocated)
             except Exception as error:  # one broken connector must not hide the others' figures
                 say(f"phase {connector} failed: {error}")
                 result["phases"][connector] = {"error": str(error)[:2000]}
     finally:
         if network:
             network.destroy()
+        if colocated is not None:
+            colocated.stop(15.0)
     result["cpu"]["loadavg_at_end"] = os.getloadavg()
     add_ratios(result)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
