@@ -10,8 +10,10 @@ Life cycle (`serve(config)`, entered through `asyncio.run`):
 3. `DirectoryServer.stop(grace_s)`: health goes NOT_SERVING, every stream is asked to flush
    and end (UNAVAILABLE, so clients reconnect), then `server.stop(grace)` lets unary calls finish.
 
-Oversized messages: `max_message_bytes` caps what gRPC accepts; a larger request is refused by
-gRPC itself with RESOURCE_EXHAUSTED before any handler runs.
+Oversized messages: a request over `max_message_bytes` is refused with INVALID_ARGUMENT (a unary or
+server-streaming request by `MessageSizeInterceptor`, a StreamPrefill message by the servicer) and
+changes nothing. gRPC's own transport limit sits at `TRANSPORT_LIMIT_FACTOR` times that, so only a
+request far past the cap meets gRPC's RESOURCE_EXHAUSTED, also before any handler runs.
 """
 
 from __future__ import annotations
@@ -62,6 +64,50 @@ class DirectoryConfig:
         """host:port as gRPC binds it."""
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return f"{host}:{self.port}"
+
+
+# gRPC's own receive limit, as a multiple of max_message_bytes: past it the transport refuses the bytes
+# (RESOURCE_EXHAUSTED) without decoding them; between the two the directory answers INVALID_ARGUMENT.
+TRANSPORT_LIMIT_FACTOR = 4
+
+
+class MessageSizeInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses a unary or server-streaming request over `max_bytes` with INVALID_ARGUMENT."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+
+    async def intercept_service(self, continuation, handler_call_details):
+        """Wrap single-request handlers with a size check; streams of requests check per message."""
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        max_bytes = self._max_bytes
+        kwargs = dict(request_deserializer=handler.request_deserializer,
+                      response_serializer=handler.response_serializer)
+
+        async def too_big(request, context) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request is {request.ByteSize()} bytes; the limit is {max_bytes}")
+
+        if handler.response_streaming:
+            inner_stream = handler.unary_stream
+
+            async def checked_stream(request, context):
+                if request.ByteSize() > max_bytes:
+                    await too_big(request, context)
+                async for response in inner_stream(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(checked_stream, **kwargs)
+        inner = handler.unary_unary
+
+        async def checked(request, context):
+            if request.ByteSize() > max_bytes:
+                await too_big(request, context)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(checked, **kwargs)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -170,10 +216,11 @@ class DirectoryServer:
 def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[DirectoryServer, int]:
     """Build (not start) the directory server and bind it; returns it and the bound port."""
     state = DirectoryState(config.limits, clock or Clock(), TransferSpans())
-    servicer = DirectoryServicer(state)
+    servicer = DirectoryServicer(state, max_message_bytes=config.max_message_bytes)
+    transport_limit = config.max_message_bytes * TRANSPORT_LIMIT_FACTOR
     options = [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", transport_limit),
+        ("grpc.max_send_message_length", transport_limit),
         ("grpc.keepalive_time_ms", config.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -184,7 +231,9 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
     if config.max_connection_age_ms:
         options.append(("grpc.max_connection_age_ms", config.max_connection_age_ms))
         options.append(("grpc.max_connection_age_grace_ms", config.max_connection_age_grace_ms))
+    # Authentication first: an unauthenticated caller learns nothing, not even a size verdict.
     interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
+    interceptors.append(MessageSizeInterceptor(config.max_message_bytes))
     server = grpc.aio.server(options=options, interceptors=interceptors)
     directory_pb2_grpc.add_KVDirectoryServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

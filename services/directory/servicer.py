@@ -103,8 +103,9 @@ class _PrefillSession:
 class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
     """KVDirectoryService over one `DirectoryState`; see the module docstring."""
 
-    def __init__(self, state: DirectoryState) -> None:
+    def __init__(self, state: DirectoryState, max_message_bytes: int = 16 * 1024 * 1024) -> None:
         self.state = state
+        self.max_message_bytes = max_message_bytes
         self.limits = state.limits
         self._sessions: dict[tuple[str, int], _PrefillSession] = {}
         self._watchers: dict[str, set[asyncio.Event]] = {}
@@ -397,6 +398,11 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 message = await context.read()
                 if message is grpc.aio.EOF:
                     session.end_reason = "prefill stream closed by the worker"
+                    return
+                if message.ByteSize() > self.max_message_bytes:
+                    session.end_status = (grpc.StatusCode.INVALID_ARGUMENT,
+                                          f"stream message is {message.ByteSize()} bytes; "
+                                          f"the limit is {self.max_message_bytes}")
                     return
                 kind = message.WhichOneof("message")
                 if kind == "ready":

@@ -138,14 +138,18 @@ def test_malformed_input_is_invalid_argument_and_changes_nothing():
     run(body())
 
 
-def test_oversized_message_is_refused_by_grpc():
-    """A request over max_message_bytes is RESOURCE_EXHAUSTED and registers nothing."""
+def test_oversized_message_is_invalid_argument_and_changes_nothing():
+    """A request over max_message_bytes is INVALID_ARGUMENT (past the transport limit, gRPC's RESOURCE_EXHAUSTED); nothing registers."""
     async def body():
         async with running_directory(max_message_bytes=64 * 1024) as directory:
             channel, s = stub(directory.address)
             request = register_request("big", DECODE)
             request.agent_metadata = b"x" * (128 * 1024)
+            assert await code_of(s.RegisterEngine(request)) == grpc.StatusCode.INVALID_ARGUMENT
+            request.agent_metadata = b"x" * (512 * 1024)
             assert await code_of(s.RegisterEngine(request)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await code_of(s.GetTransfer(dpb.GetTransferRequest(transfer_id="t" * (128 * 1024)))) == \
+                grpc.StatusCode.INVALID_ARGUMENT
             assert (await s.ListEngines(dpb.ListEnginesRequest())).workers == []
             await channel.close()
     run(body())
