@@ -47,9 +47,14 @@ class WriterQuiet:
 
 
 def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
-    """The data-plane settings the connector config asks for."""
+    """The data-plane settings the connector config asks for.
+
+    A posted WRITE (or its wait for the layer's ready event) may take as long as the prefill side holds
+    the blocks for it (push_timeout_s); past that the data plane fails it and the transfer fails.
+    """
     return NixlConfig(backends=config.nixl_backends, enable_prog_thread=config.nixl_enable_prog_thread,
-                      num_threads=config.nixl_num_threads).validate()
+                      num_threads=config.nixl_num_threads, transfer_timeout_s=config.push_timeout_s,
+                      post_timeout_s=config.push_timeout_s).validate()
 
 
 def create_agent(config: ConnectorConfig, kv_caches: dict[str, Any], block_size_tokens: int, num_kv_heads: int,

@@ -3,7 +3,7 @@
 One session-scoped `ConnectorStack` starts, in parallel, on 127.0.0.1:
   * `prefill` and `decode`: vLLM CPU engines with KVPushConnector, chunked prefill (max_num_batched_tokens
     = 256, so long prompts take several steps), prefix caching on, decode with kv_load_failure_policy
-    "recompute" and a short transfer_timeout_s;
+    "recompute";
   * `victim`: a second prefill engine whose writer stalls after its first writes (fault injection), for
     the test that kills a prefill engine mid-transfer;
   * `colocated`: a plain engine with the same chunking, the reference for greedy outputs.
@@ -33,7 +33,10 @@ from kvpush.services.client.sync import SyncDirectoryClient
 
 BLOCK_SIZE = 128
 MAX_BATCHED_TOKENS = 256
-TRANSFER_TIMEOUT_S = 20.0
+# Generous bounds: the 2-core machine is shared with other suites and benchmarks (load averages of 30+
+# were seen), so a healthy transfer can take tens of seconds. The failure tests assert on these bounds.
+TRANSFER_TIMEOUT_S = 60.0
+PUSH_TIMEOUT_S = 90.0
 READY_TIMEOUT_S = 600.0
 PREFILL_ID = "conn-prefill"
 DECODE_ID = "conn-decode"
@@ -59,7 +62,8 @@ def _kvpush_spec(name: str, role: str, engine_id: str, model_dir: Path, director
     port = free_port()
     config = kv_transfer_config("kvpush", role, engine_id=engine_id, directory_address=directory,
                                 engine_endpoint=f"http://127.0.0.1:{port}",
-                                extra={"transfer_timeout_s": TRANSFER_TIMEOUT_S, "push_timeout_s": 30, **(extra or {})})
+                                extra={"transfer_timeout_s": TRANSFER_TIMEOUT_S, "push_timeout_s": PUSH_TIMEOUT_S,
+                                       **(extra or {})})
     if policy:
         config["kv_load_failure_policy"] = policy
     return _StatsEngineSpec(name=name, model_dir=model_dir, port=port, kv_transfer_config=config, env=env,
@@ -82,7 +86,7 @@ class ConnectorStack:
     # ---------------------------------------------------------------- requests
 
     def complete(self, engine: EngineHandle, prompt: list[int], max_tokens: int, params: dict | None = None,
-                 timeout_s: float = 120.0) -> dict:
+                 timeout_s: float = 240.0) -> dict:
         """POST /v1/completions with token ids; return the JSON body (asserting HTTP 200)."""
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "return_token_ids": True, "ignore_eos": True}
@@ -118,7 +122,7 @@ class ConnectorStack:
                                 {"transfer_id": transfer_id, "do_remote_prefill": True})
             return p_leg.result(), d_leg.result(), transfer_id
 
-    def wait_transfer(self, transfer_id: str, states: set[int], timeout_s: float = 30.0):
+    def wait_transfer(self, transfer_id: str, states: set[int], timeout_s: float = 60.0):
         """Poll GetTransfer until its state is in `states` (bounded); return the transfer."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -129,7 +129,7 @@ def test_prefill_killed_mid_transfer_ends_decode_request(connector_stack):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         started = time.monotonic()
         decode_leg = pool.submit(connector_stack.complete, connector_stack.decode, prompt, MAX_TOKENS,
-                                 {"transfer_id": transfer_id, "do_remote_prefill": True}, 120.0)
+                                 {"transfer_id": transfer_id, "do_remote_prefill": True}, 240.0)
         prefill_leg = pool.submit(connector_stack.complete, connector_stack.victim, prompt, 1,
                                   {"transfer_id": transfer_id, "do_remote_decode": True})
         prefill_leg.result()
@@ -139,7 +139,7 @@ def test_prefill_killed_mid_transfer_ends_decode_request(connector_stack):
         decode_body = decode_leg.result()
         elapsed = time.monotonic() - started
     assert decode_body["choices"][0]["token_ids"] == connector_stack.reference(prompt, MAX_TOKENS)
-    assert elapsed < TRANSFER_TIMEOUT_S + 15
+    assert elapsed < TRANSFER_TIMEOUT_S + 30
     assert connector_stack.wait_transfer(transfer_id, TERMINAL).state == tpb.TRANSFER_STATE_FAILED
 
 
