@@ -66,6 +66,10 @@ def _kvpush_spec(name: str, role: str, engine_id: str, model_dir: Path, director
                                        **(extra or {})})
     if policy:
         config["kv_load_failure_policy"] = policy
+    # UCX lists every interface in an agent's address; loading a peer (nixl add_remote_agent, which holds
+    # the GIL) stalled for about a minute here while other suites had namespaced veth links up. All
+    # engines of these tests are on one host: keep UCX on loopback (shared-memory transports unaffected).
+    env = {"UCX_NET_DEVICES": "lo", **env}
     return _StatsEngineSpec(name=name, model_dir=model_dir, port=port, kv_transfer_config=config, env=env,
                             enable_prefix_caching=True, extra_args=_engine_args(True))
 
