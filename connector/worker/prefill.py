@@ -23,7 +23,6 @@ directory and NIXL callbacks only enqueue into `_inbox`, drained at every hook):
 
 from __future__ import annotations
 
-import os
 import queue
 import time
 from collections.abc import Callable
@@ -135,9 +134,6 @@ class PrefillWorker:
         """Before the forward: open transfers for new chunks, apply holds and preemptions."""
         self._drain()
         self._step_chunks = []
-        if self._live and os.environ.get("KVPUSH_DEBUG_STEPS"):
-            _log.debug("step", live=len(self._live), chunks=len(meta.prefill_chunks), held=meta.held_prefills,
-                       empty=meta.empty_step)
         for request_id in meta.preempted:
             live = self._live.get(request_id)
             if live is not None:
