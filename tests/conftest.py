@@ -14,6 +14,7 @@ Logs of every process land in one session folder, printed at the end of the run.
 
 from __future__ import annotations
 
+import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,14 @@ class PDStack:
 # Suites whose engines live only as long as their module; they run first, before session-long engines of
 # other suites are up (the machine holds about seven ~3 GiB engines at most).
 _RUN_FIRST = ("tests/integration/localstack/test_pd_gateway.py",)
+
+
+def pytest_configure(config):
+    """Turn SIGTERM (CI's or `timeout`'s stop) into KeyboardInterrupt so fixtures tear down and no engine outlives pytest."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def pytest_collection_modifyitems(session, config, items):

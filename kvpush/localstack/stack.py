@@ -73,7 +73,9 @@ class LocalStack:
     progress: ProgressFn | None = print
     engine_timeout_s: float = 420.0
     with_colocated: bool = True
-    engine_env: dict[str, str] = field(default_factory=dict)
+    # Every engine of this stack is on one host: keep UCX off other interfaces (a peer load lists them all,
+    # holding the GIL, and stalled for a minute when namespaced veth links were up).
+    engine_env: dict[str, str] = field(default_factory=lambda: {"UCX_NET_DEVICES": "lo"})
     model_dir: Path | None = None
     directory: DirectoryHandle | None = None
     prefill: EngineHandle | None = None
