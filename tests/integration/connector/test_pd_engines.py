@@ -25,6 +25,8 @@ from tests.integration.connector.conftest import (
     prompt_of,
 )
 
+from tests.known_bugs import PREFILL_PEER_LOAD_FREEZE
+
 pytestmark = [pytest.mark.engines, pytest.mark.nixl]
 
 MAX_TOKENS = 12
@@ -32,6 +34,7 @@ TERMINAL = {tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER
             tpb.TRANSFER_STATE_EXPIRED}
 
 
+@PREFILL_PEER_LOAD_FREEZE
 def test_outputs_match_colocated_for_every_prompt_shape(connector_stack):
     """Shorter than a block, exactly k blocks, k blocks + 1, and several chunked-prefill steps: D equals colocated."""
     lengths = [50, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1, 4 * MAX_BATCHED_TOKENS + 37]
@@ -47,6 +50,7 @@ def test_outputs_match_colocated_for_every_prompt_shape(connector_stack):
         assert transfer.bytes_written > 0
 
 
+@PREFILL_PEER_LOAD_FREEZE
 def test_concurrent_requests_match_colocated(connector_stack):
     """Ten P/D requests in flight at once all decode exactly what the colocated engine decodes."""
     prompts = [prompt_of(90 + 61 * i, seed=20 + i) for i in range(10)]
@@ -58,6 +62,7 @@ def test_concurrent_requests_match_colocated(connector_stack):
         assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
 
 
+@PREFILL_PEER_LOAD_FREEZE
 def test_push_is_layer_streamed(connector_stack, otlp_receiver):
     """A multi-chunk prompt's first layer write starts before prefill ends (response timeline and span agree)."""
     prompt = prompt_of(6 * MAX_BATCHED_TOKENS, seed=41)
@@ -83,6 +88,7 @@ def test_push_is_layer_streamed(connector_stack, otlp_receiver):
                if s.name == "kvpush.receive" and s.attributes.get("kvpush.transfer_id") == transfer_id)
 
 
+@PREFILL_PEER_LOAD_FREEZE
 def test_prefix_hit_on_decode_shrinks_the_push(connector_stack):
     """Decode's own cached prefix is not pushed (prefix_hit_token_count > 0) and output still matches."""
     shared = prompt_of(3 * BLOCK_SIZE, seed=51)
@@ -95,6 +101,7 @@ def test_prefix_hit_on_decode_shrinks_the_push(connector_stack):
     assert transfer.prefix_hit_token_count == 3 * BLOCK_SIZE
 
 
+@PREFILL_PEER_LOAD_FREEZE
 def test_prefix_hit_on_prefill_is_still_pushed(connector_stack):
     """Blocks reused from prefill's prefix cache are never recomputed yet reach decode intact."""
     shared = prompt_of(4 * BLOCK_SIZE, seed=61)
@@ -122,6 +129,7 @@ def test_abort_on_decode_cancels_the_transfer(connector_stack):
     assert connector_stack.wait_transfer(transfer_id, TERMINAL).bytes_written == 0
 
 
+@PREFILL_PEER_LOAD_FREEZE
 def test_prefill_killed_mid_transfer_ends_decode_request(connector_stack):
     """Prefill killed with a half-written push: decode recomputes (policy) within the bound and matches colocated."""
     prompt = prompt_of(5 * BLOCK_SIZE + 17, seed=81)
