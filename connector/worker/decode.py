@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.worker.inbox import run_queued_actions
 from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
 from kvpush.connector.tracing import TransferSpan
 from kvpush.observability import get_logger
@@ -151,15 +152,7 @@ class DecodeWorker:
     # ---------------------------------------------------------------- internals
 
     def _drain(self) -> None:
-        while True:
-            try:
-                action = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                action()
-            except Exception:  # one bad message must not stop the engine thread
-                _log.exception("decode connector action failed")
+        run_queued_actions(self._inbox, _log, "decode")
 
     def _begin_receive(self, start: ReceiveStart, now: float) -> None:
         if start.request_id in self._receives:

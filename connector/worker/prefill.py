@@ -32,6 +32,7 @@ from typing import Any
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.worker.inbox import run_queued_actions
 from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, PrefillChunk
 from kvpush.connector.tracing import TransferSpan
 from kvpush.connector.worker.push_state import (
@@ -252,15 +253,7 @@ class PrefillWorker:
     # ---------------------------------------------------------------- internals
 
     def _drain(self) -> None:
-        while True:
-            try:
-                action = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                action()
-            except Exception:  # one bad message must not stop the engine thread
-                _log.exception("prefill connector action failed")
+        run_queued_actions(self._inbox, _log, "prefill")
 
     def _record_ready_event(self) -> Any:
         if not self._on_gpu:
