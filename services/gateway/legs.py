@@ -11,6 +11,7 @@ Cancelling a leg's task closes its connection, which makes vLLM abort the reques
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -41,21 +42,28 @@ def _status_error(leg: str, url: str, status: int, text: str) -> GatewayError:
     return bad_gateway(f"{leg} engine at {url} failed with HTTP {status}: {message}")
 
 
-async def post_json(session: aiohttp.ClientSession, leg: str, url: str, body: dict, headers: dict[str, str],
-                    total_s: float, connect_s: float) -> dict[str, Any]:
-    """POST `body` and return the JSON object answered with 200; raise a GatewayError otherwise."""
-    client_timeout = aiohttp.ClientTimeout(total=total_s, connect=connect_s)
+@contextlib.contextmanager
+def _transport_errors(leg: str, url: str, total_s: float):
+    """Map aiohttp's connection and timeout failures on a leg to the gateway's 503 / 504 / 502 errors."""
     try:
-        async with session.post(url, json=body, headers=headers, timeout=client_timeout) as response:
-            text = await response.text()
-            if response.status != 200:
-                raise _status_error(leg, url, response.status, text)
+        yield
     except aiohttp.ClientConnectorError as error:
         raise unavailable(f"{leg} engine at {url} is unreachable: {error.os_error or error}") from error
     except asyncio.TimeoutError as error:
         raise timeout(f"{leg} engine at {url} did not answer within {total_s:.0f} s") from error
     except aiohttp.ClientError as error:
         raise bad_gateway(f"{leg} engine at {url}: connection failed: {error!r}") from error
+
+
+async def post_json(session: aiohttp.ClientSession, leg: str, url: str, body: dict, headers: dict[str, str],
+                    total_s: float, connect_s: float) -> dict[str, Any]:
+    """POST `body` and return the JSON object answered with 200; raise a GatewayError otherwise."""
+    client_timeout = aiohttp.ClientTimeout(total=total_s, connect=connect_s)
+    with _transport_errors(leg, url, total_s):
+        async with session.post(url, json=body, headers=headers, timeout=client_timeout) as response:
+            text = await response.text()
+            if response.status != 200:
+                raise _status_error(leg, url, response.status, text)
     try:
         parsed = json.loads(text)
     except ValueError as error:
@@ -69,14 +77,8 @@ async def open_stream(session: aiohttp.ClientSession, leg: str, url: str, body: 
                       total_s: float, connect_s: float) -> aiohttp.ClientResponse:
     """POST a streaming request; return the open 200 response (the caller must release it)."""
     client_timeout = aiohttp.ClientTimeout(total=total_s, connect=connect_s)
-    try:
+    with _transport_errors(leg, url, total_s):
         response = await session.post(url, json=body, headers=headers, timeout=client_timeout)
-    except aiohttp.ClientConnectorError as error:
-        raise unavailable(f"{leg} engine at {url} is unreachable: {error.os_error or error}") from error
-    except asyncio.TimeoutError as error:
-        raise timeout(f"{leg} engine at {url} did not answer within {total_s:.0f} s") from error
-    except aiohttp.ClientError as error:
-        raise bad_gateway(f"{leg} engine at {url}: connection failed: {error!r}") from error
     if response.status != 200:
         try:
             text = await response.text()
