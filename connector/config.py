@@ -39,6 +39,9 @@ class ConnectorConfig:
     engine_endpoint: this engine's HTTP URL, registered with the directory (optional).
     transfer_timeout_s: decode-side bound on waiting for one transfer (default 60).
     push_timeout_s: prefill-side bound on holding a finished request's blocks for pushes (default 60).
+    message_queue_poll_s: while vLLM's shared-memory message-queue readers busy-wait in this engine's
+        processes, sleep this long per check instead of `sched_yield` (default 0.0001; null keeps vLLM's
+        spin, which starves the connector's threads of the GIL while the engine steps: `connector.engine_spin`).
     fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it
         plans no more, as a stuck or dying writer would (default None: off). Fault-injection tests use it to
         kill a prefill engine while a transfer is really half-written.
@@ -54,6 +57,7 @@ class ConnectorConfig:
     engine_endpoint: str = ""
     transfer_timeout_s: float = 60.0
     push_timeout_s: float = 60.0
+    message_queue_poll_s: float | None = 0.0001
     fault_stall_after_writes: int | None = None
 
     @property
@@ -108,6 +112,7 @@ class ConnectorConfig:
             engine_endpoint=_optional_str(extra, "engine_endpoint") or "",
             transfer_timeout_s=_seconds(extra, "transfer_timeout_s", 60.0),
             push_timeout_s=_seconds(extra, "push_timeout_s", 60.0),
+            message_queue_poll_s=_poll_seconds(extra, "message_queue_poll_s", 0.0001),
             fault_stall_after_writes=(_int(extra, "fault_stall_after_writes", 0, minimum=0, maximum=1 << 30)
                                       if extra.get("fault_stall_after_writes") is not None else None),
         )
@@ -162,6 +167,15 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
         raise ConnectorConfigError(f"{key} must be a number of seconds in (0, 86400], got {value!r}")
+    return float(value)
+
+
+def _poll_seconds(extra: Mapping[str, Any], key: str, default: float) -> float | None:
+    value = extra.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 0.01:
+        raise ConnectorConfigError(f"{key} must be null or a number of seconds in (0, 0.01], got {value!r}")
     return float(value)
 
 

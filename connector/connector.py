@@ -72,6 +72,9 @@ class KVPushConnector(KVConnectorBase_V1):
         self._link: Any = None
         self._agent: Any = None
         self._load_errors: set[int] = set()
+        from kvpush.connector.engine_spin import pace_message_queue_spin
+
+        pace_message_queue_spin(self.config.message_queue_poll_s)
         if role == KVConnectorRole.SCHEDULER:
             self._build_scheduler()
         from kvpush.connector.tracing import configure_engine_tracing
