@@ -7,7 +7,7 @@ Steps:
   3. send a few greedy requests (temperature 0; completions and chat; prompts from a few tokens to
      several KV blocks) through the gateway and the same requests to the colocated engine;
   4. check each disaggregated output token-for-token against the colocated one and print each
-     transfer's timeline (directory record + what the prefill engine reported);
+     transfer's timeline (the directory's record, with each prefill rank's push timing);
   5. exit 0 only if every request succeeded and matched; stop every process in all cases.
 Any failure is printed with what failed and where its log is; nothing fails silently.
 """
@@ -83,30 +83,23 @@ def _print_timeline(stack: LocalStack, answer: dict) -> None:
          f" | decode allocated {_ts(transfer.allocate_time, origin)} | first layer ready "
          f"{_ts(transfer.first_ready_time, origin)} | push dispatched {_ts(transfer.dispatch_time, origin)}"
          f" | ended {_ts(transfer.end_time, origin)}")
-    params = info.get("prefill_kv_transfer_params") or {}
-    timeline = params.get("push_timeline") if isinstance(params, dict) else None
-    if timeline:
-        _say("      prefill reported: " + _describe_push(timeline))
-    else:
-        _say(f"      prefill reported no push timeline (kv_transfer_params: {params or None})")
+    for rank in transfer.rank_timings:
+        _say(f"      prefill rank {rank.tp_rank}: " + _describe_push(rank.timing, origin))
+    if not transfer.rank_timings:
+        _say("      prefill reported no push timing")
 
 
-def _describe_push(timeline: dict) -> str:
-    """One line from the connector's push timeline (unix seconds and counts)."""
-    origin = timeline.get("prefill_start_time") or timeline.get("first_write_start_time")
-
-    def at(key: str) -> str:
-        value = timeline.get(key)
-        return f"+{(value - origin) * 1000:.1f} ms" if value and origin else "-"
-
+def _describe_push(timing, origin) -> str:
+    """One line from a prefill rank's TransferTiming (times relative to when the transfer was planned)."""
     tail = "-"
-    if timeline.get("last_write_end_time") and timeline.get("prefill_end_time"):
-        tail = f"{(timeline['last_write_end_time'] - timeline['prefill_end_time']) * 1000:.1f} ms"
-    return (f"{timeline.get('layers_written_before_prefill_end_count')} layers written before prefill ended; "
-            f"{timeline.get('bytes_written')} bytes in {timeline.get('write_count')} WRITEs "
-            f"({timeline.get('descriptor_count')} descriptors); first write {at('first_write_start_time')}, "
-            f"prefill end {at('prefill_end_time')}, last write end {at('last_write_end_time')} "
-            f"(exposed tail {tail}); state {timeline.get('state')}")
+    if timing.HasField("last_write_end_time") and timing.HasField("prefill_end_time"):
+        tail_ns = timing.last_write_end_time.ToNanoseconds() - timing.prefill_end_time.ToNanoseconds()
+        tail = f"{tail_ns / 1e6:.1f} ms"
+    return (f"{timing.layers_written_before_prefill_end_count} layers written before prefill ended; "
+            f"{timing.write_count} WRITEs ({timing.descriptor_count} descriptors, "
+            f"{timing.post_duration.ToNanoseconds() / 1e6:.2f} ms posting); first write "
+            f"{_ts(timing.first_write_start_time, origin)}, prefill end {_ts(timing.prefill_end_time, origin)}, "
+            f"last write end {_ts(timing.last_write_end_time, origin)} (exposed tail {tail})")
 
 
 def run(args: argparse.Namespace) -> int:

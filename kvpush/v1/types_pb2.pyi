@@ -135,7 +135,7 @@ class Engine(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., active_transfer_count: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "state", "prefill_engine_id", "decode_engine_id", "prompt_token_count", "prefix_hit_token_count", "decode_block_ids", "layers_written_count", "bytes_written", "failure_reason", "create_time", "allocate_time", "first_ready_time", "dispatch_time", "end_time", "deadline", "trace_context")
+    __slots__ = ("transfer_id", "request_id", "state", "prefill_engine_id", "decode_engine_id", "prompt_token_count", "prefix_hit_token_count", "decode_block_ids", "layers_written_count", "bytes_written", "failure_reason", "create_time", "allocate_time", "first_ready_time", "dispatch_time", "end_time", "deadline", "trace_context", "rank_timings")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class Transfer(_message.Message):
     END_TIME_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    RANK_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     state: TransferState
@@ -172,7 +173,16 @@ class Transfer(_message.Message):
     end_time: _timestamp_pb2.Timestamp
     deadline: _timestamp_pb2.Timestamp
     trace_context: str
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failure_reason: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., allocate_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_ready_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., dispatch_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., trace_context: _Optional[str] = ...) -> None: ...
+    rank_timings: _containers.RepeatedCompositeFieldContainer[RankTiming]
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failure_reason: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., allocate_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_ready_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., dispatch_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., trace_context: _Optional[str] = ..., rank_timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ...) -> None: ...
+
+class RankTiming(_message.Message):
+    __slots__ = ("tp_rank", "timing")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    timing: TransferTiming
+    def __init__(self, tp_rank: _Optional[int] = ..., timing: _Optional[_Union[TransferTiming, _Mapping]] = ...) -> None: ...
 
 class TransferTiming(_message.Message):
     __slots__ = ("first_write_start_time", "last_write_end_time", "prefill_end_time", "post_duration", "write_count", "descriptor_count", "layers_written_before_prefill_end_count")

@@ -239,6 +239,8 @@ class TransferRecord:
         set_timestamp(msg.dispatch_time, self.dispatch_wall)
         set_timestamp(msg.end_time, self.end_wall)
         set_timestamp(msg.deadline, self.deadline_wall)
+        for tp_rank in sorted(self.timing):
+            msg.rank_timings.add(tp_rank=tp_rank).timing.CopyFrom(self.timing[tp_rank])
         return msg
 
 

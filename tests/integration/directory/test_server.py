@@ -58,12 +58,17 @@ def test_transfer_flows_end_to_end_and_metadata_is_sent_once():
             two = (await read(prefill)).instruction
             assert two.transfer_id == second and two.decode_agent_metadata == b""
             assert not two.HasField("decode_layout") and two.decode_agent_name == "d1-agent-0"
-            await prefill.write(dpb.StreamPrefillRequest(result=result(first, DONE, layers=4, bytes_written=4096)))
+            done = result(first, DONE, layers=4, bytes_written=4096)
+            done.timing.write_count = 4
+            done.timing.layers_written_before_prefill_end_count = 3
+            await prefill.write(dpb.StreamPrefillRequest(result=done))
             event = (await read(watch)).events[0]
             assert (event.transfer_id, event.state, event.bytes_written) == (first, tpb.TRANSFER_STATE_COMPLETE, 4096)
             got = (await s.GetTransfer(dpb.GetTransferRequest(transfer_id=first))).transfer
             assert got.state == tpb.TRANSFER_STATE_COMPLETE and got.request_id == "r1"
             assert got.HasField("dispatch_time") and got.HasField("first_ready_time")
+            assert [(r.tp_rank, r.timing.write_count, r.timing.layers_written_before_prefill_end_count)
+                    for r in got.rank_timings] == [(0, 4, 3)]
             listed = (await s.ListTransfers(dpb.ListTransfersRequest(page_size=1))).transfers
             assert [t.transfer_id for t in listed] == [second]
             watch.cancel()

@@ -13,7 +13,6 @@ from kvpush.localstack.client import call, stream_completion
 from kvpush.services.client import ChannelConfig, SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 
-from tests.known_bugs import PREFILL_PEER_LOAD_FREEZE
 
 pytestmark = pytest.mark.engines
 
@@ -36,7 +35,6 @@ def _transfer(directory_address: str, transfer_id: str) -> tpb.Transfer:
         client.close()
 
 
-@PREFILL_PEER_LOAD_FREEZE
 @pytest.mark.parametrize("prompt_tokens", [5, 128, 300])
 def test_disaggregated_output_equals_colocated(local_stack, prompt_tokens):
     """Greedy tokens through the gateway (pushed KV) equal the colocated engine's, for one to several blocks."""
@@ -50,7 +48,6 @@ def test_disaggregated_output_equals_colocated(local_stack, prompt_tokens):
     assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
 
 
-@PREFILL_PEER_LOAD_FREEZE
 def test_streamed_chat_equals_colocated(local_stack):
     """A streamed chat completion through the gateway yields the colocated engine's text."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 8,
