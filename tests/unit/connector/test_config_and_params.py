@@ -26,6 +26,14 @@ def test_producer_and_consumer_roles_parse_with_defaults():
     assert prefill.is_prefill and decode.is_decode
     assert prefill.nixl_backends == ("UCX",) and prefill.nixl_enable_prog_thread is False
     assert decode.transfer_timeout_s == 60.0 and decode.fault_stall_after_writes is None
+    assert decode.message_queue_poll_s == 0.0001
+
+
+def test_message_queue_pacing_can_be_turned_off():
+    """null keeps vLLM's own spin."""
+    config = ConnectorConfig.from_extra_config({"directory_address": "h:1", "message_queue_poll_s": None},
+                                               role="decode", engine_id="d")
+    assert config.message_queue_poll_s is None
 
 
 def test_directory_settings_reach_the_channel_config():
@@ -46,6 +54,8 @@ def test_directory_settings_reach_the_channel_config():
     ({"directory_address": "h:1", "nixl_backends": ["QUIC"]}, "unknown backend"),
     ({"directory_address": "h:1", "transfer_timeout_s": 0}, "transfer_timeout_s"),
     ({"directory_address": "h:1", "nixl_enable_prog_thread": "yes"}, "nixl_enable_prog_thread"),
+    ({"directory_address": "h:1", "message_queue_poll_s": 0}, "message_queue_poll_s"),
+    ({"directory_address": "h:1", "message_queue_poll_s": 1}, "message_queue_poll_s"),
     ({"directory_address": "h:1", "directory_tls_client_cert": "c.pem"}, "directory settings refused"),
 ])
 def test_bad_extra_config_is_refused_naming_the_key(extra, match):
