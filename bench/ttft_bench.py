@@ -219,48 +219,44 @@ def measure_colocated(args, engine: EngineHandle) -> dict:
 
 
 def transfer_figures(directory_address: str, transfer_id: str) -> dict:
-    """Per-transfer figures from the directory (kvpush only)."""
+    """Per-transfer figures from the directory (kvpush only): its record and what prefill rank 0 measured."""
     from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+    from kvpush.v1 import types_pb2
 
+    terminal = {types_pb2.TRANSFER_STATE_COMPLETE, types_pb2.TRANSFER_STATE_FAILED,
+                types_pb2.TRANSFER_STATE_CANCELLED, types_pb2.TRANSFER_STATE_EXPIRED}
     client = SyncDirectoryClient(ChannelConfig(address=directory_address, timeout_s=5.0, max_attempts=2))
     try:
+        deadline = time.monotonic() + 5.0  # decode can start before prefill's final result reaches the directory
         transfer = client.get_transfer(transfer_id)
+        while transfer.state not in terminal and time.monotonic() < deadline:
+            time.sleep(0.05)
+            transfer = client.get_transfer(transfer_id)
     finally:
-        close = getattr(client, "close", None)
-        if close:
-            close()
+        client.close()
 
     def ms(later, earlier) -> float | None:
         if not later.seconds or not earlier.seconds:
             return None
         return round((later.ToNanoseconds() - earlier.ToNanoseconds()) / 1e6, 2)
 
-    from kvpush.v1 import types_pb2
-
-    return {"transfer_id": transfer_id, "state": types_pb2.TransferState.Name(transfer.state),
-            "failure_reason": transfer.failure_reason,
-            "layers_written": transfer.layers_written_count,
-            "bytes_written": transfer.bytes_written,
-            "allocate_after_plan_ms": ms(transfer.allocate_time, transfer.create_time),
-            "first_ready_after_plan_ms": ms(transfer.first_ready_time, transfer.create_time),
-            "dispatch_after_plan_ms": ms(transfer.dispatch_time, transfer.create_time),
-            "end_after_plan_ms": ms(transfer.end_time, transfer.create_time)}
-
-
-def push_figures(prefill_params_header: str | None) -> dict:
-    """Layers written before prefill ended and the exposed write tail, from the prefill's push timeline."""
-    if not prefill_params_header:
-        return {}
-    try:
-        timeline = json.loads(prefill_params_header).get("push_timeline") or {}
-    except (ValueError, AttributeError):
-        return {}
-    out = {"layers_written_before_prefill_end": timeline.get("layers_written_before_prefill_end_count"),
-           "push_bytes": timeline.get("bytes_written"), "write_count": timeline.get("write_count"),
-           "push_state": timeline.get("state")}
-    if timeline.get("last_write_end_time") and timeline.get("prefill_end_time"):
-        out["write_tail_after_prefill_ms"] = round(
-            (timeline["last_write_end_time"] - timeline["prefill_end_time"]) * 1000, 2)
+    out = {"transfer_id": transfer_id, "state": types_pb2.TransferState.Name(transfer.state),
+           "failure_reason": transfer.failure_reason,
+           "layers_written": transfer.layers_written_count,
+           "bytes_written": transfer.bytes_written,
+           "allocate_after_plan_ms": ms(transfer.allocate_time, transfer.create_time),
+           "first_ready_after_plan_ms": ms(transfer.first_ready_time, transfer.create_time),
+           "dispatch_after_plan_ms": ms(transfer.dispatch_time, transfer.create_time),
+           "end_after_plan_ms": ms(transfer.end_time, transfer.create_time)}
+    for rank in transfer.rank_timings[:1]:
+        timing = rank.timing
+        out.update({
+            "layers_written_before_prefill_end": timing.layers_written_before_prefill_end_count,
+            "write_count": timing.write_count, "descriptor_count": timing.descriptor_count,
+            "post_ms": round(timing.post_duration.ToNanoseconds() / 1e6, 2),
+            "first_write_after_plan_ms": ms(timing.first_write_start_time, transfer.create_time),
+            "prefill_end_after_plan_ms": ms(timing.prefill_end_time, transfer.create_time),
+            "write_tail_after_prefill_ms": ms(timing.last_write_end_time, timing.prefill_end_time)})
     return out
 
 
@@ -349,7 +345,6 @@ def run_cell(args, connector: str, gateway: GatewayHandle, prefill: EngineHandle
                 figures = transfer_figures(f"127.0.0.1:{directory.port}", transfer_id)
             except Exception as error:  # figures are a bonus; never lose the TTFT for them
                 figures = {"transfer_id": transfer_id, "error": str(error)}
-            figures.update(push_figures(via_gateway.headers.get("x-kvpush-prefill-params")))
             transfers.append(figures)
     cell = {"disagg_ms": [round(t * 1000, 1) for t in disagg], "p_direct_ms": [round(t * 1000, 1) for t in direct],
             "median_disagg_ms": median_ms(disagg), "median_p_direct_ms": median_ms(direct),

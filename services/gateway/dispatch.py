@@ -52,6 +52,8 @@ class Outcome:
     status: int = 0
     error: str = ""
     prefill_params: dict[str, Any] | None = None
+    # Decode streamed a token: its KV had landed, so a later disconnect has no transfer left to cancel.
+    kv_delivered: bool = False
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -113,10 +115,11 @@ class Dispatcher:
                 return await self._concurrent(http_request, request, route, headers, outcome)
             return await self._sequential(http_request, request, route, headers, outcome)
         except BaseException as error:
-            reason = error.message if isinstance(error, GatewayError) else f"gateway: {type(error).__name__}"
-            # Shielded: a cancelled handler must still tell the directory to stop the transfer.
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(self._router.cancel(route, reason))
+            if not outcome.kv_delivered:
+                reason = error.message if isinstance(error, GatewayError) else f"gateway: {type(error).__name__}"
+                # Shielded: a cancelled handler must still tell the directory to stop the transfer.
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(self._router.cancel(route, reason))
             raise
 
     def _prefill(self, request: ClientRequest, route: Route, headers: dict[str, str], outcome: Outcome):
@@ -195,6 +198,7 @@ class Dispatcher:
             # The engine failed before its first token; headers are not sent yet, so say it with a status.
             response.release()
             raise bad_gateway(f"decode engine at {route.decode_url} failed: {engine_error}")
+        outcome.kv_delivered = True
         headers = {"Content-Type": response.headers.get("Content-Type", "text/event-stream"),
                    "Cache-Control": "no-cache", **_route_headers(route, outcome.request_id)}
         if outcome.prefill_params:

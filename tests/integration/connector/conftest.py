@@ -30,6 +30,7 @@ from kvpush.localstack.processes import EngineHandle, EngineSpec, free_port, lau
 from kvpush.localstack.stack import kv_transfer_config
 from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.sync import SyncDirectoryClient
+from kvpush.v1 import types_pb2 as tpb
 
 BLOCK_SIZE = 128
 MAX_BATCHED_TOKENS = 256
@@ -44,6 +45,8 @@ DECODE_ID = "conn-decode"
 VICTIM_ID = "conn-victim"
 # A 4-layer model makes per-layer streaming visible; the rest is the session's tiny Llama.
 MODEL_SPEC = TinyModelSpec(num_layers=4)
+_ALLOCATED_OR_LATER = {tpb.TRANSFER_STATE_ALLOCATED, tpb.TRANSFER_STATE_STREAMING, tpb.TRANSFER_STATE_COMPLETE,
+                       tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER_STATE_CANCELLED, tpb.TRANSFER_STATE_EXPIRED}
 
 
 class _StatsEngineSpec(EngineSpec):
@@ -114,15 +117,22 @@ class ConnectorStack:
         return response.transfer.transfer_id
 
     def disaggregated(self, prompt: list[int], max_tokens: int, prefill: EngineHandle | None = None,
-                      prefill_id: str = PREFILL_ID) -> tuple[dict, dict, str]:
-        """Plan, then send the prefill and decode legs at the same time; return (prefill body, decode body, id)."""
+                      prefill_id: str = PREFILL_ID, decode_first: bool = False) -> tuple[dict, dict, str]:
+        """Plan, then send the prefill and decode legs at the same time; return (prefill body, decode body, id).
+
+        decode_first: send the prefill leg only once decode's allocation reached the directory, so the push
+        instruction can only depend on prefill's first readiness (a test of streaming, not of the race).
+        """
         transfer_id = self.plan(len(prompt), prefill_id)
         prefill = prefill or self.prefill
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            p_leg = pool.submit(self.complete, prefill, prompt, 1,
-                                {"transfer_id": transfer_id, "do_remote_decode": True})
             d_leg = pool.submit(self.complete, self.decode, prompt, max_tokens,
                                 {"transfer_id": transfer_id, "do_remote_prefill": True})
+            if decode_first:
+                allocated = self.wait_transfer(transfer_id, _ALLOCATED_OR_LATER)
+                assert allocated.state in _ALLOCATED_OR_LATER, f"decode never allocated: {allocated}"
+            p_leg = pool.submit(self.complete, prefill, prompt, 1,
+                                {"transfer_id": transfer_id, "do_remote_decode": True})
             return p_leg.result(), d_leg.result(), transfer_id
 
     def wait_transfer(self, transfer_id: str, states: set[int], timeout_s: float = 60.0):

@@ -63,7 +63,7 @@ def test_concurrent_requests_match_colocated(connector_stack):
 def test_push_is_layer_streamed(connector_stack, otlp_receiver):
     """A multi-chunk prompt's first layer write starts before prefill ends (response timeline and span agree)."""
     prompt = prompt_of(6 * MAX_BATCHED_TOKENS, seed=41)
-    prefill_body, decode_body, transfer_id = connector_stack.disaggregated(prompt, MAX_TOKENS)
+    prefill_body, decode_body, transfer_id = connector_stack.disaggregated(prompt, MAX_TOKENS, decode_first=True)
     assert decode_body["choices"][0]["token_ids"] == connector_stack.reference(prompt, MAX_TOKENS)
     timeline = prefill_body["kv_transfer_params"]["push_timeline"]
     assert timeline["chunk_count"] >= 6

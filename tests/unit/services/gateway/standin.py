@@ -5,7 +5,8 @@ so these tests put a scripted HTTP server where an engine would be; the same pat
 vLLM engines in tests/integration/localstack. Each instance runs its own event loop thread.
 
 `behaviour(leg)` is called for every POST with the recorded leg and returns (status, body, delay_s);
-`stream_chunks` makes a `stream: true` request answer with SSE events.
+a `stream: true` request is answered with SSE events: `stream_tokens` (paced by `token_delay_s`) and an
+optional leading `stream_error`.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ class StandInEngine:
             await response.prepare(request)
             if "stream_error" in body:  # vLLM fails a started stream with an error event after a 200
                 await response.write(f"data: {json.dumps({'error': body['stream_error']})}\n\n".encode())
-            for token in body.get("stream_tokens", ["a", "b"]):
+            for index, token in enumerate(body.get("stream_tokens", ["a", "b"])):
+                if index and body.get("token_delay_s"):
+                    await asyncio.sleep(body["token_delay_s"])
                 await response.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': token}]})}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -193,6 +195,48 @@ def test_stream_failing_before_its_first_token_is_a_502(gw):
     assert "KV load failed" in result.error
     transfer = gw.transfer(gw.decode.legs[0].body["kv_transfer_params"]["transfer_id"])
     assert transfer.state == tpb.TRANSFER_STATE_CANCELLED
+
+
+def _read_first_event_then_disconnect(url: str, body: dict) -> tuple[str, bytes]:
+    """Stream a completion, read up to its first SSE event, then drop the connection (a client going away)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        while not (line := response.readline()).startswith(b"data:"):
+            assert line, "stream ended before its first event"
+        return response.getheader("x-kvpush-transfer-id"), line
+    finally:
+        conn.close()
+
+
+def test_disconnect_after_first_token_leaves_the_transfer_alone(gw):
+    """Decode streamed a token, so its KV landed: a client leaving afterwards must not cancel the transfer."""
+    gw.decode.behaviour = lambda leg: (200, {"stream_tokens": ["one", " two", " three"], "token_delay_s": 1.0}, 0.0)
+    transfer_id, first = _read_first_event_then_disconnect(gw.gateway.url, {"model": "tiny", "prompt": "x",
+                                                                            "max_tokens": 3})
+    assert b"one" in first
+    time.sleep(2.5)  # the gateway notices the disconnect at its next write
+    assert gw.transfer(transfer_id).state != tpb.TRANSFER_STATE_CANCELLED
+
+
+def test_disconnect_before_first_token_cancels_the_transfer(gw):
+    """A client gone before decode produced anything cancels the transfer (prefill must stop writing)."""
+    gw.decode.behaviour = lambda leg: (200, {"stream_tokens": ["late"]}, 3.0)
+    host, port = gw.gateway.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 3,
+                                                             "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    assert gw.decode.arrived.wait(10)
+    conn.close()
+    transfer_id = gw.decode.legs[0].body["kv_transfer_params"]["transfer_id"]
+    deadline = time.monotonic() + 10
+    while gw.transfer(transfer_id).state != tpb.TRANSFER_STATE_CANCELLED and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gw.transfer(transfer_id).state == tpb.TRANSFER_STATE_CANCELLED
 
 
 @pytest.mark.parametrize("body, field", [
