@@ -382,6 +382,8 @@ class PrefillWorker:
         except ValueError as exc:
             self._stop(live, STATE_FAILED, str(exc))
             return
+        # Writes planned off save_kv_layer (an instruction or outcome drained at any hook) wait for all KV enqueued so far.
+        ready_event = self._record_ready_event() if writes and ready_event is None else ready_event
         for write in writes:
             _log.debug("write", transfer_id=live.push.transfer_id, layer=write.layer, token_start=write.token_start,
                        token_end=write.token_end, notify=write.notify)
