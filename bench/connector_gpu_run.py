@@ -55,6 +55,9 @@ the last layer (CUDA events); layers written before prefill end (directory) and 
 bytes; decode's finished_recving time after the GPU end.
 
 Usage: python bench/connector_gpu_run.py run [--device cuda|cpu] [--block-size 128] [--out-name NAME]
+  GPU (2 GPUs): run --reps 5  (and --block-size 16 --out-name connector_gpu_run_bs16.json)
+  CPU dry run:  run --device cpu --layers 4 --hidden 256 --intermediate 512 --heads 2 --head-size 64
+                --block-size 16 --prompt 256 --chunked-prompt 600 --chunk 200 --scale-den 10 --reps 2
 Writes JSON to $OUT/NAME when OUT is set, else bench/results/NAME; logs of every process beside it.
 """
 
