@@ -11,7 +11,9 @@ What runs (one invocation, side by side):
       colocated   one plain engine, no connector: the reference TTFT;
       nixl-pull   vLLM NixlConnector through the gateway in nixl-pull mode (P leg, then D leg);
       nixl-push   vLLM NixlPushConnector, both legs at once (matched by X-Request-Id);
-      kvpush      KVPushConnector + the directory, both legs at once.
+      kvpush      KVPushConnector + the directory, both legs at once;
+      kvpush-progthread  the same with NIXL's progress thread on (sleeping 100 us between loops),
+                  which progresses UCX without the GIL while the forward pass holds it.
     In each P/D phase every iteration sends the disaggregated request and then the same prompt
     straight to the prefill engine without kv_transfer_params ("p_direct"): the same prefill on an
     engine carrying the same connector (and its threads), in the same CPU conditions.
@@ -60,6 +62,8 @@ from kvpush.localstack.stack import (
 )
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# kvpush phases: the connector's kv_connector_extra_config beyond the directory and endpoint.
+KVPUSH_PHASES = {"kvpush": {}, "kvpush-progthread": {"nixl_enable_prog_thread": True}}
 PREFILL_ENGINE_ID = "bench-prefill"
 DECODE_ENGINE_ID = "bench-decode"
 
@@ -124,10 +128,11 @@ def start_pd_engines(args, model_dir: Path, connector: str, topology: Topology, 
         place = topology.engine_placement(role)
         port = free_port()
         extra = {}
-        if connector == "kvpush":
+        if connector in KVPUSH_PHASES:
             extra = {"directory_address": topology.directory_address_for(role, directory_port),
-                     "engine_endpoint": f"http://{place['host']}:{port}"}
-        config = kv_transfer_config(connector, role, engine_id=engine_id, **extra)
+                     "engine_endpoint": f"http://{place['host']}:{port}", "extra": KVPUSH_PHASES[connector]}
+        config = kv_transfer_config("kvpush" if connector in KVPUSH_PHASES else connector, role,
+                                    engine_id=engine_id, **extra)
         spec = EngineSpec(name=f"{connector}-{role}", model_dir=model_dir, host=place["host"], port=port,
                           kv_transfer_config=config, env=place["env"], netns=place["netns"], cpus=cpus or None,
                           max_model_len=args.max_model_len)
@@ -265,7 +270,7 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
     """Disaggregated vs p_direct TTFT for one connector, over every rate and prompt length."""
     directory = None
     directory_port = 0
-    if connector == "kvpush":
+    if connector in KVPUSH_PHASES:
         # Root namespace; engines in the namespaces reach it over their control links.
         directory = start_directory(log_dir, host="0.0.0.0" if topology.network else "127.0.0.1", progress=say,
                                     extra_args=DIRECTORY_ARGS)
@@ -273,7 +278,7 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
     prefill = decode = gateway = None
     try:
         prefill, decode = start_pd_engines(args, model_dir, connector, topology, log_dir, directory_port)
-        gateway = start_bench_gateway(connector, log_dir, prefill=prefill, decode=decode, topology=topology,
+        gateway = start_bench_gateway("kvpush" if connector in KVPUSH_PHASES else connector, log_dir, prefill=prefill, decode=decode, topology=topology,
                                       directory_address=f"127.0.0.1:{directory_port}")
         out: dict = {"idle_cpu_cores": idle_cpu([prefill, decode])}
         say(f"{connector}: idle engines burn {out['idle_cpu_cores']} CPU cores")
@@ -414,7 +419,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.rates = [r for r in args.rates.split(",") if r]
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
     args.vocab = BENCH_MODEL_SPEC.vocab_size
-    unknown = set(args.phases) - {"colocated", "nixl-pull", "nixl-push", "kvpush"}
+    unknown = set(args.phases) - {"colocated", "nixl-pull", "nixl-push", *KVPUSH_PHASES}
     if unknown:
         parser.error(f"unknown phases {sorted(unknown)}")
     return args

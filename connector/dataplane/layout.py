@@ -30,6 +30,13 @@ class LayoutError(ValueError):
     """A KV layout is malformed, or two layouts cannot exchange KV."""
 
 
+def _require_positive(spec: object, prefix: str, *names: str) -> None:
+    """Raise LayoutError naming the first of `names` whose value on `spec` is not positive."""
+    for name in names:
+        value = getattr(spec, name)
+        if value <= 0:
+            raise LayoutError(f"{prefix}{name} must be positive, got {value}")
+
 @dataclass(frozen=True)
 class KVPlaneSpec:
     """One plane (K, V, or fused KV) of every block of a layer; mirrors `types_pb2.KVPlane`."""
@@ -46,9 +53,8 @@ class KVPlaneSpec:
         """Raise LayoutError unless the plane is self-consistent for blocks of `block_size_tokens`."""
         if self.offset_bytes < 0:
             raise LayoutError(f"plane offset_bytes must be >= 0, got {self.offset_bytes}")
-        for name in ("block_stride_bytes", "block_bytes", "token_stride_bytes", "segment_bytes_per_token"):
-            if getattr(self, name) <= 0:
-                raise LayoutError(f"plane {name} must be positive, got {getattr(self, name)}")
+        _require_positive(self, "plane ", "block_stride_bytes", "block_bytes", "token_stride_bytes",
+                          "segment_bytes_per_token")
         if self.segment_count < 1:
             raise LayoutError(f"plane segment_count must be >= 1, got {self.segment_count}")
         if self.segment_count == 1 and self.segment_stride_bytes != 0:
@@ -138,14 +144,8 @@ class KVLayoutSpec:
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> KVLayoutSpec:
         """Raise LayoutError unless every field is consistent; return self for chaining."""
-        if self.layer_count <= 0:
-            raise LayoutError(f"layer_count must be positive, got {self.layer_count}")
-        if self.block_size_tokens <= 0:
-            raise LayoutError(f"block_size_tokens must be positive, got {self.block_size_tokens}")
-        if self.block_count <= 0:
-            raise LayoutError(f"block_count must be positive, got {self.block_count}")
-        if self.block_bytes_per_layer <= 0:
-            raise LayoutError(f"block_bytes_per_layer must be positive, got {self.block_bytes_per_layer}")
+        _require_positive(self, "", "layer_count", "block_size_tokens", "block_count", "block_bytes_per_layer",
+                          "layer_region_bytes")
         if self.memory_kind not in _MEMORY_TO_PROTO:
             raise LayoutError(f"memory_kind must be DRAM or VRAM, got {self.memory_kind!r}")
         if self.device_id < 0:
@@ -162,8 +162,6 @@ class KVLayoutSpec:
             raise LayoutError(f"layer_names has {len(self.layer_names)} entries for {self.layer_count} layers")
         if any(addr <= 0 for addr in self.layer_base_addresses):
             raise LayoutError("layer_base_addresses must all be positive")
-        if self.layer_region_bytes <= 0:
-            raise LayoutError(f"layer_region_bytes must be positive, got {self.layer_region_bytes}")
         plane_bytes = 0
         for plane in self.planes:
             plane.validate(self.block_size_tokens)

@@ -418,6 +418,9 @@ class PushWriter:
         write.post_seconds = time.perf_counter() - started
         transfer.post_seconds += write.post_seconds
         transfer.in_flight.append(write)
+        _log.debug("write posted", transfer_id=req.transfer_id, layers=[l for w in write.members for l in w.request.layers],
+                   queued_ms=round((time.monotonic() - write.submitted_at) * 1000, 2),
+                   post_ms=round(write.post_seconds * 1000, 3))
 
     def _check_in_flight(self, now: float) -> bool:
         nixl = self._agent.nixl
@@ -451,6 +454,8 @@ class PushWriter:
                     continue
                 transfer.in_flight.remove(write)
                 if write.error is None:
+                    _log.debug("write done", transfer_id=write.request.transfer_id,
+                               layers=[l for w in write.members for l in w.request.layers])
                     self._report_success(write, transfer, now)
             self._maybe_finish(transfer, now)
         return any_open

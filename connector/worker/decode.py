@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.worker.inbox import run_queued_actions
+from kvpush.connector.worker.inbox import run_queued_actions, wait_for_actions
 from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
 from kvpush.connector.tracing import TransferSpan
 from kvpush.observability import get_logger
@@ -85,6 +85,7 @@ class DecodeWorker:
         self._early: dict[str, _Signal] = {}   # signals for transfers no receive waits for (yet)
         self._load_errors: set[int] = set()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._empty_step = False  # the current step schedules no tokens (see get_finished / collect)
         self.completed_count = 0
         self.failed_count = 0
 
@@ -112,6 +113,7 @@ class DecodeWorker:
     def begin_step(self, meta: KVPushMetadata) -> None:
         """Start new receives, fail refused allocations, note aborts."""
         self._drain()
+        self._empty_step = meta.empty_step
         now = time.monotonic()
         for start in meta.receives:
             self._begin_receive(start, now)
@@ -129,6 +131,11 @@ class DecodeWorker:
 
     def collect(self) -> tuple[set[str], set[int]]:
         """Requests finished receiving this step, and the block ids of those that failed (load errors)."""
+        if (self._empty_step and self._config.idle_step_wait_s > 0 and self._receives
+                and not any(r.start.transfer_id in self._early for r in self._receives.values())):
+            # Nothing computed this step: wait (bounded) for a transfer signal rather than spin vLLM's loop.
+            self._empty_step = False
+            wait_for_actions(self._inbox, self._config.idle_step_wait_s, _log, "decode")
         self._drain()
         now = time.monotonic()
         for receive in list(self._receives.values()):

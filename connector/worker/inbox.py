@@ -1,11 +1,29 @@
 """The worker halves' inbox: callbacks from the directory loop and the NIXL I/O thread are queued here
-and run on the engine's forward thread at the next hook, so worker state has one owner thread."""
+and run on the engine's forward thread at the next hook, so worker state has one owner thread.
+
+On a step that schedules no tokens (vLLM still runs the connector hooks while requests only wait for
+KV or hold blocks for pushes) a worker may wait on its inbox for a few milliseconds instead of
+returning at once: vLLM would otherwise loop back into another empty step, and two engines doing so
+on a small machine starve the prefill forward, the network and the connector's own threads of CPU.
+The wait ends as soon as anything arrives, so it never delays a signal."""
 
 from __future__ import annotations
 
 import queue
 from collections.abc import Callable
 from typing import Any
+
+
+def wait_for_actions(inbox: "queue.SimpleQueue[Callable[[], None]] | queue.Queue", timeout_s: float, log: Any,
+                     role: str) -> bool:
+    """Block up to `timeout_s` for the first queued action, then run it and every other; True if one came."""
+    try:
+        first = inbox.get(timeout=timeout_s)
+    except queue.Empty:
+        return False
+    _run_action(first, log, role)
+    run_queued_actions(inbox, log, role)
+    return True
 
 
 def run_queued_actions(inbox: "queue.SimpleQueue[Callable[[], None]] | queue.Queue", log: Any, role: str) -> None:
@@ -15,7 +33,11 @@ def run_queued_actions(inbox: "queue.SimpleQueue[Callable[[], None]] | queue.Que
             action = inbox.get_nowait()
         except queue.Empty:
             return
-        try:
-            action()
-        except Exception:  # one bad message must not stop the engine thread
-            log.exception(f"{role} connector action failed")
+        _run_action(action, log, role)
+
+
+def _run_action(action: Callable[[], None], log: Any, role: str) -> None:
+    try:
+        action()
+    except Exception:  # one bad message must not stop the engine thread
+        log.exception(f"{role} connector action failed")

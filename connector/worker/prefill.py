@@ -32,7 +32,7 @@ from typing import Any
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.worker.inbox import run_queued_actions
+from kvpush.connector.worker.inbox import run_queued_actions, wait_for_actions
 from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, PrefillChunk
 from kvpush.connector.tracing import TransferSpan
 from kvpush.connector.worker.push_state import (
@@ -94,6 +94,7 @@ class PrefillWorker:
         self._timelines: dict[str, dict[str, Any]] = {}
         self._timeline_dirty: set[str] = set()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._empty_step = False  # the current step schedules no tokens (see get_finished / collect)
 
     def attach_transport(self, transport: PushTransport | Any) -> None:
         """Use this data-plane adapter for peers, writes and cancellations (set once, before the first step)."""
@@ -135,6 +136,7 @@ class PrefillWorker:
         """Before the forward: open transfers for new chunks, apply holds and preemptions."""
         self._drain()
         self._step_chunks = []
+        self._empty_step = meta.empty_step
         for request_id in meta.preempted:
             live = self._live.get(request_id)
             if live is not None:
@@ -220,6 +222,10 @@ class PrefillWorker:
     def get_finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose held blocks may be freed now (each reported exactly once)."""
         self._seen_finished |= {r for r in finished_req_ids if r in self._live}
+        if self._empty_step and self._config.idle_step_wait_s > 0 and self._pushes_in_flight():
+            # Nothing computed this step: wait (bounded) for a write outcome rather than spin vLLM's loop.
+            self._empty_step = False
+            wait_for_actions(self._inbox, self._config.idle_step_wait_s, _log, "prefill")
         self._drain()
         self._enforce_bounds()
         self._flush_ready()
@@ -254,6 +260,9 @@ class PrefillWorker:
 
     def _drain(self) -> None:
         run_queued_actions(self._inbox, _log, "prefill")
+
+    def _pushes_in_flight(self) -> bool:
+        return any(not live.push.terminal or not live.push.quiescent for live in self._live.values())
 
     def _record_ready_event(self) -> Any:
         if not self._on_gpu:

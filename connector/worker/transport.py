@@ -53,7 +53,8 @@ def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
     the blocks for it (push_timeout_s); past that the data plane fails it and the transfer fails.
     """
     return NixlConfig(backends=config.nixl_backends, enable_prog_thread=config.nixl_enable_prog_thread,
-                      num_threads=config.nixl_num_threads, transfer_timeout_s=config.push_timeout_s,
+                      num_threads=config.nixl_num_threads, poll_max_s=config.nixl_poll_max_s,
+                      notif_poll_s=config.nixl_notif_poll_s, transfer_timeout_s=config.push_timeout_s,
                       post_timeout_s=config.push_timeout_s).validate()
 
 

@@ -31,6 +31,18 @@ OK = grpc.StatusCode.OK
 DONE = dpb.WRITE_RESULT_STATUS_DONE
 
 
+async def _plan(s, **fields) -> str:
+    """PlanTransfer; the new transfer's id."""
+    return (await s.PlanTransfer(dpb.PlanTransferRequest(**fields))).transfer.transfer_id
+
+
+async def _allocated(s) -> str:
+    """A planned transfer whose decode allocation (blocks 1, 2, 3) has been reported."""
+    transfer_id = await _plan(s)
+    await s.ReportAllocation(allocation(transfer_id))
+    return transfer_id
+
+
 async def _pair(s):
     """Register prefill p1 and decode d1; return their leases."""
     p = await s.RegisterEngine(register_request("p1", PREFILL))
@@ -46,8 +58,8 @@ def test_transfer_flows_end_to_end_and_metadata_is_sent_once():
             p_lease, _ = await _pair(s)
             watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
             prefill = await open_prefill(s, "p1", p_lease)
-            first = (await s.PlanTransfer(dpb.PlanTransferRequest(request_id="r1"))).transfer.transfer_id
-            second = (await s.PlanTransfer(dpb.PlanTransferRequest(request_id="r2"))).transfer.transfer_id
+            first = await _plan(s, request_id="r1")
+            second = await _plan(s, request_id="r2")
             await send_ready(prefill, ready(first, 0, 1))
             await s.ReportAllocation(allocation(first, block_ids=[1, 2, 3]))
             one = (await read(prefill)).instruction
@@ -110,7 +122,7 @@ def test_malformed_input_is_invalid_argument_and_changes_nothing():
         async with running_directory(Limits(max_block_ids=8)) as directory:
             channel, s = stub(directory.address)
             await _pair(s)
-            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            tid = await _plan(s)
             before_engines = await s.ListEngines(dpb.ListEnginesRequest())
             before_transfer = await s.GetTransfer(dpb.GetTransferRequest(transfer_id=tid))
             bad_layout = make_layout()
@@ -166,8 +178,7 @@ def test_bad_events_get_rejections_and_the_stream_goes_on():
         async with running_directory() as directory:
             channel, s = stub(directory.address)
             p_lease, _ = await _pair(s)
-            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
-            await s.ReportAllocation(allocation(tid))
+            tid = await _allocated(s)
             prefill = await open_prefill(s, "p1", p_lease)
             await send_ready(prefill, ready(tid, 0, 7), ready("", 0, 0), ready("ghost", 0, 0))
             await prefill.write(dpb.StreamPrefillRequest(result=result(tid, DONE)))
@@ -208,7 +219,7 @@ def test_prefill_stream_break_fails_transfer_and_decode_learns():
             channel, s = stub(directory.address)
             p_lease, _ = await _pair(s)
             watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
-            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            tid = await _plan(s)
             prefill = await open_prefill(s, "p1", p_lease)
             await send_ready(prefill, ready(tid, 0, 0))
             await s.ReportAllocation(allocation(tid))
@@ -251,7 +262,7 @@ def test_killed_decode_engine_fails_its_transfers_within_the_lease():
             try:
                 line = await asyncio.wait_for(asyncio.to_thread(decode.stdout.readline), 30)
                 assert line.strip() == "registered"
-                tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+                tid = await _plan(s)
                 prefill = await open_prefill(s, "p1", keeper.lease_id)
                 await send_ready(prefill, ready(tid, 0, 0))
                 await s.ReportAllocation(allocation(tid))
@@ -285,7 +296,7 @@ def test_cancel_after_dispatch_reaches_decode_when_prefill_confirms():
             channel, s = stub(directory.address)
             p_lease, _ = await _pair(s)
             watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
-            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            tid = await _plan(s)
             prefill = await open_prefill(s, "p1", p_lease)
             await s.ReportAllocation(allocation(tid))
             await send_ready(prefill, ready(tid, 0, 0))
@@ -307,7 +318,7 @@ def test_watch_replays_after_sequence_number():
         async with running_directory() as directory:
             channel, s = stub(directory.address)
             await _pair(s)
-            ids = [(await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id for _ in range(3)]
+            ids = [await _plan(s) for _ in range(3)]
             for tid in ids[:2]:
                 await s.CancelTransfer(dpb.CancelTransferRequest(transfer_id=tid))
             watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1", after_sequence_number=1))
@@ -372,8 +383,7 @@ def test_graceful_stop_flushes_and_ends_streams_unavailable():
             await renew.write(dpb.RenewLeaseRequest(lease_id=p_lease))
             assert (await read(renew)).lease_id == p_lease
             prefill = await open_prefill(s, "p1", p_lease)
-            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
-            await s.ReportAllocation(allocation(tid))
+            tid = await _allocated(s)
             await send_ready(prefill, ready(tid, 0, 0))
             assert (await read(prefill)).instruction.transfer_id == tid
             loop = asyncio.get_running_loop()
@@ -396,7 +406,7 @@ def test_state_refusals_map_to_their_status_codes():
             await s.RegisterEngine(register_request("d2", DECODE))
             assert await code_of(s.RegisterEngine(register_request("p1", PREFILL, agent_name="imposter"))) == \
                 grpc.StatusCode.ALREADY_EXISTS
-            tid = (await s.PlanTransfer(dpb.PlanTransferRequest(decode_engine_id="d1"))).transfer.transfer_id
+            tid = await _plan(s, decode_engine_id="d1")
             assert await code_of(s.ReportAllocation(allocation(tid, engine_id="d2"))) == \
                 grpc.StatusCode.PERMISSION_DENIED
             assert await code_of(s.PlanTransfer(dpb.PlanTransferRequest(prefill_engine_id="p1"))) == \
@@ -425,7 +435,7 @@ def test_transfer_end_is_logged_with_ids_bound():
         async with running_directory() as directory:
             channel, s = stub(directory.address)
             await _pair(s)
-            tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            tid = await _plan(s)
             with structlog.testing.capture_logs() as logs:
                 await s.CancelTransfer(dpb.CancelTransferRequest(transfer_id=tid, reason="client gone"))
             ended = [e for e in logs if e["event"] == "transfer ended"]
@@ -446,7 +456,7 @@ def test_new_agent_metadata_is_sent_again_under_the_same_agent_name():
             prefill = await open_prefill(s, "p1", p_lease)
             metadata = []
             for round_ in range(3):
-                tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+                tid = await _plan(s)
                 await s.ReportAllocation(allocation(tid, block_ids=[1, 2, 3]))
                 await send_ready(prefill, ready(tid, 0, 3))
                 metadata.append((await read(prefill)).instruction.decode_agent_metadata)

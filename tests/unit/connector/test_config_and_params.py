@@ -26,7 +26,18 @@ def test_producer_and_consumer_roles_parse_with_defaults():
     assert prefill.is_prefill and decode.is_decode
     assert prefill.nixl_backends == ("UCX",) and prefill.nixl_enable_prog_thread is False
     assert decode.transfer_timeout_s == 60.0 and decode.fault_stall_after_writes is None
-    assert decode.message_queue_poll_s == 0.0001
+    assert decode.message_queue_poll_s == 0.0001 and decode.idle_step_wait_s == 0.004
+
+
+def test_data_plane_polling_reaches_the_nixl_config():
+    """nixl_poll_max_s / nixl_notif_poll_s become the data plane's poll_max_s / notif_poll_s."""
+    from kvpush.connector.worker.transport import nixl_config_from
+
+    config = ConnectorConfig.from_extra_config(
+        {"directory_address": "h:1", "nixl_poll_max_s": 0.0002, "nixl_notif_poll_s": 0.0001}, role="prefill",
+        engine_id="p")
+    nixl = nixl_config_from(config)
+    assert (nixl.poll_max_s, nixl.notif_poll_s) == (0.0002, 0.0001)
 
 
 def test_message_queue_pacing_can_be_turned_off():
@@ -55,6 +66,8 @@ def test_directory_settings_reach_the_channel_config():
     ({"directory_address": "h:1", "transfer_timeout_s": 0}, "transfer_timeout_s"),
     ({"directory_address": "h:1", "nixl_enable_prog_thread": "yes"}, "nixl_enable_prog_thread"),
     ({"directory_address": "h:1", "message_queue_poll_s": 0}, "message_queue_poll_s"),
+    ({"directory_address": "h:1", "nixl_poll_max_s": 0}, "nixl_poll_max_s"),
+    ({"directory_address": "h:1", "idle_step_wait_s": -1}, "idle_step_wait_s"),
     ({"directory_address": "h:1", "message_queue_poll_s": 1}, "message_queue_poll_s"),
     ({"directory_address": "h:1", "directory_tls_client_cert": "c.pem"}, "directory settings refused"),
 ])

@@ -51,6 +51,12 @@ class Directory:
     def plan(self, **fields) -> str:
         return self.state.plan(dpb.PlanTransferRequest(**fields), None).transfer_id
 
+    def allocated(self) -> str:
+        """A planned transfer whose decode allocation (blocks 1, 2, 3) has been reported."""
+        transfer_id = self.plan()
+        self.state.report_allocation(allocation(transfer_id))
+        return transfer_id
+
     def outbox(self, rank: int = 0) -> list[dpb.StreamPrefillResponse]:
         return self.state.drain_outbox("p1", rank, self.sessions[rank])
 
@@ -121,8 +127,7 @@ def test_completion_tells_decode_with_sequence_numbers():
 def test_duplicate_events_are_idempotent():
     """Repeated allocation, readiness and DONE change nothing and produce nothing."""
     d = Directory()
-    tid = d.plan()
-    d.state.report_allocation(allocation(tid))
+    tid = d.allocated()
     d.ready(tid, 0, 3)
     d.outbox()
     record, effects = d.state.report_allocation(allocation(tid))
@@ -212,8 +217,7 @@ def test_blocks_are_released_when_a_transfer_ends():
 def test_cancel_before_dispatch_is_immediate():
     """Cancelling a transfer with no instruction out ends it CANCELLED at once and tells decode."""
     d = Directory()
-    tid = d.plan()
-    d.state.report_allocation(allocation(tid))
+    tid = d.allocated()
     record, effects = d.state.cancel(tid, "client went away")
     assert record.state == S.TRANSFER_STATE_CANCELLED and effects.watch_engines == {"d1"}
     assert d.events()[0].reason == "client went away"
@@ -223,8 +227,7 @@ def test_cancel_before_dispatch_is_immediate():
 def test_cancel_after_dispatch_waits_for_prefill():
     """After dispatch, cancel tells prefill and CANCELLED reaches decode only once prefill confirms."""
     d = Directory()
-    tid = d.plan()
-    d.state.report_allocation(allocation(tid))
+    tid = d.allocated()
     d.ready(tid, 0, 0)
     d.outbox()
     record, effects = d.state.cancel(tid, "abort")
@@ -240,8 +243,7 @@ def test_cancel_after_dispatch_waits_for_prefill():
 def test_cancel_pending_becomes_cancelled_when_prefill_lease_lapses():
     """A pending cancellation ends CANCELLED when the prefill engine's lease lapses."""
     d = Directory()
-    tid = d.plan()
-    d.state.report_allocation(allocation(tid))
+    tid = d.allocated()
     d.ready(tid, 0, 0)
     d.state.cancel(tid, "abort")
     d.time.advance(5)
@@ -254,8 +256,7 @@ def test_cancel_pending_becomes_cancelled_when_prefill_lease_lapses():
 def test_tp2_completes_only_when_every_rank_is_done():
     """With TP=2 each rank gets its own instruction (decode rank = prefill rank); COMPLETE needs both DONE."""
     d = Directory(tp_size=2)
-    tid = d.plan()
-    d.state.report_allocation(allocation(tid))
+    tid = d.allocated()
     effects, _ = d.ready(tid, 0, 0, rank=1)
     assert effects.prefill_outboxes == {("p1", 0), ("p1", 1)}
     assert [m.instruction.decode_tp_rank for m in d.outbox(0) + d.outbox(1)] == [0, 1]
@@ -269,8 +270,7 @@ def test_tp2_completes_only_when_every_rank_is_done():
 def test_tp2_failure_waits_for_the_other_rank_to_stop():
     """One rank FAILED: the other is told to stop; FAILED reaches decode when it confirms."""
     d = Directory(tp_size=2)
-    tid = d.plan()
-    d.state.report_allocation(allocation(tid))
+    tid = d.allocated()
     d.ready(tid, 0, 0)
     d.outbox(0), d.outbox(1)
     d.state.report_result("p1", 0, result(tid, FAILED, error="post failed"))
@@ -283,8 +283,7 @@ def test_tp2_failure_waits_for_the_other_rank_to_stop():
 def test_lease_lapse_fails_transfers_and_tells_both_sides():
     """A decode engine whose lease lapses is removed; its transfers fail; prefill gets a cancellation."""
     d = Directory()
-    tid = d.plan()
-    d.state.report_allocation(allocation(tid))
+    tid = d.allocated()
     d.ready(tid, 0, 0)
     d.outbox()
     d.time.advance(6)
@@ -305,8 +304,7 @@ def test_lease_lapse_fails_transfers_and_tells_both_sides():
 def test_transfer_deadline_expires_and_tells_both_sides():
     """A transfer past its deadline becomes EXPIRED; decode gets the event, prefill a cancellation."""
     d = Directory(Limits(lease_ttl_s=100, transfer_ttl_s=5))
-    tid = d.plan()
-    d.state.report_allocation(allocation(tid))
+    tid = d.allocated()
     d.ready(tid, 0, 0)
     d.outbox()
     d.time.advance(4)
