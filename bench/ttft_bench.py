@@ -13,7 +13,8 @@ What runs (one invocation, side by side):
       nixl-push   vLLM NixlPushConnector, both legs at once (matched by X-Request-Id);
       kvpush      KVPushConnector + the directory, both legs at once;
       kvpush-progthread  the same with NIXL's progress thread on (sleeping 100 us between loops),
-                  which progresses UCX without the GIL while the forward pass holds it.
+                  which progresses UCX without the GIL while the forward pass holds it;
+      kvpush-poll5ms  the same with the data plane polling at most every 5 ms (fewer GIL hand-offs).
     In each P/D phase every iteration sends the disaggregated request and then the same prompt
     straight to the prefill engine without kv_transfer_params ("p_direct"): the same prefill on an
     engine carrying the same connector (and its threads), in the same CPU conditions.
@@ -63,7 +64,8 @@ from kvpush.localstack.stack import (
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # kvpush phases: the connector's kv_connector_extra_config beyond the directory and endpoint.
-KVPUSH_PHASES = {"kvpush": {}, "kvpush-progthread": {"nixl_enable_prog_thread": True}}
+KVPUSH_PHASES = {"kvpush": {}, "kvpush-progthread": {"nixl_enable_prog_thread": True},
+                 "kvpush-poll5ms": {"nixl_poll_max_s": 0.005, "nixl_notif_poll_s": 0.005}}
 PREFILL_ENGINE_ID = "bench-prefill"
 DECODE_ENGINE_ID = "bench-decode"
 
