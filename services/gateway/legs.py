@@ -43,23 +43,24 @@ def _status_error(leg: str, url: str, status: int, text: str) -> GatewayError:
 
 
 @contextlib.contextmanager
-def _transport_errors(leg: str, url: str, total_s: float):
-    """Map aiohttp's connection and timeout failures on a leg to the gateway's 503 / 504 / 502 errors."""
+def _transport_errors(engine: str, url: str, total_s: float):
+    """Map aiohttp's connection and timeout failures towards `engine` ("prefill engine", "engine", ...)
+    to the gateway's 503 / 504 / 502 errors."""
     try:
         yield
     except aiohttp.ClientConnectorError as error:
-        raise unavailable(f"{leg} engine at {url} is unreachable: {error.os_error or error}") from error
+        raise unavailable(f"{engine} at {url} is unreachable: {error.os_error or error}") from error
     except asyncio.TimeoutError as error:
-        raise timeout(f"{leg} engine at {url} did not answer within {total_s:.0f} s") from error
+        raise timeout(f"{engine} at {url} did not answer within {total_s:.0f} s") from error
     except aiohttp.ClientError as error:
-        raise bad_gateway(f"{leg} engine at {url}: connection failed: {error!r}") from error
+        raise bad_gateway(f"{engine} at {url}: connection failed: {error!r}") from error
 
 
 async def post_json(session: aiohttp.ClientSession, leg: str, url: str, body: dict, headers: dict[str, str],
                     total_s: float, connect_s: float) -> dict[str, Any]:
     """POST `body` and return the JSON object answered with 200; raise a GatewayError otherwise."""
     client_timeout = aiohttp.ClientTimeout(total=total_s, connect=connect_s)
-    with _transport_errors(leg, url, total_s):
+    with _transport_errors(f"{leg} engine", url, total_s):
         async with session.post(url, json=body, headers=headers, timeout=client_timeout) as response:
             text = await response.text()
             if response.status != 200:
@@ -77,7 +78,7 @@ async def open_stream(session: aiohttp.ClientSession, leg: str, url: str, body: 
                       total_s: float, connect_s: float) -> aiohttp.ClientResponse:
     """POST a streaming request; return the open 200 response (the caller must release it)."""
     client_timeout = aiohttp.ClientTimeout(total=total_s, connect=connect_s)
-    with _transport_errors(leg, url, total_s):
+    with _transport_errors(f"{leg} engine", url, total_s):
         response = await session.post(url, json=body, headers=headers, timeout=client_timeout)
     if response.status != 200:
         try:
@@ -90,16 +91,10 @@ async def open_stream(session: aiohttp.ClientSession, leg: str, url: str, body: 
 
 async def get_json(session: aiohttp.ClientSession, url: str, total_s: float) -> tuple[int, Any]:
     """GET a JSON document; (status, body). Connection problems raise GatewayError (503/504)."""
-    try:
+    with _transport_errors("engine", url, total_s):
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=total_s)) as response:
             text = await response.text()
-            try:
-                return response.status, json.loads(text)
-            except ValueError:
-                return response.status, {"error": {"message": text[:500]}}
-    except aiohttp.ClientConnectorError as error:
-        raise unavailable(f"engine at {url} is unreachable: {error.os_error or error}") from error
-    except asyncio.TimeoutError as error:
-        raise timeout(f"engine at {url} did not answer within {total_s:.0f} s") from error
-    except aiohttp.ClientError as error:
-        raise bad_gateway(f"engine at {url}: {error!r}") from error
+    try:
+        return response.status, json.loads(text)
+    except ValueError:
+        return response.status, {"error": {"message": text[:500]}}
