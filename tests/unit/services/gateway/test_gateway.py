@@ -163,7 +163,9 @@ def test_slow_decode_leg_times_out_with_504(gw):
 
 def test_streaming_passes_decode_events_through(gw):
     """A streamed request returns the decode engine's SSE events in order, with the transfer id header."""
-    gw.decode.behaviour = lambda leg: (200, {"stream_tokens": ["one", " two", " three"]}, 0.0)
+    # Decode's first event comes after prefill answered, as with a real push (decode waits for the KV),
+    # so the prefill's params are known before the stream's headers go out.
+    gw.decode.behaviour = lambda leg: (200, {"stream_tokens": ["one", " two", " three"]}, 0.3)
     result = stream_completion(gw.gateway.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3},
                                timeout_s=30)
     assert result.status == 200, result.error
