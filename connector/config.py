@@ -118,13 +118,13 @@ class ConnectorConfig:
             nixl_backends=_backends(extra.get("nixl_backends", ["UCX"])),
             nixl_enable_prog_thread=_bool(extra, "nixl_enable_prog_thread", False),
             nixl_num_threads=_int(extra, "nixl_num_threads", 0, minimum=0, maximum=256),
-            nixl_poll_max_s=_poll_interval(extra, "nixl_poll_max_s", 0.001),
-            nixl_notif_poll_s=_poll_interval(extra, "nixl_notif_poll_s", 0.001),
+            nixl_poll_max_s=_seconds(extra, "nixl_poll_max_s", 0.001, low=50e-6, low_included=True, high=0.1),
+            nixl_notif_poll_s=_seconds(extra, "nixl_notif_poll_s", 0.001, low=50e-6, low_included=True, high=0.1),
             engine_endpoint=_optional_str(extra, "engine_endpoint") or "",
             transfer_timeout_s=_seconds(extra, "transfer_timeout_s", 60.0),
             push_timeout_s=_seconds(extra, "push_timeout_s", 60.0),
-            message_queue_poll_s=_poll_seconds(extra, "message_queue_poll_s", 0.0001),
-            idle_step_wait_s=_idle_wait_seconds(extra, "idle_step_wait_s", 0.004),
+            message_queue_poll_s=_seconds(extra, "message_queue_poll_s", 0.0001, high=0.01, nullable=True),
+            idle_step_wait_s=_seconds(extra, "idle_step_wait_s", 0.004, low_included=True, high=0.1),
             fault_stall_after_writes=(_int(extra, "fault_stall_after_writes", 0, minimum=0, maximum=1 << 30)
                                       if extra.get("fault_stall_after_writes") is not None else None),
         )
@@ -175,33 +175,18 @@ def _int(extra: Mapping[str, Any], key: str, default: int, *, minimum: int, maxi
     return value
 
 
-def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
+def _seconds(extra: Mapping[str, Any], key: str, default: float | None, *, low: float = 0.0,
+             low_included: bool = False, high: float = 86400.0, nullable: bool = False) -> float | None:
+    """A number of seconds in (low, high] (or [low, high] with `low_included`); null allowed when `nullable`."""
     value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
-        raise ConnectorConfigError(f"{key} must be a number of seconds in (0, 86400], got {value!r}")
-    return float(value)
-
-
-def _poll_seconds(extra: Mapping[str, Any], key: str, default: float) -> float | None:
-    value = extra.get(key, default)
-    if value is None:
+    if value is None and nullable:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 0.01:
-        raise ConnectorConfigError(f"{key} must be null or a number of seconds in (0, 0.01], got {value!r}")
-    return float(value)
-
-
-def _poll_interval(extra: Mapping[str, Any], key: str, default: float) -> float:
-    value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 50e-6 <= value <= 0.1:
-        raise ConnectorConfigError(f"{key} must be a number of seconds in [0.00005, 0.1], got {value!r}")
-    return float(value)
-
-
-def _idle_wait_seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
-    value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 0.1:
-        raise ConnectorConfigError(f"{key} must be a number of seconds in [0, 0.1], got {value!r}")
+    in_range = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        (low <= value if low_included else low < value) and value <= high)
+    if not in_range:
+        interval = f"{'[' if low_included else '('}{low:g}, {high:g}]"
+        raise ConnectorConfigError(f"{key} must be {'null or ' if nullable else ''}a number of seconds in {interval}, "
+                                   f"got {value!r}")
     return float(value)
 
 
