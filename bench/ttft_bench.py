@@ -66,6 +66,13 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # kvpush phases: the connector's kv_connector_extra_config beyond the directory and endpoint.
 KVPUSH_PHASES = {"kvpush": {}, "kvpush-progthread": {"nixl_enable_prog_thread": True},
                  "kvpush-poll5ms": {"nixl_poll_max_s": 0.005, "nixl_notif_poll_s": 0.005}}
+
+
+def connector_of(phase: str) -> str:
+    """The connector (and gateway mode) a phase runs: every kvpush-* phase is kvpush."""
+    return "kvpush" if phase in KVPUSH_PHASES else phase
+
+
 PREFILL_ENGINE_ID = "bench-prefill"
 DECODE_ENGINE_ID = "bench-decode"
 
@@ -133,8 +140,7 @@ def start_pd_engines(args, model_dir: Path, connector: str, topology: Topology, 
         if connector in KVPUSH_PHASES:
             extra = {"directory_address": topology.directory_address_for(role, directory_port),
                      "engine_endpoint": f"http://{place['host']}:{port}", "extra": KVPUSH_PHASES[connector]}
-        config = kv_transfer_config("kvpush" if connector in KVPUSH_PHASES else connector, role,
-                                    engine_id=engine_id, **extra)
+        config = kv_transfer_config(connector_of(connector), role, engine_id=engine_id, **extra)
         spec = EngineSpec(name=f"{connector}-{role}", model_dir=model_dir, host=place["host"], port=port,
                           kv_transfer_config=config, env=place["env"], netns=place["netns"], cpus=cpus or None,
                           max_model_len=args.max_model_len)
@@ -280,7 +286,7 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
     prefill = decode = gateway = None
     try:
         prefill, decode = start_pd_engines(args, model_dir, connector, topology, log_dir, directory_port)
-        gateway = start_bench_gateway("kvpush" if connector in KVPUSH_PHASES else connector, log_dir, prefill=prefill, decode=decode, topology=topology,
+        gateway = start_bench_gateway(connector_of(connector), log_dir, prefill=prefill, decode=decode, topology=topology,
                                       directory_address=f"127.0.0.1:{directory_port}")
         out: dict = {"idle_cpu_cores": idle_cpu([prefill, decode])}
         say(f"{connector}: idle engines burn {out['idle_cpu_cores']} CPU cores")

@@ -63,7 +63,7 @@ def pace_message_queue_spin(poll_s: float | None) -> bool:
                 self._kvpush_last_read = last_read
                 self._kvpush_sleep_s = base
             pause = self._kvpush_sleep_s
-            self._kvpush_sleep_s = min(max(pause * 2, base), max(_MAX_SLEEP_S, base))
+            self._kvpush_sleep_s = min(pause * 2, max(_MAX_SLEEP_S, base))
             time.sleep(pause)  # releases the GIL for the whole pause
             return None
         return wait(self, *args, **kwargs)

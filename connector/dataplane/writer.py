@@ -135,6 +135,11 @@ class _Write:
         """This write and the writes riding on its handle, in submission order."""
         return [self, *self.group]
 
+    @property
+    def handle_layers(self) -> list[int]:
+        """Every layer this write's handle carries (its own and its group's)."""
+        return [layer for member in self.members for layer in member.request.layers]
+
 
 @dataclass
 class _Transfer:
@@ -418,7 +423,7 @@ class PushWriter:
         write.post_seconds = time.perf_counter() - started
         transfer.post_seconds += write.post_seconds
         transfer.in_flight.append(write)
-        _log.debug("write posted", transfer_id=req.transfer_id, layers=[l for w in write.members for l in w.request.layers],
+        _log.debug("write posted", transfer_id=req.transfer_id, layers=write.handle_layers,
                    queued_ms=round((time.monotonic() - write.submitted_at) * 1000, 2),
                    post_ms=round(write.post_seconds * 1000, 3))
 
@@ -455,7 +460,7 @@ class PushWriter:
                 transfer.in_flight.remove(write)
                 if write.error is None:
                     _log.debug("write done", transfer_id=write.request.transfer_id,
-                               layers=[l for w in write.members for l in w.request.layers])
+                               layers=write.handle_layers)
                     self._report_success(write, transfer, now)
             self._maybe_finish(transfer, now)
         return any_open

@@ -131,7 +131,7 @@ class DecodeWorker:
 
     def collect(self) -> tuple[set[str], set[int]]:
         """Requests finished receiving this step, and the block ids of those that failed (load errors)."""
-        if (self._empty_step and self._config.idle_step_wait_s > 0 and self._receives
+        if (self._empty_step and self._receives
                 and not any(r.start.transfer_id in self._early for r in self._receives.values())):
             # Nothing computed this step: wait (bounded) for a transfer signal rather than spin vLLM's loop.
             self._empty_step = False

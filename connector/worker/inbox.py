@@ -16,7 +16,8 @@ from typing import Any
 
 def wait_for_actions(inbox: "queue.SimpleQueue[Callable[[], None]] | queue.Queue", timeout_s: float, log: Any,
                      role: str) -> bool:
-    """Block up to `timeout_s` for the first queued action, then run it and every other; True if one came."""
+    """Block up to `timeout_s` (0: not at all) for the first queued action, then run it and every other;
+    True if one came."""
     try:
         first = inbox.get(timeout=timeout_s)
     except queue.Empty:

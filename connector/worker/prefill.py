@@ -222,7 +222,7 @@ class PrefillWorker:
     def get_finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose held blocks may be freed now (each reported exactly once)."""
         self._seen_finished |= {r for r in finished_req_ids if r in self._live}
-        if self._empty_step and self._config.idle_step_wait_s > 0 and self._pushes_in_flight():
+        if self._empty_step and self._pushes_in_flight():
             # Nothing computed this step: wait (bounded) for a write outcome rather than spin vLLM's loop.
             self._empty_step = False
             wait_for_actions(self._inbox, self._config.idle_step_wait_s, _log, "prefill")

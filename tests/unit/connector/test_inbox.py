@@ -46,3 +46,13 @@ def test_wait_ends_when_an_action_arrives_and_runs_everything_in_order():
     thread.join()
     run_queued_actions(inbox, _log, "test")
     assert ran == ["first", "second"]
+
+
+def test_a_zero_bound_never_blocks_but_still_runs_what_is_queued():
+    """idle_step_wait_s = 0 turns the wait into a plain drain."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    assert wait_for_actions(inbox, 0, _log, "test") is False
+    ran: list[int] = []
+    inbox.put(lambda: ran.append(1))
+    assert wait_for_actions(inbox, 0, _log, "test") is True
+    assert ran == [1]
