@@ -611,12 +611,6 @@ def prefill_main(args: argparse.Namespace) -> int:
 # ==================================================================== orchestrator
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_port(port: int, timeout_s: float, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -712,6 +706,7 @@ def scenario_prompts(sc: dict[str, Any]) -> dict[str, int]:
 
 def run_main(args: argparse.Namespace) -> int:
     setup_imports()
+    from kvpush.localstack.processes import free_port
     from kvpush.services.client.config import ChannelConfig
     from kvpush.services.client.sync import SyncDirectoryClient
     from kvpush.v1 import types_pb2 as tpb
