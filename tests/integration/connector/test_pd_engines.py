@@ -20,6 +20,8 @@ from tests.integration.connector.conftest import (
     DECODE_ID,
     MAX_BATCHED_TOKENS,
     LEASE_TTL_S,
+    MODEL_SPEC,
+    PREFILL_ID,
     TRANSFER_TIMEOUT_S,
     VICTIM_ID,
     abort_after,
@@ -32,6 +34,16 @@ pytestmark = [pytest.mark.engines, pytest.mark.nixl]
 MAX_TOKENS = 12
 TERMINAL = {tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER_STATE_CANCELLED,
             tpb.TRANSFER_STATE_EXPIRED}
+
+
+def test_engines_register_the_kv_vllm_allocated(connector_stack):
+    """Both engines describe float32 KV of the model's shape: what runs is the model folder's dtype."""
+    spec = MODEL_SPEC
+    for engine_id in (PREFILL_ID, DECODE_ID):
+        (engine,) = connector_stack.directory.get_engine(engine_id)
+        layout = engine.layout
+        assert (layout.dtype, layout.layer_count, layout.block_size_tokens) == (spec.dtype, spec.num_layers, BLOCK_SIZE)
+        assert layout.block_bytes_per_layer == BLOCK_SIZE * spec.kv_bytes_per_token() // spec.num_layers
 
 
 def test_outputs_match_colocated_for_every_prompt_shape(connector_stack):

@@ -7,6 +7,7 @@ import hashlib
 import pytest
 
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
+from kvpush.localstack.processes import EngineSpec
 
 
 def _digest(folder) -> str:
@@ -54,3 +55,12 @@ def test_bad_spec_is_refused_before_building(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         ensure_tiny_model(spec, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_engines_run_the_model_folder_dtype(tiny_model_dir, tiny_model_spec):
+    """vLLM's "auto" would run a float32 folder in bfloat16 on CPU; the launcher passes the folder's dtype."""
+    engine = EngineSpec(name="dtype-check", model_dir=tiny_model_dir)
+    argv = engine.argv()
+    assert argv[argv.index("--dtype") + 1] == tiny_model_spec.dtype == "float32"
+    chosen = EngineSpec(name="dtype-check", model_dir=tiny_model_dir, extra_args=["--dtype", "bfloat16"]).argv()
+    assert chosen.count("--dtype") == 1 and chosen[chosen.index("--dtype") + 1] == "bfloat16"
