@@ -42,6 +42,7 @@ NHD layouts would need sub-token descriptors (one per head per token) and are be
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -170,12 +171,17 @@ def _check_layers(layers: Sequence[int], src: KVLayoutSpec, dst: KVLayoutSpec) -
     limit = min(src.layer_count, dst.layer_count)
     bad = arr[(arr < 0) | (arr >= limit)]
     if bad.size:
-        raise WriteRequestError(
-            f"layer {int(bad[0])} out of range [0, {limit}) (source {src.layer_count}, destination {dst.layer_count})"
-        )
+        raise _layer_out_of_range(int(bad[0]), src, dst)
     if np.unique(arr).size != arr.size:
         raise WriteRequestError("layers repeats a layer")
     return arr
+
+
+def _layer_out_of_range(layer: int, src: KVLayoutSpec, dst: KVLayoutSpec) -> WriteRequestError:
+    limit = min(src.layer_count, dst.layer_count)
+    return WriteRequestError(
+        f"layer {layer} out of range [0, {limit}) (source {src.layer_count}, destination {dst.layer_count})"
+    )
 
 
 def validate_write(
@@ -383,3 +389,75 @@ def _merged_count(local_addr, remote_addr, lengths, layer_of) -> int:
         & (layer_of[1:] == layer_of[:-1])
     )
     return n - int(contiguous.sum())
+
+
+# ---- the same write on another layer ---------------------------------------------------------
+def _table_layer_stride(layout: KVLayoutSpec, table: str, granule: int) -> int:
+    """How far one layer moves an entry index of `layout`'s table (rows per layer x blocks)."""
+    if table == TABLE_BLOCK:
+        rows_per_layer = len(layout.planes)
+    else:
+        rows_per_layer = sum(p.segment_count for p in layout.planes) * (layout.block_size_tokens // granule)
+    return rows_per_layer * layout.block_count
+
+
+def move_to_layer(plan: WritePlan, src: KVLayoutSpec, dst: KVLayoutSpec, from_layer: int, to_layer: int) -> WritePlan:
+    """`plan` (a one-layer write of `from_layer`) for `to_layer`: same blocks, same tokens, shifted indices.
+
+    Every layer has the same shape, so table indices move by a fixed stride per layer and explicit
+    rows by the distance between the two layers' bases; descriptor count and bytes are unchanged.
+    """
+    if not 0 <= to_layer < min(src.layer_count, dst.layer_count):
+        raise _layer_out_of_range(to_layer, src, dst)
+    if from_layer == to_layer:
+        return plan
+    steps = to_layer - from_layer
+    explicit = plan.explicit
+    if explicit.size:
+        shift = np.array([src.layer_base_addresses[to_layer] - src.layer_base_addresses[from_layer],
+                          dst.layer_base_addresses[to_layer] - dst.layer_base_addresses[from_layer], 0],
+                         dtype=np.int64)
+        explicit = explicit + shift
+    return WritePlan(
+        table=plan.table,
+        granule=plan.granule,
+        local_indices=plan.local_indices + np.int32(steps * _table_layer_stride(src, plan.table, plan.granule)),
+        remote_indices=plan.remote_indices + np.int32(steps * _table_layer_stride(dst, plan.table, plan.granule)),
+        explicit=explicit,
+        total_bytes=plan.total_bytes,
+        descriptor_count=plan.descriptor_count,
+        shared_blocks=frozenset((to_layer, block) for _layer, block in plan.shared_blocks),
+    )
+
+
+class LayerPlanCache:
+    """Plans each (peer, blocks, token range) once and moves the plan to other layers.
+
+    A prefill worker writes the same blocks and tokens once per layer, from the forward thread; a full
+    plan validates and computes every index again (~0.4 ms on a GPU host for 256 blocks), moving a
+    cached one is a few array additions. Bounded: the oldest entries go first.
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._plans: dict[tuple, tuple[KVLayoutSpec, KVLayoutSpec, int, WritePlan]] = {}
+
+    def plan(self, src: KVLayoutSpec, dst: KVLayoutSpec, peer: str, layers: Sequence[int],
+             src_block_ids: Sequence[int], dst_block_ids: Sequence[int], token_start: int, token_end: int) -> WritePlan:
+        """Like `plan_write`; one-layer writes seen before (other layer, same peer/blocks/range) are moved."""
+        if len(layers) != 1:
+            return plan_write(src, dst, layers, src_block_ids, dst_block_ids, token_start, token_end)
+        layer = int(layers[0])
+        key = (peer, token_start, token_end, tuple(src_block_ids), tuple(dst_block_ids))
+        with self._lock:
+            cached = self._plans.get(key)
+        # The entry holds the layouts it was planned for: a peer re-added under its name re-plans.
+        if cached is not None and cached[0] is src and cached[1] is dst:
+            return move_to_layer(cached[3], src, dst, cached[2], layer)
+        plan = plan_write(src, dst, layers, src_block_ids, dst_block_ids, token_start, token_end)
+        with self._lock:
+            if key not in self._plans and len(self._plans) >= self._capacity:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = (src, dst, layer, plan)
+        return plan

@@ -1,7 +1,8 @@
 """PushWriter: posts a prefill worker's KV WRITEs into decode blocks, on the agent's I/O thread.
 
 Life of a write (`WriteRequest`, one per layer or layer group of a transfer):
-1. `submit()` (any thread) plans it (`plan.plan_write`): bad layers, block ids, token ranges or an
+1. `submit()` (any thread) plans it (`plan.plan_write`; a one-layer write of blocks and tokens already
+   planned for another layer is that plan moved, `plan.LayerPlanCache`): bad layers, block ids, token ranges or an
    unknown peer raise `WriteRequestError` there and then, before anything is queued.
 2. The I/O thread queues it FIFO. At the head of the queue it waits for `ready_event` (polled with
    `.query()` when it has one, else `.synchronize()`; bounded by `post_timeout_s`), so no byte is read
@@ -43,7 +44,7 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvpush.connector.dataplane.agent import TransferAgent
-from kvpush.connector.dataplane.plan import WritePlan, WriteRequestError, plan_write
+from kvpush.connector.dataplane.plan import LayerPlanCache, WritePlan, WriteRequestError
 from kvpush.observability import get_logger, get_tracer
 
 _log = get_logger("kvpush.dataplane.writer")
@@ -184,6 +185,7 @@ class PushWriter:
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._zombies: list[tuple[Any, float]] = []
         self._tracer = tracer or get_tracer("kvpush.dataplane")
+        self._plans = LayerPlanCache()
         self.max_group_writes = self._config.max_group_writes
         agent.attach(self)
 
@@ -200,9 +202,10 @@ class PushWriter:
             raise WriteRequestError(f"unknown peer {request.peer_agent!r}") from None
         if not request.transfer_id:
             raise WriteRequestError("transfer_id is empty")
-        plan = plan_write(
+        plan = self._plans.plan(
             self._agent.layout,
             peer_layout,
+            request.peer_agent,
             request.layers,
             request.src_block_ids,
             request.dst_block_ids,

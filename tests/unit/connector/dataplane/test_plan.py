@@ -11,9 +11,11 @@ from kvpush.connector.dataplane.layout import LayoutError
 from kvpush.connector.dataplane.plan import (
     TABLE_BLOCK,
     TABLE_CHUNK,
+    LayerPlanCache,
     WriteRequestError,
     block_table_rows,
     chunk_table_rows,
+    move_to_layer,
     plan_write,
 )
 from tests.integration.dataplane.kvbuffers import block_bytes, make_kv, token_bytes
@@ -228,3 +230,55 @@ class TestRefusals:
         src, _, _ = make_kv(1, 8, 32, 2, 32, "kv_first", seed=1)
         with pytest.raises(LayoutError, match="does not divide"):
             chunk_table_rows(src, 12)
+
+
+class TestLayerMoves:
+    @settings(max_examples=40, deadline=None)
+    @given(
+        src_bs=st.sampled_from([16, 32, 64]),
+        dst_bs=st.sampled_from([16, 32, 128]),
+        hint=st.sampled_from(["kv_first", "fused_kv", "blocks_first", "mla", "cpu_attn"]),
+        start=st.integers(0, 150),
+        length=st.integers(1, 150),
+        seed=st.integers(0, 2**16),
+    )
+    def test_a_plan_moved_to_another_layer_equals_planning_that_layer(self, src_bs, dst_bs, hint, start, length,
+                                                                      seed):
+        """Property: every field of move_to_layer(plan of layer a, b) equals plan_write for layer b."""
+        if hint == "cpu_attn":
+            dst_bs = src_bs  # block-atomic layouts exchange equal block sizes only
+        end = start + length
+        src, _, _ = make_kv(3, -(-end // src_bs) + 2, src_bs, 2, 32, hint, seed=seed)
+        dst, _, _ = make_kv(3, -(-end // dst_bs) + 2, dst_bs, 2, 32, hint, seed=None)
+        rng = np.random.default_rng(seed)
+        src_ids = list(rng.permutation(src.block_count)[: -(-end // src_bs)])
+        dst_ids = list(rng.permutation(dst.block_count)[: -(-end // dst_bs)])
+        first = int(rng.integers(0, 3))
+        planned = plan_write(src, dst, [first], src_ids, dst_ids, start, end)
+        for layer in range(3):
+            want = plan_write(src, dst, [layer], src_ids, dst_ids, start, end)
+            got = move_to_layer(planned, src, dst, first, layer)
+            assert (got.table, got.granule, got.total_bytes, got.descriptor_count, got.shared_blocks) == (
+                want.table, want.granule, want.total_bytes, want.descriptor_count, want.shared_blocks)
+            for name in ("local_indices", "remote_indices", "explicit"):
+                np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+                assert getattr(got, name).dtype == getattr(want, name).dtype, name
+
+    def test_cache_moves_known_writes_and_plans_new_ones(self):
+        """Same blocks and range on another layer come from the cache; other blocks, peers or layouts re-plan."""
+        src, sa, _ = make_kv(3, 8, 16, 2, 32, "kv_first", seed=3)
+        dst, da, _ = make_kv(3, 8, 16, 2, 32, "kv_first", seed=None)
+        cache = LayerPlanCache(capacity=2)
+        first = cache.plan(src, dst, "peer", [0], [1, 2], [5, 6], 0, 20)
+        moved = cache.plan(src, dst, "peer", [2], [1, 2], [5, 6], 0, 20)
+        np.testing.assert_array_equal(moved.explicit, plan_write(src, dst, [2], [1, 2], [5, 6], 0, 20).explicit)
+        _execute(moved, src, dst, _Memory(sa, da))
+        _assert_tokens_moved(src, sa, dst, da, [2], [1, 2], [5, 6], 0, 20)
+        assert cache.plan(src, dst, "peer", [0], [1, 2], [5, 6], 0, 20) is first  # the layer it was planned for
+        with pytest.raises(WriteRequestError, match="layer 3 out of range"):
+            cache.plan(src, dst, "peer", [3], [1, 2], [5, 6], 0, 20)
+        other_dst, _, _ = make_kv(3, 8, 16, 2, 32, "kv_first", seed=None)
+        assert cache.plan(src, other_dst, "peer", [0], [1, 2], [5, 6], 0, 20) is not first
+        cache.plan(src, dst, "peer", [0], [3], [7], 0, 16)
+        cache.plan(src, dst, "peer", [0], [4], [7], 0, 16)
+        assert len(cache._plans) == 2  # bounded: the oldest went
