@@ -186,6 +186,7 @@ class PushWriter:
         self._zombies: list[tuple[Any, float]] = []
         self._tracer = tracer or get_tracer("kvpush.dataplane")
         self._plans = LayerPlanCache()
+        self._watched: list[tuple[Any, Callable[[float], None], float]] = []  # I/O thread only
         self.max_group_writes = self._config.max_group_writes
         agent.attach(self)
 
@@ -216,6 +217,16 @@ class PushWriter:
         self._agent.call_soon(lambda: self._enqueue(_Write(request, plan, submitted_at)))
         return plan
 
+    def when_complete(self, event: Any, callback: Callable[[float], None]) -> None:
+        """Call `callback(unix time)` from the I/O thread once `event.query()` is true.
+
+        A CUDA event's completion time, as close as the I/O thread's polling gets (it polls every
+        iteration while anything is watched, and before posting, so the callback runs before any write
+        waiting on the same event is reported done). Dropped after `post_timeout_s`, like a ready event.
+        """
+        watched_at = time.monotonic()
+        self._agent.call_soon(lambda: self._watched.append((event, callback, watched_at)))
+
     def cancel(self, transfer_id: str) -> Future[WriteOutcome]:
         """Drop the transfer's queued writes; the Future resolves once none of its handles is in flight.
 
@@ -238,10 +249,11 @@ class PushWriter:
     # ---- I/O thread: LoopParticipant ------------------------------------------------------------
     def poll(self, now: float) -> bool:
         """Post what is ready, check in-flight handles; True while anything is pending or in flight."""
+        self._stamp_completed_events()
         self._post_ready(now)
         in_flight = self._check_in_flight(time.monotonic())
         self._retry_zombies(now)
-        return bool(self._pending) or in_flight or bool(self._zombies)
+        return bool(self._pending) or in_flight or bool(self._zombies) or bool(self._watched)
 
     def on_peer_leaving(self, peer: str, reason: str) -> None:
         """Fail every transfer to `peer`; their in-flight handles finish or time out."""
@@ -260,6 +272,22 @@ class PushWriter:
             self._fail_transfer(transfer, reason)
 
     # ---- I/O thread internals -------------------------------------------------------------------
+    def _stamp_completed_events(self) -> None:
+        if not self._watched:
+            return
+        waiting = []
+        for event, callback, watched_at in self._watched:
+            if event.query():
+                try:
+                    callback(time.time())
+                except Exception:  # a caller's bug must not stop the I/O thread
+                    _log.exception("event completion callback failed")
+            elif time.monotonic() - watched_at <= self._config.post_timeout_s:
+                waiting.append((event, callback, watched_at))
+            else:
+                _log.warning("watched event not complete in time; dropped", bound_s=self._config.post_timeout_s)
+        self._watched = waiting
+
     def _enqueue(self, write: _Write) -> None:
         req = write.request
         ended = self._ended.get(req.transfer_id)

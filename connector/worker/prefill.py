@@ -204,10 +204,22 @@ class PrefillWorker:
                 # instruction while the remaining layers compute.
                 self._send_ready_now(live, chunk, layer)
             if layer == self._layer_count - 1 and chunk.is_last:
-                live.push.prefill_ended(now)
-                self._timeline_dirty.add(chunk.request_id)
-                live.span.event("prefill_end", {"kvpush.token_end": chunk.token_end})
+                if ready_event is None:
+                    self._prefill_ended(chunk.request_id, now)
+                else:
+                    # The host runs ahead of the GPU: prefill ends when the last layer's kernel does.
+                    request_id = chunk.request_id
+                    self._transport.when_computed(ready_event, lambda end, r=request_id: self._inbox.put(
+                        lambda: self._prefill_ended(r, end)))
             self._pump(live, ready_event)
+
+    def _prefill_ended(self, request_id: str, end_time: float) -> None:
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        live.push.prefill_ended(end_time)
+        self._timeline_dirty.add(request_id)
+        live.span.event("prefill_end", {"kvpush.token_end": live.push.prompt_token_count}, time_s=end_time)
 
     def wait_for_save(self) -> None:
         """End of step: queue this step's readiness (all layers of each chunk) to the directory; never waits."""
@@ -241,6 +253,7 @@ class PrefillWorker:
 
     def build_worker_meta(self) -> KVPushWorkerMetadata | None:
         """Push timelines that changed this step (for the response's kv_transfer_params)."""
+        self._drain()  # a GPU prefill end the I/O thread stamped since the last hook belongs in this step's snapshot
         for request_id in self._timeline_dirty:
             live = self._live.get(request_id)
             if live is not None and request_id not in self._timelines:

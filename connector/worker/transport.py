@@ -102,6 +102,10 @@ class PushTransport:
             dst_block_ids=write.dst_block_ids, token_start=write.token_start, token_end=write.token_end,
             notify=notification if write.notify else None, ready_event=ready_event, trace_context=trace_context))
 
+    def when_computed(self, event: Any, callback: Callable[[float], None]) -> None:
+        """Call `callback(unix time)` from the I/O thread once the GPU passed `event` (see PushWriter.when_complete)."""
+        self._writer.when_complete(event, callback)
+
     def cancel(self, transfer_id: str) -> None:
         """Drop the transfer's queued writes; WriterQuiet follows once none of its handles is in flight."""
         future = self._writer.cancel(transfer_id)

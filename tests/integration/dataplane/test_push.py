@@ -283,6 +283,29 @@ def test_ready_event_timeout_fails_the_write():
         assert "ready_event not complete" in out.transfers[0].error
 
 
+def test_event_completion_is_stamped_before_writes_waiting_on_it_report():
+    """when_complete (a GPU worker's prefill end): stamped once the event completes, before its writes report."""
+    spec = PeerSpec("decode-stamp", 1, 8, 32, 2, 32, "cpu_attn")
+    config = NixlConfig(post_timeout_s=0.5)
+    with decode_peer(spec) as peer, prefill_agent(1, 8, 32, 2, 32, "cpu_attn", config) as (agent, writer, out, _, _):
+        agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
+        gate, never = GateEvent(), GateEvent()
+        stamps: list[tuple[float, int]] = []
+        writer.when_complete(gate, lambda t: stamps.append((t, len(out.requests))))
+        writer.when_complete(never, lambda t: stamps.append((t, -1)))
+        writer.submit(WriteRequest("t-stamp", spec.name, range(1), [1], [3], 0, 32, notify=b"s", ready_event=gate))
+        time.sleep(0.2)
+        assert stamps == [] and out.requests == []
+        opened = time.time()
+        gate.set()
+        assert out.wait(lambda: out.transfers) and out.transfers[0].ok
+        assert len(stamps) == 1
+        stamped_at, reported_before = stamps[0]
+        assert opened <= stamped_at <= time.time() and reported_before == 0
+        time.sleep(1.0)  # past post_timeout_s the event that never completes is dropped, never called back
+        assert agent.call_soon(lambda: len(writer._watched)).result(BOUND_S) == 0 and len(stamps) == 1
+
+
 def test_telemetry_reports_bytes_and_descriptors():
     """With capture_telemetry, NIXL's byte and descriptor counts come back in the outcome."""
     spec = PeerSpec("decode-telemetry", 2, 16, 32, 2, 32, "cpu_attn")
