@@ -29,7 +29,7 @@ class PrefillChunk:
     """One prefill step of one request on a prefill engine: tokens [token_start, token_end) computed now.
 
     cached_token_count is set on the request's first chunk only: tokens [0, cached_token_count) came
-    from this engine's prefix cache, so every layer of them is ready before the forward starts.
+    from this engine's prefix cache (possibly from blocks another request computes in this same step).
     block_ids are the engine's blocks holding tokens [0, token_end), in token order.
     """
 

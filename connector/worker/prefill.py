@@ -1,17 +1,22 @@
 """Prefill engine, worker half: records per-layer readiness and pushes each layer as soon as it exists.
 
-Life cycle of one transfer on a prefill worker (all state lives on the engine's forward thread;
-directory and NIXL callbacks only enqueue into `_inbox`, drained at every hook):
+Life cycle of one transfer on a prefill worker. Worker state has one owner at a time (`_owner`):
+engine hooks hold it while they run; directory and NIXL callbacks enqueue into `_inbox`, drained at
+every hook. A directory callback (an instruction above all) also runs the inbox itself when no hook is
+running: on GPU the host enqueues a whole forward long before the GPU finishes it, and an instruction
+that arrives after the last `save_kv_layer` of a step must not wait for the next step to start writing.
   1. `register_kv_caches`: the KV memory is registered with NIXL and this worker with the directory;
      a StreamPrefill session opens.
   2. `begin_step` (bind_connector_metadata, before the forward): each `PrefillChunk` creates or extends
-     the transfer's `PushTransfer`; tokens from this engine's prefix cache are ready at once.
+     the transfer's `PushTransfer`; tokens from this engine's prefix cache go out with this step's layers.
   3. `save_kv_layer` (forward thread, once per layer): marks the layer ready for this step's chunks
-     (on GPU a CUDA event is recorded so nothing is read before the kernel wrote it), sends the
+     (on GPU a CUDA event is recorded on the forward's stream; every write of that layer waits for
+     the layer's latest event, so nothing is read before the kernel wrote it), sends the
      transfer's very first readiness to the directory at once (so the instruction comes back while
      later layers compute), and submits the writes that became possible. Never blocks.
   4. The directory's `PushInstruction` (one per transfer, covers every layer) arrives on the client
-     thread -> inbox -> the backlog of ready layers is submitted; later layers go out as they are saved.
+     thread -> inbox -> (at once when no hook runs) the backlog of ready layers is submitted, each
+     behind its own layer's event; later layers go out as they are saved.
   5. `wait_for_save`: the step's readiness batch is queued to the directory (no waiting).
   6. Write outcomes (NIXL I/O thread) -> inbox. When every write landed: a NIXL notification to
      decode, WriteResult DONE with the timing, and a span per transfer with an event per layer write.
@@ -23,7 +28,9 @@ directory and NIXL callbacks only enqueue into `_inbox`, drained at every hook):
 
 from __future__ import annotations
 
+import functools
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +79,19 @@ class _Live:
     worker_meta_sent: bool = False
 
 
+def _hook(method: Callable) -> Callable:
+    """An engine hook: runs as the state's owner, then runs whatever callbacks queued meanwhile."""
+
+    @functools.wraps(method)
+    def run(self: "PrefillWorker", *args: Any) -> Any:
+        with self._owner:
+            result = method(self, *args)
+        self._run_inbox_if_unowned()
+        return result
+
+    return run
+
+
 class PrefillWorker:
     """Worker half for kv_role=kv_producer (see the module docstring)."""
 
@@ -94,6 +114,8 @@ class PrefillWorker:
         self._timelines: dict[str, dict[str, Any]] = {}
         self._timeline_dirty: set[str] = set()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._owner = threading.Lock()  # held by whoever touches worker state (see the module docstring)
+        self._layer_events: dict[int, Any] = {}  # GPU: layer -> CUDA event of its latest save_kv_layer
         self._empty_step = False  # the current step schedules no tokens (see get_finished / collect)
 
     def attach_transport(self, transport: PushTransport | Any) -> None:
@@ -104,23 +126,23 @@ class PrefillWorker:
 
     def on_instruction(self, instruction: dpb.PushInstruction) -> None:
         """Directory client thread: queue the instruction for the engine thread."""
-        self._inbox.put(lambda: self._apply_instruction(instruction))
+        self._offer(lambda: self._apply_instruction(instruction))
 
     def on_cancellation(self, cancellation: dpb.Cancellation) -> None:
         """Directory client thread: queue the cancellation."""
-        self._inbox.put(lambda: self._apply_cancellation(cancellation.transfer_id, cancellation.reason))
+        self._offer(lambda: self._apply_cancellation(cancellation.transfer_id, cancellation.reason))
 
     def on_rejection(self, rejection: dpb.EventRejection) -> None:
         """Directory client thread: a readiness event was refused; stop pushing a transfer the directory ended."""
         _log.warning("directory refused an event", transfer_id=rejection.transfer_id, code=rejection.code,
                      message=rejection.message)
         if rejection.code in (_CODE_NOT_FOUND, _CODE_FAILED_PRECONDITION, _CODE_PERMISSION_DENIED):
-            self._inbox.put(lambda: self._apply_cancellation(
+            self._offer(lambda: self._apply_cancellation(
                 rejection.transfer_id, f"directory refused the transfer: {rejection.message}", failed=True))
 
     def on_session_lost(self) -> None:
         """Directory client thread: the session broke, so the directory failed every dispatched transfer; stop them."""
-        self._inbox.put(self._fail_after_session_loss)
+        self._offer(self._fail_after_session_loss)
 
     def on_write_done(self, done: WriteDone) -> None:
         """NIXL I/O thread: queue one write's outcome."""
@@ -132,6 +154,7 @@ class PrefillWorker:
 
     # ---------------------------------------------------------------- engine-thread hooks
 
+    @_hook
     def begin_step(self, meta: KVPushMetadata) -> None:
         """Before the forward: open transfers for new chunks, apply holds and preemptions."""
         self._drain()
@@ -176,9 +199,9 @@ class PrefillWorker:
             self._stop(live, STATE_FAILED, str(exc))
             return
         if chunk.cached_token_count > 0:
-            # This engine's prefix cache holds these tokens for every layer already: ready now, never recomputed.
-            for layer in range(self._layer_count):
-                live.push.mark_ready(layer, chunk.cached_token_count)
+            # This engine's prefix cache holds these tokens, never recomputed. They are pushed with each layer's
+            # save_kv_layer of this step all the same (it marks [0, token_end) ready): vLLM shares blocks that
+            # another request computes in this very step, so "cached" does not yet mean "written".
             self._queue_ready(live, chunk.request_id, 0, chunk.cached_token_count, 0, self._layer_count - 1)
             live.span.event("prefix_cache_ready", {"kvpush.token_end": chunk.cached_token_count})
         live.chunks.append((chunk.token_start, chunk.token_end))
@@ -186,6 +209,7 @@ class PrefillWorker:
         _log.debug("chunk", transfer_id=chunk.transfer_id, token_start=chunk.token_start, token_end=chunk.token_end,
                    prompt=chunk.prompt_token_count, blocks=len(chunk.block_ids), cached=chunk.cached_token_count)
 
+    @_hook
     def save_kv_layer(self, layer_name: str) -> None:
         """Forward thread, after a layer's attention wrote its KV: mark it ready and push what became possible."""
         layer = self._layer_index.get(layer_name)
@@ -193,6 +217,8 @@ class PrefillWorker:
             return
         self._drain()
         ready_event = self._record_ready_event()
+        if ready_event is not None:
+            self._layer_events[layer] = ready_event
         now = time.time()
         for chunk in self._step_chunks:
             live = self._live.get(chunk.request_id)
@@ -211,7 +237,7 @@ class PrefillWorker:
                     request_id = chunk.request_id
                     self._transport.when_computed(ready_event, lambda end, r=request_id: self._inbox.put(
                         lambda: self._prefill_ended(r, end)))
-            self._pump(live, ready_event)
+            self._pump(live)
 
     def _prefill_ended(self, request_id: str, end_time: float) -> None:
         live = self._live.get(request_id)
@@ -221,6 +247,7 @@ class PrefillWorker:
         self._timeline_dirty.add(request_id)
         live.span.event("prefill_end", {"kvpush.token_end": live.push.prompt_token_count}, time_s=end_time)
 
+    @_hook
     def wait_for_save(self) -> None:
         """End of step: queue this step's readiness (all layers of each chunk) to the directory; never waits."""
         for chunk in self._step_chunks:
@@ -231,6 +258,7 @@ class PrefillWorker:
         self._step_chunks = []
         self._flush_ready()
 
+    @_hook
     def get_finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose held blocks may be freed now (each reported exactly once)."""
         self._seen_finished |= {r for r in finished_req_ids if r in self._live}
@@ -251,6 +279,7 @@ class PrefillWorker:
             done.add(request_id)
         return done
 
+    @_hook
     def build_worker_meta(self) -> KVPushWorkerMetadata | None:
         """Push timelines that changed this step (for the response's kv_transfer_params)."""
         self._drain()  # a GPU prefill end the I/O thread stamped since the last hook belongs in this step's snapshot
@@ -273,6 +302,21 @@ class PrefillWorker:
 
     def _drain(self) -> None:
         run_queued_actions(self._inbox, _log, "prefill")
+
+    def _offer(self, action: Callable[[], None]) -> None:
+        """Directory client thread: queue `action`, and run the inbox now if no hook owns the state."""
+        self._inbox.put(action)
+        self._run_inbox_if_unowned()
+
+    def _run_inbox_if_unowned(self) -> None:
+        # Whoever finds the state free runs what is queued; the owner looks again after letting go,
+        # so nothing queued while it held the state waits for the next hook.
+        while not self._inbox.empty() and self._owner.acquire(blocking=False):
+            try:
+                self._drain()
+                self._flush_ready()
+            finally:
+                self._owner.release()
 
     def _pushes_in_flight(self) -> bool:
         return any(not live.push.terminal or not live.push.quiescent for live in self._live.values())
@@ -331,7 +375,7 @@ class PrefillWorker:
                                         "kvpush.skip_token_count": instruction.skip_token_count})
         if live.push.nothing_to_write():
             live.push.stop(STATE_DONE, "decode already holds every token")
-        self._pump(live, None)
+        self._pump(live)
 
     def _apply_cancellation(self, transfer_id: str, reason: str, failed: bool = False) -> None:
         request_id = self._by_transfer.get(transfer_id)
@@ -388,9 +432,9 @@ class PrefillWorker:
 
     def _pump_all(self) -> None:
         for live in list(self._live.values()):
-            self._pump(live, None)
+            self._pump(live)
 
-    def _pump(self, live: _Live, ready_event: Any) -> None:
+    def _pump(self, live: _Live) -> None:
         """Submit every write that became possible; notice when the transfer is finished."""
         if live.push.terminal:
             if live.push.quiescent:
@@ -404,12 +448,12 @@ class PrefillWorker:
         except ValueError as exc:
             self._stop(live, STATE_FAILED, str(exc))
             return
-        # Writes planned off save_kv_layer (an instruction or outcome drained at any hook) wait for all KV enqueued so far.
-        ready_event = self._record_ready_event() if writes and ready_event is None else ready_event
         for write in writes:
             _log.debug("write", transfer_id=live.push.transfer_id, layer=write.layer, token_start=write.token_start,
                        token_end=write.token_end, notify=write.notify)
-            self._submit(live, write, ready_event)
+            # The layer's latest event covers every token of it marked ready so far. None: CPU, or a layer not
+            # computed since start-up (prefix-cache tokens from earlier steps, which vLLM synchronised).
+            self._submit(live, write, self._layer_events.get(write.layer))
         if live.push.terminal and live.push.quiescent:
             self._on_terminal(live)
 
