@@ -377,6 +377,9 @@ class PushWriter:
             return True
         if hasattr(event, "query"):
             if event.query():
+                # Events complete in stream order: stamp every watched one that is done before this write can
+                # post (and be reported done within this same iteration).
+                self._stamp_completed_events()
                 return True
             if now - write.submitted_at > self._config.post_timeout_s:
                 write.request = _without_event(write.request)
