@@ -50,7 +50,7 @@ waiting for decode's allocation); one request whose allocation reaches the direc
 started (late allocation).
 
 Figures per request: tail = last_write_end - prefill_end as the directory reports it (rank_timings; the
-connector stamps prefill_end when the host *enqueued* the last layer), and against the GPU's real end of
+connector stamps prefill_end when its I/O thread sees the last layer's CUDA event complete), and against the GPU's real end of
 the last layer (CUDA events); layers written before prefill end (directory) and before the GPU finished;
 bytes; decode's finished_recving time after the GPU end.
 
@@ -875,7 +875,7 @@ def summarize(sc: dict[str, Any], n: int, rid: str, p: dict[str, Any], d: dict[s
                                                     if timing is not None else None),
         "writes_before_gpu_end": sum(1 for w in ok_writes if gpu_end is not None and w["end"] < gpu_end),
         "failed_writes": [w for w in writes if not w["ok"]][:3],
-        # Tails (ms). "directory": the task's definition, from rank_timings (prefill_end = host enqueued the last layer).
+        # Tails (ms). "directory": the task's definition, from rank_timings (prefill_end = last layer's CUDA event seen complete).
         "tail_ms_directory": ms(last_write_end, prefill_end),
         "tail_ms_gpu_end": ms(last_write_end, gpu_end),
         "host_ahead_of_gpu_ms": ms(gpu_end, prefill_end),
