@@ -125,11 +125,11 @@ class PrefillWorker:
     # ---------------------------------------------------------------- callbacks from other threads
 
     def on_instruction(self, instruction: dpb.PushInstruction) -> None:
-        """Directory client thread: queue the instruction for the engine thread."""
+        """Directory client thread: apply the instruction now, or when the running hook returns."""
         self._offer(lambda: self._apply_instruction(instruction))
 
     def on_cancellation(self, cancellation: dpb.Cancellation) -> None:
-        """Directory client thread: queue the cancellation."""
+        """Directory client thread: apply the cancellation now, or when the running hook returns."""
         self._offer(lambda: self._apply_cancellation(cancellation.transfer_id, cancellation.reason))
 
     def on_rejection(self, rejection: dpb.EventRejection) -> None:
