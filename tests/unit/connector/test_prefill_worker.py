@@ -40,6 +40,7 @@ class _Transport:
 
     def __init__(self) -> None:
         self.writes: list[tuple[int, int, int, object, str]] = []
+        self.watched: list[tuple[object, object]] = []
 
     def ensure_peer(self, agent_name, metadata, layout) -> None:
         pass
@@ -49,7 +50,7 @@ class _Transport:
                             threading.current_thread().name))
 
     def when_computed(self, event, callback) -> None:
-        pass
+        self.watched.append((event, callback))
 
     def cancel(self, transfer_id) -> None:
         pass
@@ -138,3 +139,18 @@ def test_prefix_cached_tokens_wait_for_this_steps_layer():
     worker.save_kv_layer(LAYERS[0])
     assert [(layer, start, end) for layer, start, end, *_ in transport.writes] == [(0, 0, 40)]
     assert transport.writes[0][3] is not None
+
+
+def test_gpu_prefill_end_is_when_the_last_layers_event_completes():
+    """On GPU the host's save_kv_layer is not the end of prefill: the end is the time the data plane reports for
+    the last layer's event, and the step's timeline carries that time."""
+    worker, transport, _ = _worker()
+    worker.begin_step(_step(40))
+    for name in LAYERS:
+        worker.save_kv_layer(name)
+    ((event, report),) = transport.watched
+    assert event == worker._layer_events[len(LAYERS) - 1]
+    worker.wait_for_save()
+    report(1234.5)  # the NIXL I/O thread saw the event complete
+    meta = worker.build_worker_meta()
+    assert meta is not None and meta.timelines["r1"]["prefill_end_time"] == 1234.5
