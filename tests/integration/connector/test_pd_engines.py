@@ -73,13 +73,16 @@ def test_concurrent_requests_match_colocated(connector_stack):
 
 
 def test_push_is_layer_streamed(connector_stack, otlp_receiver):
-    """A multi-chunk prompt's first layer write starts before prefill ends (response timeline and span agree)."""
+    """A multi-chunk prompt's first layer write starts before prefill ends (directory's record and span agree)."""
     prompt = prompt_of(6 * MAX_BATCHED_TOKENS, seed=41)
     prefill_body, decode_body, transfer_id = connector_stack.disaggregated(prompt, MAX_TOKENS, decode_first=True)
     assert decode_body["choices"][0]["token_ids"] == connector_stack.reference(prompt, MAX_TOKENS)
     timeline = prefill_body["kv_transfer_params"]["push_timeline"]
-    assert timeline["chunk_count"] >= 6
-    assert timeline["first_write_start_time"] < timeline["prefill_end_time"]
+    assert timeline["chunk_count"] >= 6 and timeline["prefill_end_time"] is not None
+    # The response is a snapshot taken when the request finished: a write counts once its outcome is back, and
+    # with both cores in the forward (OMP) none may be back yet (seen once in ~10 runs). The final figures follow.
+    if timeline["first_write_start_time"] is not None:
+        assert timeline["first_write_start_time"] < timeline["prefill_end_time"]
     transfer = connector_stack.wait_transfer(transfer_id, TERMINAL)
     assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
     (rank,) = transfer.rank_timings  # the directory keeps what the one prefill rank measured
