@@ -37,6 +37,7 @@ def _require_positive(spec: object, prefix: str, *names: str) -> None:
         if value <= 0:
             raise LayoutError(f"{prefix}{name} must be positive, got {value}")
 
+
 @dataclass(frozen=True)
 class KVPlaneSpec:
     """One plane (K, V, or fused KV) of every block of a layer; mirrors `types_pb2.KVPlane`."""
