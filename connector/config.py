@@ -43,8 +43,10 @@ class ConnectorConfig:
     transfer_timeout_s: decode-side bound on waiting for one transfer (default 60).
     push_timeout_s: prefill-side bound on holding a finished request's blocks for pushes (default 60).
     message_queue_poll_s: while vLLM's shared-memory message-queue readers busy-wait in this engine's
-        processes, sleep this long per check instead of `sched_yield` (default 0.0001; null keeps vLLM's
-        spin, which starves the connector's threads of the GIL while the engine steps: `connector.engine_spin`).
+        processes, sleep this long per check instead of `sched_yield` (default 0.0001 on vLLM's CPU platform,
+        where the spin starves the connector's threads of the GIL while the engine steps:
+        `connector.engine_spin`; default null, vLLM's own spin, on GPUs, where a step takes milliseconds and a
+        sleeping reader would add up to 1 ms to each).
     idle_step_wait_s: on a step that schedules no tokens while transfers are in flight, the worker waits
         this long at most for a transfer signal before returning to vLLM (default 0.004; 0 = never wait).
         Ends early on any signal; spares the CPU that back-to-back empty steps would burn.
@@ -95,11 +97,18 @@ class ConnectorConfig:
         if not engine_id or not isinstance(engine_id, str):
             raise ConnectorConfigError("kv_transfer_config.engine_id must be a non-empty string")
         extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
-        return cls.from_extra_config(extra, role=_KV_ROLE_TO_ROLE[kv_role], engine_id=engine_id)
+        from kvpush.connector.compat import running_on_cpu_platform
+
+        return cls.from_extra_config(extra, role=_KV_ROLE_TO_ROLE[kv_role], engine_id=engine_id,
+                                     cpu_platform=running_on_cpu_platform())
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any], *, role: str, engine_id: str) -> "ConnectorConfig":
-        """Parse kv_connector_extra_config for an engine of this role; raise ConnectorConfigError on bad input."""
+    def from_extra_config(cls, extra: Mapping[str, Any], *, role: str, engine_id: str,
+                          cpu_platform: bool = True) -> "ConnectorConfig":
+        """Parse kv_connector_extra_config for an engine of this role; raise ConnectorConfigError on bad input.
+
+        `cpu_platform` picks the defaults that differ between vLLM's CPU platform and GPUs.
+        """
         if role not in (ROLE_PREFILL, ROLE_DECODE):
             raise ConnectorConfigError(f"role must be {ROLE_PREFILL!r} or {ROLE_DECODE!r}, got {role!r}")
         if not isinstance(extra, Mapping):
@@ -123,7 +132,8 @@ class ConnectorConfig:
             engine_endpoint=_optional_str(extra, "engine_endpoint") or "",
             transfer_timeout_s=_seconds(extra, "transfer_timeout_s", 60.0),
             push_timeout_s=_seconds(extra, "push_timeout_s", 60.0),
-            message_queue_poll_s=_seconds(extra, "message_queue_poll_s", 0.0001, high=0.01, nullable=True),
+            message_queue_poll_s=_seconds(extra, "message_queue_poll_s", 0.0001 if cpu_platform else None,
+                                          high=0.01, nullable=True),
             idle_step_wait_s=_seconds(extra, "idle_step_wait_s", 0.004, low_included=True, high=0.1),
             fault_stall_after_writes=(_int(extra, "fault_stall_after_writes", 0, minimum=0, maximum=1 << 30)
                                       if extra.get("fault_stall_after_writes") is not None else None),

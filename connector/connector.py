@@ -9,11 +9,11 @@ kv_role "kv_producer" makes a prefill engine, "kv_consumer" a decode engine:
 | scheduler | `PrefillScheduler`: per-step chunks, holds blocks while pushing | `DecodeScheduler`: waits for remote KV, reports allocations |
 | worker | `PrefillWorker`: per-layer readiness, writes as layers exist | `DecodeWorker`: notifications + directory events -> finished receives |
 
-Per step (vLLM 0.32 / 0.33 model runner): `bind_connector_metadata` -> forward (`save_kv_layer` per
-layer) -> `start_load_kv` -> `wait_for_save` -> `get_transfer_results` -> `get_block_ids_with_load_errors`
--> `build_connector_worker_meta` -> `clear_connector_metadata`. On CPU the attention op writes KV
-synchronously, so `start_load_kv` can come after the forward; the worker therefore begins its step in
-`bind_connector_metadata`.
+Runs on vLLM 0.25 to 0.32; `kvpush.connector.compat` checks the release at import and lists where their
+connector APIs differ. Per step (model runner): `bind_connector_metadata` -> forward (`save_kv_layer` per
+layer; `start_load_kv` before or after it, by release) -> `wait_for_save` -> `get_finished` (0.30+ calls it
+through `get_transfer_results`) -> `get_block_ids_with_load_errors` -> `build_connector_worker_meta` ->
+`clear_connector_metadata`. The worker therefore begins its step in `bind_connector_metadata`.
 
 Not `SupportsHMA`: a transfer carries one list of decode blocks and failures are reported as block ids
 (`invalid_block_ids`), both of which assume one KV-cache group. vLLM therefore turns the hybrid KV-cache
@@ -29,11 +29,11 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+import kvpush.connector.compat  # noqa: F401  (first: an unsupported vLLM fails here, by name)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -172,18 +172,19 @@ class KVPushConnector(KVConnectorBase_V1):
         if self.config.is_prefill and self._worker is not None:
             self._worker.wait_for_save()
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Pushes done (prefill: finished_sending) or receives done/failed (decode: finished_recving)."""
-        results = KVConnectorTransferResults()
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(pushes done, receives done): prefill reports finished_sending, decode finished_recving.
+
+        Caller: worker thread, once per step after the forward (0.30+ through get_transfer_results).
+        Failed receives are reported finished too; their blocks go to get_block_ids_with_load_errors.
+        """
         if self._worker is None:
-            return results
+            return None, None
         if self.config.is_prefill:
-            results.finished_sending = self._worker.get_finished_sending(finished_req_ids)
-        else:
-            finished, load_errors = self._worker.collect()
-            results.finished_recving = finished
-            self._load_errors |= load_errors
-        return results
+            return self._worker.get_finished_sending(finished_req_ids), None
+        finished, load_errors = self._worker.collect()
+        self._load_errors |= load_errors
+        return None, finished
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of failed receives, in the same step their requests are reported finished."""
@@ -206,12 +207,6 @@ class KVPushConnector(KVConnectorBase_V1):
             self._agent = None
 
     # ================================================================ scheduler side
-
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
-        """Keep the cache manager (prefill reads each scheduled request's block ids from it)."""
-        super().bind_kv_cache_manager(kv_cache_manager)
-        if self.config.is_prefill and self._scheduler is not None:
-            self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def on_new_request(self, request: "Request") -> None:
         """Track a request that carries kvpush kv_transfer_params."""

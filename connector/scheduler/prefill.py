@@ -3,7 +3,9 @@
 Life cycle of a prefill-leg request (kv_transfer_params: transfer_id + do_remote_decode) here:
   1. `on_new_request`: the request is tracked under its transfer id (malformed params: logged, left local).
   2. `build_connector_meta`, every step it is scheduled: a `PrefillChunk` says which prompt tokens this
-     step computes and which blocks hold tokens [0, token_end). The first chunk also says how many
+     step computes and which blocks hold tokens [0, token_end). The request's block ids come from the
+     step's `SchedulerOutput` (new requests carry all of them, running ones the blocks added this step),
+     which every supported vLLM release fills the same way (`kvpush.connector.compat`). The first chunk also says how many
      tokens came from this engine's prefix cache (ready at once, never recomputed, still pushed).
   3. `request_finished`: if any chunk went to the workers, return (True, params): vLLM keeps the
      blocks until the workers report the request in finished_sending (pushes done, failed, cancelled or
@@ -25,7 +27,6 @@ from kvpush.connector.params import TransferParamsError, parse_transfer_params
 from kvpush.observability import get_logger
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -47,6 +48,7 @@ class _TrackedPrefill:
     traceparent: str
     chunks_sent: int = 0
     preempted: bool = False
+    block_ids: list[int] = field(default_factory=list)  # the request's blocks, as of this step
     timeline: dict[str, Any] = field(default_factory=dict)
 
 
@@ -63,11 +65,6 @@ class PrefillScheduler:
         # after update_from_output returns, so timelines the workers report in that same step still land.
         self._response_params: dict[str, dict[str, Any]] = {}
         self._newly_held: list[str] = []
-        self._kv_cache_manager: KVCacheManager | None = None
-
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
-        """Keep the cache manager to read each scheduled request's block ids."""
-        self._kv_cache_manager = kv_cache_manager
 
     def on_new_request(self, request: "Request") -> None:
         """Track a prefill-leg request by its transfer id."""
@@ -95,9 +92,27 @@ class PrefillScheduler:
                 tracked.preempted = True
                 meta.preempted.append(request_id)
         if self._tracked:
+            self._track_block_ids(scheduler_output)
             self._add_chunks(scheduler_output, meta)
         meta.held_prefills, self._newly_held = self._newly_held, []
         return meta
+
+    def _track_block_ids(self, scheduler_output: "SchedulerOutput") -> None:
+        """Bring each tracked request's block ids up to this step (KV-cache group 0: one group only)."""
+        for new_request in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new_request.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new_request.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for request_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
+            tracked = self._tracked.get(request_id)
+            if tracked is None or new_block_ids is None:
+                continue
+            if request_id in resumed:  # back from preemption: the list replaces the old blocks
+                tracked.block_ids = list(new_block_ids[0])
+            else:
+                tracked.block_ids.extend(new_block_ids[0])
 
     def _add_chunks(self, scheduler_output: "SchedulerOutput", meta: KVPushMetadata) -> None:
         now = time.time()
@@ -111,9 +126,16 @@ class PrefillScheduler:
             if token_start >= prompt_tokens:
                 continue  # a decode step: nothing of the prompt left to push
             token_end = min(token_start + num_tokens, prompt_tokens)
-            assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-            (block_ids, *_) = self._kv_cache_manager.get_block_ids(request_id)
+            block_ids = tracked.block_ids
             needed_blocks = -(-token_end // self._block_size)
+            if len(block_ids) < needed_blocks:  # never seen; pushing would read blocks we cannot name
+                _log.error("scheduler output lacks the request's block ids; its push stops here",
+                           request_id=request_id, transfer_id=tracked.transfer_id, token_end=token_end,
+                           block_count=len(block_ids), block_size=self._block_size)
+                tracked.preempted = True
+                if tracked.chunks_sent:
+                    meta.preempted.append(request_id)  # the workers drop what they hold of it
+                continue
             meta.prefill_chunks.append(PrefillChunk(
                 request_id=request_id, transfer_id=tracked.transfer_id, token_start=token_start,
                 token_end=token_end, prompt_token_count=prompt_tokens,
