@@ -102,6 +102,7 @@ class PrefillWorker:
         self._directory = directory  # DirectoryLink with an open prefill session
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
         self._layer_count = len(layer_names)
+        self._saved_this_step: set[int] = set()  # layers whose save_kv_layer ran in the current step
         self._block_size = block_size_tokens
         self._on_gpu = on_gpu
         self._live: dict[str, _Live] = {}            # by request id
@@ -159,6 +160,7 @@ class PrefillWorker:
         """Before the forward: open transfers for new chunks, apply holds and preemptions."""
         self._drain()
         self._step_chunks = []
+        self._saved_this_step = set()
         self._empty_step = meta.empty_step
         for request_id in meta.preempted:
             live = self._live.get(request_id)
@@ -215,6 +217,10 @@ class PrefillWorker:
         layer = self._layer_index.get(layer_name)
         if layer is None or not self._step_chunks:
             return
+        self._layer_saved(layer)
+
+    def _layer_saved(self, layer: int) -> None:
+        self._saved_this_step.add(layer)
         self._drain()
         ready_event = self._record_ready_event()
         if ready_event is not None:
@@ -249,7 +255,17 @@ class PrefillWorker:
 
     @_hook
     def wait_for_save(self) -> None:
-        """End of step: queue this step's readiness (all layers of each chunk) to the directory; never waits."""
+        """End of step: queue this step's readiness (all layers of each chunk) to the directory; never waits.
+
+        Layers whose save_kv_layer did not run this step are saved here, in order: vLLM skips the attention
+        hooks when it replays a full CUDA graph (a step of one-token chunks under FULL_AND_PIECEWISE), and the
+        whole forward is enqueued by now, so one ready event recorded here covers them.
+        """
+        if self._step_chunks:
+            for layer in range(self._layer_count):
+                if layer not in self._saved_this_step:
+                    self._layer_saved(layer)
+        self._saved_this_step = set()
         for chunk in self._step_chunks:
             live = self._live.get(chunk.request_id)
             if live is not None and not live.push.terminal:

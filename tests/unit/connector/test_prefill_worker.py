@@ -154,3 +154,25 @@ def test_gpu_prefill_end_is_when_the_last_layers_event_completes():
     report(1234.5)  # the NIXL I/O thread saw the event complete
     meta = worker.build_worker_meta()
     assert meta is not None and meta.timelines["r1"]["prefill_end_time"] == 1234.5
+
+
+def test_layers_whose_hook_did_not_run_are_saved_at_wait_for_save():
+    """A full CUDA graph replays without the attention hooks: wait_for_save saves the missing layers in order,
+    behind one event recorded after the whole forward, so their writes still go out (and prefill still ends)."""
+    worker, transport, _ = _worker()
+    worker.begin_step(_step(40))
+    _on_other_thread(lambda: worker.on_instruction(_instruction(40)))
+    worker.save_kv_layer(LAYERS[0])  # the only hook vLLM ran
+    worker.wait_for_save()
+    assert [(layer, start, end) for layer, start, end, *_ in transport.writes] == [(0, 0, 40), (1, 0, 40), (2, 0, 40)]
+    assert len(transport.watched) == 1, "the last layer's event must be watched for prefill's end"
+    # The next step starts with no layer saved.
+    worker.begin_step(_step(40))
+    assert worker._saved_this_step == set()
+
+
+def test_a_step_without_chunks_saves_nothing_at_wait_for_save():
+    worker, transport, _ = _worker()
+    worker.begin_step(KVPushMetadata())
+    worker.wait_for_save()
+    assert transport.writes == [] and transport.watched == []
