@@ -563,16 +563,19 @@ def run_plot(args: argparse.Namespace) -> int:
     points = [p for path in args.results for p in json.loads(Path(path).read_text())["points"] if "error" not in p]
     isls = sorted({p["isl"] for p in points})
     fig, axes = plt.subplots(2, len(isls), figsize=(5 * len(isls), 8), squeeze=False)
+    connectors = sorted({p["connector"] for p in points})
+    colours = {c: f"C{i}" for i, c in enumerate(connectors)}
     for col, isl in enumerate(isls):
-        for connector in sorted({p["connector"] for p in points}):
+        for connector in connectors:
             series = sorted((p["rate"], p) for p in points if p["isl"] == isl and p["connector"] == connector)
             if not series:
                 continue
             x = [r for r, _ in series]
             for row, metric in enumerate(("ttft", "tpot")):
-                axes[row][col].plot(x, [p[f"mean_{metric}_ms"] for _, p in series], marker="o", label=f"{connector} mean")
+                axes[row][col].plot(x, [p[f"mean_{metric}_ms"] for _, p in series], marker="o",
+                                    color=colours[connector], label=f"{connector} mean")
                 axes[row][col].plot(x, [p[f"p99_{metric}_ms"] for _, p in series], marker="x", linestyle="--",
-                                    label=f"{connector} p99")
+                                    color=colours[connector], label=f"{connector} p99")
         for row, metric in enumerate(("TTFT", "TPOT")):
             axes[row][col].set_title(f"{metric}, ISL {isl}, OSL 128")
             axes[row][col].set_xlabel("request rate (req/s, Poisson)")
