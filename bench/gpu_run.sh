@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On the GPU machine (the device tool's copy of this checkout): install the CUDA vLLM 0.25 wheel set once per
+# machine (../shared/gpu/README.md; its three parts already copied to /tmp/carry-parts), install kvpush itself
+# whenever its sources changed, then run bench/gpu_e2e.py from /tmp (outside the checkout, so the installed
+# kvpush package is imported rather than the source folder).
+#
+#   bash bench/gpu_run.sh e2e                 # arguments go to bench/gpu_e2e.py
+#   bash bench/gpu_run.sh serve --connectors kvpush,nixl-push
+#   KVPUSH_GPU_TIMEOUT_S=250 KVPUSH_GPU_TAG=_eager bash bench/gpu_run.sh e2e --eager   (bound and log name)
+#
+# Results land in $OUT (the device tool's folder that comes back); engine logs under /tmp/kvpush-gpu-logs.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/kvpush-gpu-out}
+mkdir -p "$out"
+if [ ! -f /tmp/site/.kvpush-carry ]; then
+  [ -f "$repo/.gpu-carry/p2/install.sh" ] || { echo "wheel set not installed and no .gpu-carry/p2/install.sh" >&2; exit 2; }
+  bash "$repo/.gpu-carry/p2/install.sh" > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
+fi
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 KVPUSH_MODEL_CACHE=${KVPUSH_MODEL_CACHE:-/tmp/kvpush-models}
+sources=$(cd "$repo" && find connector services kvpush protos pyproject.toml setup.py -type f -not -path '*/__pycache__/*' \
+  | sort | xargs cat | sha256sum | cut -c1-16)
+if [ "$(cat /tmp/site/.kvpush-sources 2>/dev/null)" != "$sources" ]; then
+  (cd "$repo" && python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/site .) \
+    > "$out/pip.log" 2>&1 || { tail -20 "$out/pip.log"; exit 1; }
+  echo "$sources" > /tmp/site/.kvpush-sources
+fi
+command=$1; shift
+log_dir=/tmp/kvpush-gpu-logs/$command-$(date +%H%M%S)
+cd /tmp
+status=0
+# Bounded: the device tool's call limit is 10 minutes, and a vLLM engine that dies at start-up can leave its
+# parent waiting forever (../shared/gpu/README.md).
+timeout "${KVPUSH_GPU_TIMEOUT_S:-560}" python3 "$repo/bench/gpu_e2e.py" "$command" --log-dir "$log_dir" "$@" \
+  > "$out/$command${KVPUSH_GPU_TAG:-}.log" 2>&1 || status=$?
+grep -v "waiting [0-9]* s\|Writing model shards" "$out/$command${KVPUSH_GPU_TAG:-}.log" | tail -40
+echo "exit $status; engine logs in $log_dir"
+exit $status
