@@ -23,6 +23,20 @@ from __future__ import annotations
 
 import os
 
+# KVConnectorBase_V1's public methods in vLLM 0.25, the oldest supported release (from its base.py). The connector
+# overrides only hooks in this set that the newest release still has (tests/unit/connector/test_compat.py), so
+# no override waits for a caller an older release lacks.
+HOOKS_OF_OLDEST_RELEASE = frozenset({
+    "bind_connector_metadata", "bind_gpu_block_pool", "build_connector_meta", "build_connector_worker_meta",
+    "build_kv_connector_stats", "build_prom_metrics", "clear_connector_metadata", "get_block_ids_with_load_errors",
+    "get_finished", "get_finished_count", "get_handshake_metadata", "get_kv_connector_kv_cache_events",
+    "get_kv_connector_stats", "get_num_new_matched_tokens", "get_required_kvcache_layout", "handle_preemptions",
+    "has_connector_metadata", "has_pending_push_work", "on_new_request", "prefer_cross_layer_blocks",
+    "register_cross_layers_kv_cache", "register_kv_caches", "request_finished", "requires_piecewise_for_cudagraph",
+    "reset_cache", "role", "save_kv_layer", "set_host_xfer_buffer_ops", "set_xfer_handshake_metadata",
+    "set_xfer_handshake_metadata_pp_aware", "shutdown", "start_load_kv", "take_events", "update_connector_output",
+    "update_state_after_alloc", "wait_for_layer_load", "wait_for_save",
+})
 SUPPORTED_MIN = (0, 25)
 SUPPORTED_MAX = (0, 32)  # inclusive: the newest minor release the connector was run on
 ALLOW_UNSUPPORTED_ENV = "KVPUSH_ALLOW_UNSUPPORTED_VLLM"

@@ -96,3 +96,24 @@ def test_missing_block_ids_stop_the_push_instead_of_naming_wrong_blocks():
     scheduler.on_new_request(_request("r1", prompt_tokens=40, computed=0))
     meta = scheduler.build_connector_meta(_step(new=[("r1", [7])], scheduled={"r1": 40}))
     assert meta.prefill_chunks == []
+
+
+def test_connector_overrides_only_hooks_every_supported_release_calls():
+    """An override of a hook that vLLM 0.25 lacks would silently never run there: each one must be in 0.25's base
+    class and in the installed one, with the same parameters."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvpush.connector.connector import KVPushConnector
+
+    overrides = {name for name, member in vars(KVPushConnector).items()
+                 if not name.startswith("_") and callable(getattr(KVPushConnector, name))}
+    assert overrides, "the connector overrides no hook"
+    assert overrides <= compat.HOOKS_OF_OLDEST_RELEASE, overrides - compat.HOOKS_OF_OLDEST_RELEASE
+    for name in overrides:
+        base = getattr(KVConnectorBase_V1, name, None)
+        assert base is not None, f"{name} is gone from the installed vLLM's KVConnectorBase_V1"
+        ours = list(inspect.signature(getattr(KVPushConnector, name)).parameters)
+        theirs = list(inspect.signature(base).parameters)
+        assert len(ours) == len(theirs), f"{name}{tuple(ours)} does not match vLLM's {name}{tuple(theirs)}"
