@@ -80,8 +80,7 @@ class EngineRegistration:
         self.ttl_s = response.ttl.ToNanoseconds() / 1e9 or self.ttl_s
         self.registration_count += 1
         self._registered.set()
-        log.info("engine registered", engine_id=self.engine_id, tp_rank=self.tp_rank, lease_id=self.lease_id,
-                 ttl_s=self.ttl_s)
+        log.info("engine registered", engine_id=self.engine_id, tp_rank=self.tp_rank, ttl_s=self.ttl_s)
         if self.on_registered is not None:
             self.on_registered(self.lease_id)
 
@@ -89,8 +88,7 @@ class EngineRegistration:
         if not self._registered.is_set():
             return
         self._registered.clear()
-        log.warning("lease lost", engine_id=self.engine_id, tp_rank=self.tp_rank, lease_id=self.lease_id,
-                    reason=reason)
+        log.warning("lease lost", engine_id=self.engine_id, tp_rank=self.tp_rank, reason=reason)
         if self.on_lease_lost is not None:
             self.on_lease_lost(self.lease_id, reason)
 
