@@ -141,7 +141,7 @@ class _PrefillSession:
         self.reader_done = False
         self.end_status: tuple[grpc.StatusCode, str] | None = None
         self.end_reason = "prefill stream closed"
-        self.incarnation_sent = False
+        self.rejected_count = 0
 
 
 class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
@@ -497,7 +497,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 if not self._shutting_down:
                     self.deliver(self.state.close_session(session.engine_id, session.tp_rank, session_id,
                                                           session.end_reason))
-                log.info("prefill session closed", session_id=session_id, reason=session.end_reason)
+                log.info("prefill session closed", session_id=session_id, reason=session.end_reason,
+                         rejected_count=session.rejected_count)
 
     async def _write_prefill(self, context: grpc.aio.ServicerContext, session: _PrefillSession) -> None:
         """The session's only writer: flush queued messages whenever woken, until the session ends."""
@@ -605,6 +606,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
     def _reject(self, session: _PrefillSession, transfer_id: str, error: DirectoryError) -> None:
         """Queue a rejection; past the per-session or global cap, end the session RESOURCE_EXHAUSTED instead."""
         code = status_of(error)
+        session.rejected_count += 1
         self.refusals.info("event", "event rejected", transfer_id=transfer_id[:self.limits.max_id_length],
                            code=code.name, error=str(error))
         if session.end_status is not None:
