@@ -22,7 +22,10 @@ import os
 import time
 from dataclasses import dataclass
 
+from kvpush.observability import get_logger
 from kvpush.services.directory.errors import DirectoryError, PermissionDenied
+
+log = get_logger("directory.auth")
 
 ENGINE_URI_PREFIX = "spiffe://kvpush/engine/"
 OPERATOR_URI = "spiffe://kvpush/operator"
@@ -139,8 +142,10 @@ class Authenticator:
             if mtime != self._tokens_mtime:
                 self._tokens = read_tokens_file(self._tokens_file)
                 self._tokens_mtime = mtime
-        except (OSError, ValueError):
-            pass  # keep the last good tokens: a half-written file must not lock every engine out
+                log.info("tokens file reloaded", principal_count=len(self._tokens))
+        except (OSError, ValueError) as error:
+            # Keep the last good tokens: a half-written file must not lock every engine out.
+            log.warning("tokens file changed but could not be read; keeping the previous tokens", error=str(error))
 
     def _bearer(self, metadata) -> bytes:
         for key, value in metadata or ():

@@ -23,7 +23,7 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, allocation, ready, register_request, result, running_directory
-from tests.fixtures.pki import HAVE_OPENSSL, make_pki
+from kvpush.localstack.pki import HAVE_OPENSSL, make_pki
 from tests.integration.directory.helpers import code_of, read, run, send_ready
 
 PD = grpc.StatusCode.PERMISSION_DENIED

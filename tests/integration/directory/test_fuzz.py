@@ -80,6 +80,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.events: Counter[str] = Counter()
         self.sessions: dict[str, tuple[grpc.aio.StreamStreamCall, asyncio.Task]] = {}
         self.watches: list[asyncio.Task] = []
+        self.watching: set[str] = set()
         self.loop.run(self._start())
 
     async def _start(self) -> None:
@@ -99,6 +100,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 engine_id=engine_id, after_sequence_number=last, replay_retained=last == 0))
             try:
                 async for response in call:
+                    self.watching.add(engine_id)
                     for event in response.events:
                         if event.sequence_number > last:
                             last = event.sequence_number
@@ -141,6 +143,11 @@ class DirectoryMachine(RuleBasedStateMachine):
             response = self.call("RegisterEngine", self._register_request(engine_id, 0, 1, f"{engine_id}-agent",
                                                                           True, BLOCK_COUNT))
             self.leases[(engine_id, 0)] = response.lease_id
+
+        async def connected():  # watches follow d1 and d2 before anything can end (the stream then stays open)
+            while self.watching != {"d1", "d2"}:
+                await asyncio.sleep(0.01)
+        self.loop.run(connected(), timeout_s=10)
 
     @rule(engine_id=st.sampled_from(sorted(ENGINES)), agent=st.sampled_from(["", "a1", "a2", "a3"]),
           layout_ok=st.booleans(), block_count=int32)
@@ -361,7 +368,8 @@ class DirectoryMachine(RuleBasedStateMachine):
                     await asyncio.sleep(0.05)
             self.loop.run(settle())
             missing = [t for t in self.terminal if self.events[t] != 1]
-            assert not missing, (missing, self.events)
+            details = [self.call("GetTransfer", dpb.GetTransferRequest(transfer_id=t)) for t in missing]
+            assert not missing, (missing, details, self.events, [t.done() for t in self.watches])
         finally:
             async def stop():
                 for task in self.watches:

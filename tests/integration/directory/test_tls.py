@@ -9,7 +9,7 @@ import pytest
 
 from kvpush.services.client import ChannelConfig, DirectoryCallError, DirectoryClient
 from tests.fixtures.directory import PREFILL, register_request, running_directory
-from tests.fixtures.pki import HAVE_OPENSSL, make_pki
+from kvpush.localstack.pki import HAVE_OPENSSL, make_pki
 from tests.integration.directory.helpers import run
 
 pytestmark = pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl CLI")
