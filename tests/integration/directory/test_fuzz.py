@@ -30,8 +30,8 @@ from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, make_layout
 
-EXAMPLES = int(os.environ.get("KVPUSH_FUZZ_EXAMPLES", "40"))
-STEPS = int(os.environ.get("KVPUSH_FUZZ_STEPS", "30"))
+EXAMPLES = int(os.environ.get("KVPUSH_FUZZ_EXAMPLES", "80"))
+STEPS = int(os.environ.get("KVPUSH_FUZZ_STEPS", "40"))
 FORBIDDEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 TERMINAL = {tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER_STATE_CANCELLED,
             tpb.TRANSFER_STATE_EXPIRED}
