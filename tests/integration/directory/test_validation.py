@@ -179,3 +179,33 @@ def test_meaningless_values_on_a_live_engine_are_refused():
             session.cancel()
             await channel.close()
     run(body())
+
+
+def test_listings_stay_under_the_message_size_whatever_the_registrations():
+    """Engines with the largest accepted layouts: ListEngines pages stop before 2 MiB and still list every worker."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            names = [f"model.layers.{i}.self_attn.attn.{'n' * 128}"[:128] for i in range(256)]
+            layout = make_layout(layer_count=256)
+            layout.layer_names.extend(names)
+            assert 30_000 < layout.ByteSize() <= 48 * 1024
+            for index in range(80):  # 80 x ~34 KB: one page of everything would be ~2.7 MB
+                await s.RegisterEngine(register_request(f"d{index}", DECODE, layout=layout))
+            big = make_layout(layer_count=256)
+            big.layer_names.extend(names * 2)
+            big.layer_count = 512
+            big.layer_base_addresses.extend(big.layer_base_addresses)
+            assert await code_of(s.RegisterEngine(register_request("too-big", DECODE, layout=big))) == INVALID
+            seen, token, pages = [], "", 0
+            while True:
+                response = await s.ListEngines(dpb.ListEnginesRequest(page_size=1000, page_token=token))
+                assert response.ByteSize() <= 2 * 1024 * 1024
+                seen.extend(w.engine_id for w in response.workers)
+                pages += 1
+                token = response.next_page_token
+                if not token:
+                    break
+            assert pages >= 2 and sorted(seen) == sorted(f"d{i}" for i in range(80))
+            await channel.close()
+    run(body())
