@@ -4,7 +4,8 @@
 gateway) started for test_pd_gateway.py and stopped when the module ends, so its three engines are
 gone before other suites start theirs (tests/conftest.py runs this module first): the 24 GiB machine
 cannot hold every suite's engines at once (~3 GiB each). The stack runs with mutual TLS and per-engine
-identities, so every test here also proves the whole P/D path works with security on.
+identities (when the openssl CLI is there to make certificates), so every test here also proves the whole
+P/D path works with security on.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvpush.localstack.model import TinyModelSpec
+from kvpush.localstack.pki import HAVE_OPENSSL
 from kvpush.localstack.stack import LocalStack
 
 
@@ -20,7 +22,7 @@ def local_stack(session_log_dir, otlp_receiver):
     """Directory, P/D engines with KVPushConnector, a colocated engine and the gateway, for one module."""
     stack = LocalStack(spec=TinyModelSpec(), log_dir=session_log_dir / "localstack", progress=None,
                        engine_timeout_s=600.0, engine_env=otlp_receiver.env("kvpush-localstack-engine"),
-                       mutual_tls=True)
+                       mutual_tls=HAVE_OPENSSL)
     stack.start()
     yield stack
     stack.stop()
