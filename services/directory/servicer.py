@@ -219,6 +219,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             try:
                 check.require_id(request.engine_id, "engine_id", self.limits)
                 check.require_id(request.lease_id, "lease_id", self.limits)
+                check.check_rank(request.tp_rank, "tp_rank")
                 self._principal(context).require_engine(request.engine_id)
                 effects = self.state.deregister(request.engine_id, request.tp_rank, request.lease_id)
             except DirectoryError as error:

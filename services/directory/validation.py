@@ -253,6 +253,11 @@ def check_hello(hello: dpb.Hello, limits: Limits) -> None:
     _non_negative(hello.tp_rank, "hello.tp_rank", MAX_TP_SIZE)
 
 
+def check_rank(tp_rank: int, name: str) -> None:
+    """A TP rank: in [0, MAX_TP_SIZE)."""
+    _non_negative(tp_rank, name, MAX_TP_SIZE - 1)
+
+
 def check_page(page_size: int, limits: Limits) -> int:
     """A page size: 0 means 100; negative or over the cap is refused. Returns the effective size."""
     if page_size < 0 or page_size > limits.max_page_size:
