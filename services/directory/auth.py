@@ -106,7 +106,10 @@ def read_tokens_file(path: str) -> dict[bytes, Principal]:
                 raise ValueError(f"{path}:{number}: expected '<principal> <token>'")
             if len(parts[1]) < 16:
                 raise ValueError(f"{path}:{number}: a token must be at least 16 characters")
-            tokens[_digest(parts[1])] = parse_principal(parts[0])
+            try:
+                tokens[_digest(parts[1])] = parse_principal(parts[0])
+            except ValueError as error:
+                raise ValueError(f"{path}:{number}: {error}") from None
     return tokens
 
 
