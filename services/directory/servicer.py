@@ -70,6 +70,10 @@ _SHUTDOWN_DETAILS = "directory shutting down"
 # A listing page stops before its answer passes this many bytes (clients receive up to 64 MiB; gRPC's
 # default elsewhere is 4 MiB), whatever page_size asked for.
 MAX_PAGE_BYTES = 2 * 1024 * 1024
+# A repeated entry's tag and length prefix, at most (plus the page token and incarnation: far under the slack).
+_ENTRY_OVERHEAD_BYTES = 6
+# Room for the page's other fields (next_page_token, incarnation id).
+_PAGE_SLACK_BYTES = 4096
 
 
 class ThrottledLog:
@@ -303,9 +307,11 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         except DirectoryError as error:
             await self._abort(context, error)
         response = dpb.ListEnginesResponse(directory_incarnation_id=self.incarnation_id)
+        size = 0  # a running total: re-measuring the growing response would make a page quadratic
         for index, worker in enumerate(workers):
             entry = worker_to_proto(worker, self.state.active_transfer_count(worker.engine_id))
-            if index and response.ByteSize() + entry.ByteSize() > MAX_PAGE_BYTES:
+            size += entry.ByteSize() + _ENTRY_OVERHEAD_BYTES
+            if index and size > MAX_PAGE_BYTES - _PAGE_SLACK_BYTES:
                 token = self.state.engines.page_token_after(workers[index - 1])
                 break
             response.workers.append(entry)
@@ -392,9 +398,11 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         except DirectoryError as error:
             await self._abort(context, error)
         response = dpb.ListTransfersResponse(directory_incarnation_id=self.incarnation_id)
+        size = 0
         for index, record in enumerate(records):
             entry = record.to_proto()
-            if index and response.ByteSize() + entry.ByteSize() > MAX_PAGE_BYTES:
+            size += entry.ByteSize() + _ENTRY_OVERHEAD_BYTES
+            if index and size > MAX_PAGE_BYTES - _PAGE_SLACK_BYTES:
                 token = str(records[index - 1].sequence)
                 break
             response.transfers.append(entry)
