@@ -52,6 +52,7 @@ _SERVE_FLAGS: dict[str, tuple[str, object, type]] = {
     "max_pending_rejections_per_session": ("KVPUSH_DIRECTORY_MAX_PENDING_REJECTIONS_PER_SESSION", 1024, int),
     "max_pending_rejections": ("KVPUSH_DIRECTORY_MAX_PENDING_REJECTIONS", 16_384, int),
     "renew_stream_idle_s": ("KVPUSH_DIRECTORY_RENEW_STREAM_IDLE_S", 30.0, float),
+    "max_open_streams": ("KVPUSH_DIRECTORY_MAX_OPEN_STREAMS", 20_000, int),
 }
 
 
@@ -195,7 +196,8 @@ def _serve(args: argparse.Namespace) -> int:
             retained_watch_events_per_engine=args.retained_watch_events,
             reap_stall_threshold_s=args.reap_stall_threshold_s,
             max_pending_rejections_per_session=args.max_pending_rejections_per_session,
-            max_pending_rejections=args.max_pending_rejections, renew_stream_idle_s=args.renew_stream_idle_s)
+            max_pending_rejections=args.max_pending_rejections, renew_stream_idle_s=args.renew_stream_idle_s,
+            max_open_streams=args.max_open_streams)
         config = DirectoryConfig(
             host=args.host, port=args.port, token=args.token, tokens_file=args.tokens_file, tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca, limits=limits,

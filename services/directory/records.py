@@ -69,6 +69,8 @@ class Limits:
     max_pending_rejections: int = 16_384
     # A RenewLease stream with no renewal for this long is ended (DEADLINE_EXCEEDED); clients renew every ttl/3.
     renew_stream_idle_s: float = 30.0
+    # Open RenewLease, WatchTransfers and StreamPrefill calls together; past it a new one is RESOURCE_EXHAUSTED.
+    max_open_streams: int = 20_000
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

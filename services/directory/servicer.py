@@ -26,6 +26,7 @@ UNAVAILABLE ("directory shutting down") without failing transfers, so clients re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter, deque
 
@@ -161,6 +162,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         self.refusals = ThrottledLog()
         # Rejections queued over every open session (bounded by limits.max_pending_rejections).
         self.pending_rejection_count = 0
+        # Open RenewLease, WatchTransfers and StreamPrefill calls (bounded by limits.max_open_streams).
+        self.open_stream_count = 0
         self._sessions: dict[tuple[str, int], _PrefillSession] = {}
         self._watchers: dict[str, set[asyncio.Event]] = {}
         self._shutting_down = False
@@ -232,12 +235,29 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             log.info("engine deregistered")
             return dpb.DeregisterEngineResponse(directory_incarnation_id=self.incarnation_id)
 
+    @contextlib.asynccontextmanager
+    async def _stream_slot(self, context: grpc.aio.ServicerContext, kind: str):
+        """One of `limits.max_open_streams` open streams (RenewLease, WatchTransfers, StreamPrefill together)."""
+        if self.open_stream_count >= self.limits.max_open_streams:
+            self.refusals.info("stream", "stream refused", method=kind, open_stream_count=self.open_stream_count)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.open_stream_count} streams are open; the cap is {self.limits.max_open_streams}")
+        self.open_stream_count += 1
+        try:
+            yield
+        finally:
+            self.open_stream_count -= 1
+
     async def RenewLease(self, request_iterator, context):
         """Renew leases as requests arrive; NOT_FOUND ends the stream for an unknown or lapsed lease.
 
         Only the worker's own engine may renew its lease (PERMISSION_DENIED); a stream silent for
         `renew_stream_idle_s` ends DEADLINE_EXCEEDED. Every task this handler starts ends with it.
         """
+        async with self._stream_slot(context, "RenewLease"):
+            await self._renew_lease(context)
+
+    async def _renew_lease(self, context: grpc.aio.ServicerContext) -> None:
         try:
             principal = self._principal(context)
         except DirectoryError as error:
@@ -413,6 +433,11 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
 
     async def WatchTransfers(self, request, context):
         """Replay retained events after the given sequence number, then follow the decode engine's log."""
+        async with self._stream_slot(context, "WatchTransfers"):
+            async for response in self._watch_transfers(request, context):
+                yield response
+
+    async def _watch_transfers(self, request: dpb.WatchTransfersRequest, context: grpc.aio.ServicerContext):
         try:
             check.require_id(request.engine_id, "engine_id", self.limits)
             check.require_id(request.directory_incarnation_id, "directory_incarnation_id", self.limits,
@@ -438,9 +463,9 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         wake = asyncio.Event()
         watchers = self._watchers.setdefault(request.engine_id, set())
         watchers.add(wake)
-        # Sent at once: the client learns which process it follows before any event.
-        yield dpb.WatchTransfersResponse(directory_incarnation_id=self.incarnation_id)
         try:
+            # Sent at once: the client learns which process it follows before any event.
+            yield dpb.WatchTransfersResponse(directory_incarnation_id=self.incarnation_id)
             while True:
                 try:
                     events = self.state.watch_events(request.engine_id, last)
@@ -467,6 +492,10 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
 
     async def StreamPrefill(self, request_iterator, context):
         """A prefill worker's session: hello, then readiness and results in; instructions out."""
+        async with self._stream_slot(context, "StreamPrefill"):
+            await self._stream_prefill(context)
+
+    async def _stream_prefill(self, context: grpc.aio.ServicerContext) -> None:
         try:
             first = await asyncio.wait_for(context.read(), HELLO_TIMEOUT_S)
         except asyncio.TimeoutError:

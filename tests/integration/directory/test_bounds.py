@@ -83,13 +83,13 @@ def test_invalid_readiness_flood_ends_the_session_and_memory_stays_bounded(direc
                 ends.append(error.code())
             if session % 5 == 0:
                 peak = max(peak, rss_bytes(process.process.pid))
-                assert await _health_latency_s(channel) < 2.0
+                assert await _health_latency_s(channel) < 5.0  # the unbounded directory took 9 s; a busy VM ~1 s
         assert set(ends) == {grpc.StatusCode.RESOURCE_EXHAUSTED} and len(ends) == 40
         await asyncio.sleep(0.5)
         after = rss_bytes(process.process.pid)
         assert peak - baseline < 120 * MB, (baseline, peak)
         assert after - baseline < 60 * MB, (baseline, after)
-        assert await _health_latency_s(channel) < 1.0
+        assert await _health_latency_s(channel) < 2.0
         await channel.close()
 
     run(body(), timeout_s=120)
@@ -167,3 +167,28 @@ def test_cancelled_renew_streams_leave_no_task_and_idle_ones_time_out():
             assert loop.time() - started < 3.0
             await channel.close()
     run(body(), timeout_s=120)
+
+
+def test_open_streams_are_capped_and_slots_come_back():
+    """Past max_open_streams a new stream is RESOURCE_EXHAUSTED; a cancelled one frees its slot."""
+    async def body():
+        async with running_directory(Limits(max_open_streams=3)) as directory:
+            channel, s = stub(directory.address)
+            await s.RegisterEngine(register_request("d1", DECODE))
+            watches = [s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1")) for _ in range(3)]
+            for watch in watches:
+                assert (await watch.read()).directory_incarnation_id  # the greeting: the stream is open
+            assert await code_of(s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1")).read()) == \
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await code_of(read(s.RenewLease())) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            watches[0].cancel()
+            for _ in range(100):
+                if directory.server.servicer.open_stream_count == 2:
+                    break
+                await asyncio.sleep(0.02)
+            again = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
+            assert (await again.read()).directory_incarnation_id
+            for call in (*watches, again):
+                call.cancel()
+            await channel.close()
+    run(body())
