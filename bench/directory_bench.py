@@ -171,8 +171,11 @@ class Stats:
 class Load:
     """N prefill workers and M decode engines driving one directory."""
 
-    def __init__(self, address: str, args: argparse.Namespace, rate: float, batched: bool, tag: str) -> None:
+    def __init__(self, address: str, args: argparse.Namespace, rate: float, batched: bool, tag: str,
+                 tokens: dict[str, str] | None = None) -> None:
         self.address = address
+        # Per-principal tokens ("operator", engine ids) when the directory runs with identities; None: open.
+        self.tokens = tokens
         self.args = args
         self.rate = rate
         self.batched = batched
@@ -188,21 +191,24 @@ class Load:
 
     async def run(self) -> Stats:
         """Warm up, measure for the duration, drain; returns the stats of the window."""
-        self.client = DirectoryClient(ChannelConfig(address=self.address, timeout_s=30))
+        self.client = DirectoryClient(self._config("operator"))  # the gateway: plans and inspects
         registrations = []
         decode_ids = [f"{self.tag}-d{i}" for i in range(self.args.decode)]
+        prefill_ids = [f"{self.tag}-p{i}" for i in range(self.args.prefill)]
+        # One channel per simulated engine, each with its own credentials, as separate engine processes have.
+        self.engine_clients = {e: DirectoryClient(self._config(e)) for e in (*decode_ids, *prefill_ids)}
         for engine_id in decode_ids:
-            registration = EngineRegistration(self.client, _register(engine_id, tpb.ENGINE_ROLE_DECODE,
-                                                                      self.args.layers))
+            registration = EngineRegistration(self.engine_clients[engine_id], _register(
+                engine_id, tpb.ENGINE_ROLE_DECODE, self.args.layers))
             await registration.start()
             registrations.append(registration)
             self.block_cursor[engine_id] = itertools.count()
         watchers = [asyncio.create_task(self._watch(engine_id)) for engine_id in decode_ids]
         await asyncio.sleep(0.2)
         workers = []
-        for index in range(self.args.prefill):
-            registration = EngineRegistration(self.client, _register(f"{self.tag}-p{index}", tpb.ENGINE_ROLE_PREFILL,
-                                                                      self.args.layers))
+        for engine_id in prefill_ids:
+            registration = EngineRegistration(self.engine_clients[engine_id], _register(
+                engine_id, tpb.ENGINE_ROLE_PREFILL, self.args.layers))
             await registration.start()
             registrations.append(registration)
             workers.append(asyncio.create_task(self._prefill_worker(registration)))
@@ -226,10 +232,16 @@ class Load:
         for registration in registrations:
             await registration.stop()
         await self.client.close()
+        for client in self.engine_clients.values():
+            await client.close()
         return self.stats
 
+    def _config(self, principal: str) -> ChannelConfig:
+        token = self.tokens[principal] if self.tokens else ""
+        return ChannelConfig(address=self.address, timeout_s=30, token=token)
+
     async def _watch(self, engine_id: str) -> None:
-        async for event in self.client.watch_transfers(engine_id):
+        async for event in self.engine_clients[engine_id].watch_transfers(engine_id):
             if event.state == tpb.TRANSFER_STATE_COMPLETE:
                 self.stats.completions_seen += 1
 
@@ -238,13 +250,15 @@ class Load:
         start = (cursor * self.blocks_per_transfer) % (DECODE_BLOCKS - self.blocks_per_transfer)
         transfer.alloc_sent = time.perf_counter()
         transfer.alloc_sent_wall = time.time()
-        await self.client.stub.ReportAllocation(dpb.ReportAllocationRequest(
+        decode = self.engine_clients[transfer.decode_engine_id]
+        await decode.stub.ReportAllocation(dpb.ReportAllocationRequest(
             transfer_id=transfer.transfer_id, engine_id=transfer.decode_engine_id,
-            block_ids=range(start, start + self.blocks_per_transfer), prompt_token_count=self.prompt), timeout=30)
+            block_ids=range(start, start + self.blocks_per_transfer), prompt_token_count=self.prompt), timeout=30,
+            metadata=decode.config.metadata)
 
     async def _plan(self, engine_id: str) -> Transfer:
         response = await self.client.stub.PlanTransfer(dpb.PlanTransferRequest(
-            prefill_engine_id=engine_id, prompt_token_count=self.prompt), timeout=30)
+            prefill_engine_id=engine_id, prompt_token_count=self.prompt), timeout=30, metadata=self.client.config.metadata)
         record = response.transfer
         events = [(chunk, layer) for chunk in range(self.args.chunks) for layer in range(self.args.layers)]
         transfer = Transfer(record.transfer_id, record.decode_engine_id, events[::-1])
@@ -265,7 +279,8 @@ class Load:
     async def _split_latency(self, transfer: Transfer) -> None:
         """Paced runs only: split dispatch latency at the directory's own timestamps (same machine clock)."""
         record = (await self.client.stub.GetTransfer(
-            dpb.GetTransferRequest(transfer_id=transfer.transfer_id), timeout=30)).transfer
+            dpb.GetTransferRequest(transfer_id=transfer.transfer_id), timeout=30,
+            metadata=self.client.config.metadata)).transfer
         later_sent = max(transfer.alloc_sent_wall, transfer.first_ready_sent_wall)
         dispatched = record.dispatch_time.ToNanoseconds() / 1e9
         self.stats.inbound_ms.append((dispatched - later_sent) * 1e3)
@@ -288,7 +303,8 @@ class Load:
                 self.stats.rejections += 1
 
     async def _prefill_worker(self, registration: EngineRegistration) -> None:
-        call = self.client.stub.StreamPrefill()
+        engine = self.engine_clients[registration.engine_id]
+        call = engine.stub.StreamPrefill(metadata=engine.config.metadata)
         await call.write(dpb.StreamPrefillRequest(hello=dpb.Hello(
             engine_id=registration.engine_id, lease_id=registration.lease_id)))
         reader = asyncio.create_task(self._read(call))
@@ -392,9 +408,9 @@ def _percentile(samples: list[float], q: float) -> float:
 
 
 async def run_scenario(address: str, args, name: str, rate: float, batched: bool,
-                       directory: DirectoryProcess) -> dict:
+                       directory: DirectoryProcess, tokens: dict[str, str] | None = None) -> dict:
     """One scenario against the running directory; returns its figures."""
-    load = Load(address, args, rate, batched, tag=name)
+    load = Load(address, args, rate, batched, tag=name, tokens=tokens)
     cpu_before = directory.cpu_seconds()
     wall_before = time.perf_counter()
     stats = await load.run()
@@ -429,19 +445,20 @@ async def run_scenario(address: str, args, name: str, rate: float, batched: bool
     }
 
 
-async def unary_rtt_baseline(address: str, count: int = 1000, interval_s: float = 0.002) -> dict:
+async def unary_rtt_baseline(address: str, count: int = 1000, interval_s: float = 0.002,
+                             token: str = "") -> dict:
     """Round trips of the cheapest unary call (GetTransfer of an unknown id: NOT_FOUND) on the same channel kind.
 
     It is the floor any dispatch latency sits on: one client->directory->client trip through gRPC Python.
     Paced like the latency scenario (one call every `interval_s`), so both see the same machine.
     """
-    client = DirectoryClient(ChannelConfig(address=address, timeout_s=30, max_attempts=1))
+    client = DirectoryClient(ChannelConfig(address=address, timeout_s=30, max_attempts=1, token=token))
     samples = []
     request = dpb.GetTransferRequest(transfer_id="baseline")
     for _ in range(count):
         started = time.perf_counter()
         try:
-            await client.stub.GetTransfer(request, timeout=30)
+            await client.stub.GetTransfer(request, timeout=30, metadata=client.config.metadata)
         except grpc.aio.AioRpcError:
             pass
         samples.append((time.perf_counter() - started) * 1e3)
@@ -494,6 +511,9 @@ def main() -> None:
                              "shared machine cannot delay them; refused with the unpaced scenarios, which would "
                              "starve a core")
     parser.add_argument("--profile", action="store_true", help="profile the directory; report where time goes")
+    parser.add_argument("--auth-modes", default="off",
+                        help="comma list of off (no identities) and tokens (per-engine tokens file, every call "
+                             "authorised): each mode gets its own directory process, scenarios run per mode")
     args = parser.parse_args()
 
     cores = os.cpu_count() or 1
@@ -509,32 +529,51 @@ def main() -> None:
         if any(name.startswith("max") for name in args.scenarios.split(",")):
             parser.error("--realtime is only for paced scenarios")
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))  # inherited by the directory process
-    directory = DirectoryProcess(directory_core, profile_path, ["--no-uvloop"] if args.no_uvloop else [])
-    address = f"127.0.0.1:{directory.port}"
     scenarios = {
         "max_batched": (0.0, True),
         "max_unbatched": (0.0, False),
         "paced_5k": (args.paced_rate, True),
     }
     results = []
-    try:
-        for name in args.scenarios.split(","):
-            if name == "unary_rtt_baseline":
-                runner = unary_rtt_baseline(address)
-            else:
-                rate, batched = scenarios[name]
-                runner = run_scenario(address, args, name, rate, batched, directory)
-            if args.no_uvloop:
-                results.append(asyncio.run(runner))
-            else:
-                import uvloop
+    for auth in args.auth_modes.split(","):
+        tokens, flags = None, ["--no-uvloop"] if args.no_uvloop else []
+        if auth == "tokens":
+            principals = ["operator"] + [f"{name}-{kind}{i}" for name in args.scenarios.split(",")
+                                         for kind, count in (("d", args.decode), ("p", args.prefill))
+                                         for i in range(count)]
+            tokens = {p: f"bench-{p}-{os.urandom(8).hex()}" for p in principals}
+            tokens_file = Path(tempfile.mkdtemp()) / "tokens"
+            tokens_file.write_text("".join(f"{'operator' if p == 'operator' else 'engine/' + p} {t}\n"
+                                           for p, t in tokens.items()))
+            flags += ["--tokens-file", str(tokens_file)]
+        elif auth != "off":
+            parser.error(f"unknown auth mode {auth!r}")
+        directory = DirectoryProcess(directory_core, profile_path, flags)
+        address = f"127.0.0.1:{directory.port}"
+        try:
+            for name in args.scenarios.split(","):
+                if name == "unary_rtt_baseline":
+                    runner = unary_rtt_baseline(address, token=tokens["operator"] if tokens else "")
+                else:
+                    rate, batched = scenarios[name]
+                    runner = run_scenario(address, args, name, rate, batched, directory, tokens)
+                if args.no_uvloop:
+                    results.append(asyncio.run(runner))
+                else:
+                    import uvloop
 
-                results.append(uvloop.run(runner))
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    finally:
-        directory.stop()
-    by_name = {r["scenario"]: r for r in results}
+                    results.append(uvloop.run(runner))
+                results[-1]["auth"] = auth
+                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+        finally:
+            directory.stop()
+    by_name = {r["scenario"]: r for r in results if r["auth"] == "off"} or {r["scenario"]: r for r in results}
     ratios = {}
+    with_tokens = {r["scenario"]: r for r in results if r["auth"] == "tokens"}
+    for name in ("max_batched", "max_unbatched", "paced_5k"):
+        if name in by_name and name in with_tokens and by_name[name]["auth"] == "off":
+            ratios[f"{name}_tokens_over_off_events_per_s"] = round(
+                with_tokens[name]["layer_events_per_s"] / by_name[name]["layer_events_per_s"], 3)
     if "max_batched" in by_name and "max_unbatched" in by_name:
         ratios["batched_over_unbatched_events_per_s"] = round(
             by_name["max_batched"]["layer_events_per_s"] / by_name["max_unbatched"]["layer_events_per_s"], 2)
@@ -561,6 +600,8 @@ def main() -> None:
         os.unlink(profile_path)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "directory_bench_profile" if args.profile else "directory_bench"
+    if args.auth_modes != "off":
+        name += "_auth"
     suffix = "_realtime" if args.realtime else f"_nice{args.nice}" if args.nice else ""
     out = RESULTS / f"{name}{suffix}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")

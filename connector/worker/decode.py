@@ -241,7 +241,12 @@ class DecodeWorker:
         for transfer_id in list(self._by_transfer):
             def done(transfer: tpb.Transfer | None, error: str, transfer_id: str = transfer_id) -> None:
                 if transfer is None:
-                    return  # the deadline still bounds the wait
+                    if "NOT_FOUND" in error.split(": ")[1:2]:  # DirectoryCallError "GetTransfer: NOT_FOUND: ..."
+                        # The directory forgot it (it restarted): no event will ever come; fail it now.
+                        signal = _Signal("failed", f"directory no longer knows the transfer: {error}", "lookup",
+                                         time.monotonic())
+                        self._inbox.put(lambda: self._signal(transfer_id, signal))
+                    return  # other errors: the deadline still bounds the wait
                 outcome = _TERMINAL_STATES.get(transfer.state)
                 if outcome is not None:
                     signal = _Signal(outcome, transfer.failure_reason, "lookup", time.monotonic())

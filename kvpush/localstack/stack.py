@@ -9,6 +9,10 @@ engines the same way.
      (each prints progress while it loads) -> gateway. Any failure stops what started and re-raises.
   2. use `gateway_url`, `colocated_url`, `directory_address`, `prefill`, `decode`.
   3. `stop()`: gateway, engines, directory, each bounded (SIGTERM, then SIGKILL of the group).
+With `mutual_tls=True` every directory channel is mutual TLS with per-engine identities (docs/security.md):
+a PKI is made in `log_dir/pki` (`pki.make_stack_pki`), each engine gets its own certificate through
+`directory_tls_*` connector settings, the gateway the operator's; `directory_channel()` reaches the
+directory as the operator.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
+from kvpush.services.client import ChannelConfig
+from kvpush.localstack.pki import StackPKI, make_stack_pki
 from kvpush.localstack.processes import (
     DirectoryHandle,
     EngineHandle,
@@ -33,6 +39,8 @@ from kvpush.localstack.processes import (
 
 # Directory flags for local stacks: leases outlive a few seconds of CPU starvation.
 DIRECTORY_ARGS = ("--lease-ttl-s", "30")
+PREFILL_ENGINE_ID = "prefill-0"
+DECODE_ENGINE_ID = "decode-0"
 NIXL_PREFILL_SIDE_CHANNEL_PORT = 5611
 NIXL_DECODE_SIDE_CHANNEL_PORT = 5622
 
@@ -82,6 +90,9 @@ class LocalStack:
     decode: EngineHandle | None = None
     colocated: EngineHandle | None = None
     gateway: GatewayHandle | None = None
+    # Mutual TLS with per-engine identities on every directory channel (certificates made in log_dir/pki).
+    mutual_tls: bool = False
+    pki: StackPKI | None = None
 
     def _say(self, message: str) -> None:
         if self.progress:
@@ -94,13 +105,18 @@ class LocalStack:
             self._say(f"[stack] logs in {self.log_dir}")
             self.model_dir = ensure_tiny_model(self.spec)
             self._say(f"[stack] tiny model ready: {self.model_dir}")
+            if self.mutual_tls:
+                self.pki = make_stack_pki(self.log_dir / "pki", [PREFILL_ENGINE_ID, DECODE_ENGINE_ID])
+            tls_args = self.pki.directory_args() if self.pki else []
             # 30 s leases: on a 2-core machine shared with engines a renewal can be late by seconds.
-            self.directory = start_directory(self.log_dir, progress=self.progress, extra_args=DIRECTORY_ARGS)
+            self.directory = start_directory(self.log_dir, progress=self.progress,
+                                             extra_args=[*DIRECTORY_ARGS, *tls_args])
             self._say(f"[stack] directory ready at {self.directory.address}")
             self._launch_engines()
             self._wait_engines(started)
             self.gateway = start_gateway(self.log_dir, directory_address=self.directory.address,
-                                         progress=self.progress)
+                                         progress=self.progress,
+                                         env=self.pki.client_env("operator") if self.pki else None)
             self._say(f"[stack] gateway ready at {self.gateway.url} ({time.monotonic() - started:.0f} s in all)")
         except BaseException:
             self.stop()
@@ -113,12 +129,14 @@ class LocalStack:
         prefill_port, decode_port = free_port(), free_port()
         self.prefill = launch_engine(EngineSpec(
             name="prefill", port=prefill_port, kv_transfer_config=kv_transfer_config(
-                "kvpush", "prefill", engine_id="prefill-0", directory_address=self.directory.address,
-                engine_endpoint=f"http://127.0.0.1:{prefill_port}"), **common), self.log_dir)
+                "kvpush", "prefill", engine_id=PREFILL_ENGINE_ID, directory_address=self.directory.address,
+                engine_endpoint=f"http://127.0.0.1:{prefill_port}",
+                extra=self.pki.connector_settings(PREFILL_ENGINE_ID) if self.pki else None), **common), self.log_dir)
         self.decode = launch_engine(EngineSpec(
             name="decode", port=decode_port, kv_transfer_config=kv_transfer_config(
-                "kvpush", "decode", engine_id="decode-0", directory_address=self.directory.address,
-                engine_endpoint=f"http://127.0.0.1:{decode_port}"), **common), self.log_dir)
+                "kvpush", "decode", engine_id=DECODE_ENGINE_ID, directory_address=self.directory.address,
+                engine_endpoint=f"http://127.0.0.1:{decode_port}",
+                extra=self.pki.connector_settings(DECODE_ENGINE_ID) if self.pki else None), **common), self.log_dir)
         if self.with_colocated:
             self.colocated = launch_engine(EngineSpec(name="colocated", **common), self.log_dir)
         self._say("[stack] launched prefill, decode" + (" and colocated" if self.with_colocated else "")
@@ -139,6 +157,15 @@ class LocalStack:
         """The gateway's base URL."""
         assert self.gateway is not None
         return self.gateway.url
+
+    def directory_channel(self, **overrides) -> ChannelConfig:
+        """How a test or tool reaches this stack's directory as the operator (mTLS files when on)."""
+        tls = {}
+        if self.pki is not None:
+            tls = dict(root_cert_file=str(self.pki.ca), client_cert_file=str(self.pki.root / "operator.pem"),
+                       client_key_file=str(self.pki.root / "operator.key"))
+        assert self.directory is not None
+        return ChannelConfig(address=self.directory.address, **{**tls, **overrides})
 
     def stop(self) -> None:
         """Stop everything that runs; safe to call twice."""

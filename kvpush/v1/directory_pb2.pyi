@@ -45,12 +45,14 @@ class RegisterEngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl")
+    __slots__ = ("lease_id", "ttl", "directory_incarnation_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     ttl: _duration_pb2.Duration
-    def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class DeregisterEngineRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "lease_id")
@@ -63,8 +65,10 @@ class DeregisterEngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class DeregisterEngineResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("directory_incarnation_id",)
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    directory_incarnation_id: str
+    def __init__(self, directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "load")
@@ -75,12 +79,14 @@ class RenewLeaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., load: _Optional[_Union[_types_pb2.EngineLoad, _Mapping]] = ...) -> None: ...
 
 class RenewLeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl")
+    __slots__ = ("lease_id", "ttl", "directory_incarnation_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     ttl: _duration_pb2.Duration
-    def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class PlanTransferRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_count", "prefill_engine_id", "decode_engine_id", "trace_context", "ttl")
@@ -99,14 +105,16 @@ class PlanTransferRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., trace_context: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class PlanTransferResponse(_message.Message):
-    __slots__ = ("transfer", "prefill_endpoint", "decode_endpoint")
+    __slots__ = ("transfer", "prefill_endpoint", "decode_endpoint", "directory_incarnation_id")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     transfer: _types_pb2.Transfer
     prefill_endpoint: str
     decode_endpoint: str
-    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class ReportAllocationRequest(_message.Message):
     __slots__ = ("transfer_id", "engine_id", "block_ids", "prompt_token_count", "prefix_hit_token_count")
@@ -123,10 +131,12 @@ class ReportAllocationRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ...) -> None: ...
 
 class ReportAllocationResponse(_message.Message):
-    __slots__ = ("transfer",)
+    __slots__ = ("transfer", "directory_incarnation_id")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     transfer: _types_pb2.Transfer
-    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class LayerReady(_message.Message):
     __slots__ = ("transfer_id", "first_layer", "last_layer", "token_start", "token_end", "source_block_ids", "prompt_token_count")
@@ -169,14 +179,16 @@ class WriteResult(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[WriteResultStatus, str]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., error_message: _Optional[str] = ..., timing: _Optional[_Union[_types_pb2.TransferTiming, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "lease_id")
+    __slots__ = ("engine_id", "tp_rank", "lease_id", "directory_incarnation_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     lease_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class StreamPrefillRequest(_message.Message):
     __slots__ = ("hello", "ready", "result")
@@ -232,23 +244,37 @@ class EventRejection(_message.Message):
     message: str
     def __init__(self, transfer_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
+class SessionOpened(_message.Message):
+    __slots__ = ("directory_incarnation_id",)
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    directory_incarnation_id: str
+    def __init__(self, directory_incarnation_id: _Optional[str] = ...) -> None: ...
+
 class StreamPrefillResponse(_message.Message):
-    __slots__ = ("instruction", "cancellation", "rejection")
+    __slots__ = ("instruction", "cancellation", "rejection", "opened", "directory_incarnation_id")
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     CANCELLATION_FIELD_NUMBER: _ClassVar[int]
     REJECTION_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     instruction: PushInstruction
     cancellation: Cancellation
     rejection: EventRejection
-    def __init__(self, instruction: _Optional[_Union[PushInstruction, _Mapping]] = ..., cancellation: _Optional[_Union[Cancellation, _Mapping]] = ..., rejection: _Optional[_Union[EventRejection, _Mapping]] = ...) -> None: ...
+    opened: SessionOpened
+    directory_incarnation_id: str
+    def __init__(self, instruction: _Optional[_Union[PushInstruction, _Mapping]] = ..., cancellation: _Optional[_Union[Cancellation, _Mapping]] = ..., rejection: _Optional[_Union[EventRejection, _Mapping]] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class WatchTransfersRequest(_message.Message):
-    __slots__ = ("engine_id", "after_sequence_number")
+    __slots__ = ("engine_id", "after_sequence_number", "directory_incarnation_id", "replay_retained")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_RETAINED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     after_sequence_number: int
-    def __init__(self, engine_id: _Optional[str] = ..., after_sequence_number: _Optional[int] = ...) -> None: ...
+    directory_incarnation_id: str
+    replay_retained: bool
+    def __init__(self, engine_id: _Optional[str] = ..., after_sequence_number: _Optional[int] = ..., directory_incarnation_id: _Optional[str] = ..., replay_retained: _Optional[bool] = ...) -> None: ...
 
 class TransferEvent(_message.Message):
     __slots__ = ("sequence_number", "transfer_id", "state", "reason", "bytes_written")
@@ -265,10 +291,12 @@ class TransferEvent(_message.Message):
     def __init__(self, sequence_number: _Optional[int] = ..., transfer_id: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.TransferState, str]] = ..., reason: _Optional[str] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
 class WatchTransfersResponse(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "directory_incarnation_id")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[TransferEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[TransferEvent, _Mapping]]] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, events: _Optional[_Iterable[_Union[TransferEvent, _Mapping]]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class CancelTransferRequest(_message.Message):
     __slots__ = ("transfer_id", "reason")
@@ -279,10 +307,12 @@ class CancelTransferRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CancelTransferResponse(_message.Message):
-    __slots__ = ("transfer",)
+    __slots__ = ("transfer", "directory_incarnation_id")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     transfer: _types_pb2.Transfer
-    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class GetTransferRequest(_message.Message):
     __slots__ = ("transfer_id",)
@@ -291,10 +321,12 @@ class GetTransferRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class GetTransferResponse(_message.Message):
-    __slots__ = ("transfer",)
+    __slots__ = ("transfer", "directory_incarnation_id")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     transfer: _types_pb2.Transfer
-    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class ListTransfersRequest(_message.Message):
     __slots__ = ("page_size", "page_token", "state", "engine_id")
@@ -309,12 +341,14 @@ class ListTransfersRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.TransferState, str]] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class ListTransfersResponse(_message.Message):
-    __slots__ = ("transfers", "next_page_token")
+    __slots__ = ("transfers", "next_page_token", "directory_incarnation_id")
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     transfers: _containers.RepeatedCompositeFieldContainer[_types_pb2.Transfer]
     next_page_token: str
-    def __init__(self, transfers: _Optional[_Iterable[_Union[_types_pb2.Transfer, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, transfers: _Optional[_Iterable[_Union[_types_pb2.Transfer, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class GetEngineRequest(_message.Message):
     __slots__ = ("engine_id",)
@@ -323,10 +357,12 @@ class GetEngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class GetEngineResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "directory_incarnation_id")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.Engine]
-    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.Engine, _Mapping]]] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.Engine, _Mapping]]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
     __slots__ = ("page_size", "page_token", "role")
@@ -339,9 +375,11 @@ class ListEnginesRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.EngineRole, str]] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
-    __slots__ = ("workers", "next_page_token")
+    __slots__ = ("workers", "next_page_token", "directory_incarnation_id")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.Engine]
     next_page_token: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.Engine, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    directory_incarnation_id: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.Engine, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...

@@ -30,7 +30,12 @@ class KVDirectoryServiceStub:
     takes per-layer readiness from prefill workers and dispatches push instructions.
 
     Every RPC accepts an "authorization: Bearer <token>" metadata entry; when the server
-    has a token configured, a missing or wrong one fails with UNAUTHENTICATED.
+    has a token configured, a missing or wrong one fails with UNAUTHENTICATED (before the request
+    is read). With identities configured (a token file, or mutual TLS with identities in the client
+    certificates: docs/security.md) every caller is an engine principal or the operator: an engine
+    acts only as itself (its engine_id) and only on transfers it takes part in, else PERMISSION_DENIED;
+    PlanTransfer, ListTransfers (unfiltered) and ListEngines are the operator's.
+    Every response carries directory_incarnation_id, so a client sees a directory restart.
     A refused request (any non-OK status) changes nothing.
     """
 
@@ -107,15 +112,22 @@ class KVDirectoryServiceServicer:
     takes per-layer readiness from prefill workers and dispatches push instructions.
 
     Every RPC accepts an "authorization: Bearer <token>" metadata entry; when the server
-    has a token configured, a missing or wrong one fails with UNAUTHENTICATED.
+    has a token configured, a missing or wrong one fails with UNAUTHENTICATED (before the request
+    is read). With identities configured (a token file, or mutual TLS with identities in the client
+    certificates: docs/security.md) every caller is an engine principal or the operator: an engine
+    acts only as itself (its engine_id) and only on transfers it takes part in, else PERMISSION_DENIED;
+    PlanTransfer, ListTransfers (unfiltered) and ListEngines are the operator's.
+    Every response carries directory_incarnation_id, so a client sees a directory restart.
     A refused request (any non-OK status) changes nothing.
     """
 
     def RegisterEngine(self, request, context):
         """RegisterEngine registers one worker (TP rank) of an engine and grants it a lease.
         Errors: INVALID_ARGUMENT (missing or malformed fields, layout inconsistent),
-        ALREADY_EXISTS (the same engine id and rank hold a live lease with another agent name).
-        Re-registering with the same agent name returns the existing lease.
+        ALREADY_EXISTS (the same engine id and rank hold a live lease with another agent name, or another
+        live worker uses the agent name), PERMISSION_DENIED (the caller is not this engine).
+        Re-registering a live rank with the same agent name replaces the registration in place with a
+        FRESH lease (the old lease id stops working; transfers are kept): a lease id is never handed out twice.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -296,7 +308,12 @@ class KVDirectoryService:
     takes per-layer readiness from prefill workers and dispatches push instructions.
 
     Every RPC accepts an "authorization: Bearer <token>" metadata entry; when the server
-    has a token configured, a missing or wrong one fails with UNAUTHENTICATED.
+    has a token configured, a missing or wrong one fails with UNAUTHENTICATED (before the request
+    is read). With identities configured (a token file, or mutual TLS with identities in the client
+    certificates: docs/security.md) every caller is an engine principal or the operator: an engine
+    acts only as itself (its engine_id) and only on transfers it takes part in, else PERMISSION_DENIED;
+    PlanTransfer, ListTransfers (unfiltered) and ListEngines are the operator's.
+    Every response carries directory_incarnation_id, so a client sees a directory restart.
     A refused request (any non-OK status) changes nothing.
     """
 

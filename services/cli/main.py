@@ -30,6 +30,7 @@ _SERVE_FLAGS: dict[str, tuple[str, object, type]] = {
     "host": ("KVPUSH_DIRECTORY_HOST", "127.0.0.1", str),
     "port": ("KVPUSH_DIRECTORY_PORT", 50051, int),
     "token": ("KVPUSH_DIRECTORY_TOKEN", "", str),
+    "tokens_file": ("KVPUSH_DIRECTORY_TOKENS_FILE", "", str),
     "tls_cert": ("KVPUSH_DIRECTORY_TLS_CERT", "", str),
     "tls_key": ("KVPUSH_DIRECTORY_TLS_KEY", "", str),
     "tls_client_ca": ("KVPUSH_DIRECTORY_TLS_CLIENT_CA", "", str),
@@ -48,6 +49,10 @@ _SERVE_FLAGS: dict[str, tuple[str, object, type]] = {
     "reap_stall_threshold_s": ("KVPUSH_DIRECTORY_REAP_STALL_THRESHOLD_S", 2.0, float),
     "grace_s": ("KVPUSH_DIRECTORY_GRACE_S", 5.0, float),
     "max_connection_age_s": ("KVPUSH_DIRECTORY_MAX_CONNECTION_AGE_S", 0.0, float),
+    "max_pending_rejections_per_session": ("KVPUSH_DIRECTORY_MAX_PENDING_REJECTIONS_PER_SESSION", 1024, int),
+    "max_pending_rejections": ("KVPUSH_DIRECTORY_MAX_PENDING_REJECTIONS", 16_384, int),
+    "renew_stream_idle_s": ("KVPUSH_DIRECTORY_RENEW_STREAM_IDLE_S", 30.0, float),
+    "max_open_streams": ("KVPUSH_DIRECTORY_MAX_OPEN_STREAMS", 20_000, int),
 }
 
 
@@ -189,9 +194,12 @@ def _serve(args: argparse.Namespace) -> int:
             max_block_ids=args.max_block_ids, max_events_per_batch=args.max_events_per_batch,
             retained_terminal_transfers=args.retained_transfers,
             retained_watch_events_per_engine=args.retained_watch_events,
-            reap_stall_threshold_s=args.reap_stall_threshold_s)
+            reap_stall_threshold_s=args.reap_stall_threshold_s,
+            max_pending_rejections_per_session=args.max_pending_rejections_per_session,
+            max_pending_rejections=args.max_pending_rejections, renew_stream_idle_s=args.renew_stream_idle_s,
+            max_open_streams=args.max_open_streams)
         config = DirectoryConfig(
-            host=args.host, port=args.port, token=args.token, tls_cert_file=args.tls_cert,
+            host=args.host, port=args.port, token=args.token, tokens_file=args.tokens_file, tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca, limits=limits,
             max_message_bytes=args.max_message_bytes, reap_interval_s=args.reap_interval_s, grace_s=args.grace_s,
             max_connection_age_ms=int(args.max_connection_age_s * 1000))
@@ -200,7 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         serve(config, use_uvloop=args.uvloop)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # unbindable address, unreadable or malformed credential files
         print(f"kvpush: {error}", file=sys.stderr)
         return 1
     return 0

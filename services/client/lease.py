@@ -5,7 +5,8 @@ Life cycle:
 2. The task holds a RenewLease stream and renews every ttl/3 with `load_callback()`'s load.
    A broken stream is reopened with backoff. If no renewal succeeded for a whole TTL, the lease
    is presumed lost (`on_lease_lost`).
-3. NOT_FOUND on renewal (the lease lapsed, or the directory restarted and forgot it): the
+3. NOT_FOUND on renewal (the lease lapsed, or the directory restarted and forgot it; a renewal
+   answered by another directory incarnation than the one that granted the lease counts the same): the
    registration is sent again; the new lease id is exposed by `lease_id` and `on_registered`
    is called with it (the prefill session re-hellos with it).
 4. `stop()` ends the task and, by default, deregisters.
@@ -45,6 +46,8 @@ class EngineRegistration:
         self.on_lease_renewed = on_lease_renewed
         self.on_lease_lost = on_lease_lost
         self.lease_id = ""
+        # The directory process that granted the lease; another one in a renewal means it restarted.
+        self.directory_incarnation_id = ""
         self.ttl_s = 10.0
         self.renewal_count = 0
         self.registration_count = 0
@@ -77,11 +80,11 @@ class EngineRegistration:
     async def _register(self) -> None:
         response = await self.client.register_engine(self.request)
         self.lease_id = response.lease_id
+        self.directory_incarnation_id = response.directory_incarnation_id
         self.ttl_s = response.ttl.ToNanoseconds() / 1e9 or self.ttl_s
         self.registration_count += 1
         self._registered.set()
-        log.info("engine registered", engine_id=self.engine_id, tp_rank=self.tp_rank, lease_id=self.lease_id,
-                 ttl_s=self.ttl_s)
+        log.info("engine registered", engine_id=self.engine_id, tp_rank=self.tp_rank, ttl_s=self.ttl_s)
         if self.on_registered is not None:
             self.on_registered(self.lease_id)
 
@@ -89,8 +92,7 @@ class EngineRegistration:
         if not self._registered.is_set():
             return
         self._registered.clear()
-        log.warning("lease lost", engine_id=self.engine_id, tp_rank=self.tp_rank, lease_id=self.lease_id,
-                    reason=reason)
+        log.warning("lease lost", engine_id=self.engine_id, tp_rank=self.tp_rank, reason=reason)
         if self.on_lease_lost is not None:
             self.on_lease_lost(self.lease_id, reason)
 
@@ -126,6 +128,10 @@ class EngineRegistration:
                     response = await asyncio.wait_for(call.read(), self.client.config.timeout_s)
                     if response is grpc.aio.EOF:
                         raise DirectoryCallError("RenewLease", await call.code(), await call.details() or "")
+                    if (response.directory_incarnation_id and self.directory_incarnation_id
+                            and response.directory_incarnation_id != self.directory_incarnation_id):
+                        # Another process renewed a lease it never granted: treat it as forgotten.
+                        raise DirectoryCallError("RenewLease", grpc.StatusCode.NOT_FOUND, "the directory restarted")
                     last_renewal = loop.time()
                     attempt = 0
                     self.renewal_count += 1

@@ -14,9 +14,14 @@ Life cycle:
    the new stream; messages in flight at the break are not resent.
 4. `stop()` sends what is queued, half-closes the stream and waits (bounded) for it to end.
 
+Directory restart: every session opens with the directory's incarnation id (`SessionOpened`); a
+different one than the previous session's means the directory restarted and forgot every transfer:
+`on_directory_restart(incarnation_id)` tells the caller, who fails its in-flight pushes at once
+(readiness re-sent for them would be refused NOT_FOUND anyway).
+
 Callbacks run on the client's event loop and must not block:
 `on_instruction(PushInstruction)`, `on_cancellation(Cancellation)`,
-`on_rejection(EventRejection)`, `on_reconnect()`.
+`on_rejection(EventRejection)`, `on_reconnect()`, `on_directory_restart(incarnation_id)`.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class PrefillSession:
                  on_cancellation: Callable[[dpb.Cancellation], None] | None = None,
                  on_rejection: Callable[[dpb.EventRejection], None] | None = None,
                  on_reconnect: Callable[[], None] | None = None,
+                 on_directory_restart: Callable[[str], None] | None = None,
                  max_batch_events: int = 4096, write_timeout_s: float = 30.0) -> None:
         self.client = client
         self.registration = registration
@@ -55,6 +61,9 @@ class PrefillSession:
         self.on_cancellation = on_cancellation
         self.on_rejection = on_rejection
         self.on_reconnect = on_reconnect
+        self.on_directory_restart = on_directory_restart
+        # The incarnation of the directory the last session was opened with ("" before the first).
+        self.directory_incarnation_id = ""
         # Keep at or below the directory's --max-events-per-batch: an over-cap batch ends the session.
         self.max_batch_events = max_batch_events
         # A write blocked this long (the directory stopped reading) ends the stream; the session reconnects.
@@ -102,7 +111,8 @@ class PrefillSession:
             try:
                 lease_id = await self.registration.wait_registered(self.client.config.timeout_s * 4)
                 await call.write(dpb.StreamPrefillRequest(hello=dpb.Hello(
-                    engine_id=self.registration.engine_id, tp_rank=self.registration.tp_rank, lease_id=lease_id)))
+                    engine_id=self.registration.engine_id, tp_rank=self.registration.tp_rank, lease_id=lease_id,
+                    directory_incarnation_id=self.directory_incarnation_id)))
                 self.connect_count += 1
                 self._connected.set()
                 reader = asyncio.create_task(self._read(call))
@@ -173,7 +183,9 @@ class PrefillSession:
                 return
             kind = message.WhichOneof("message")
             try:
-                if kind == "instruction" and self.on_instruction is not None:
+                if kind == "opened":
+                    self._opened(message.opened.directory_incarnation_id)
+                elif kind == "instruction" and self.on_instruction is not None:
                     self.on_instruction(message.instruction)
                 elif kind == "cancellation" and self.on_cancellation is not None:
                     self.on_cancellation(message.cancellation)
@@ -181,6 +193,14 @@ class PrefillSession:
                     self.on_rejection(message.rejection)
             except Exception:  # a callback bug must not kill the session
                 log.exception("prefill callback failed", kind=kind)
+
+    def _opened(self, incarnation_id: str) -> None:
+        previous, self.directory_incarnation_id = self.directory_incarnation_id, incarnation_id
+        if previous and incarnation_id != previous:
+            log.warning("directory restarted; its transfers are gone", engine_id=self.registration.engine_id,
+                        previous_incarnation_id=previous, incarnation_id=incarnation_id)
+            if self.on_directory_restart is not None:
+                self.on_directory_restart(incarnation_id)
 
     async def stop(self, timeout_s: float | None = None) -> None:
         """Flush queued messages, half-close and wait (bounded) for the session to end."""

@@ -1,11 +1,15 @@
 """`watch_transfers`: a decode engine's terminal transfer events, across reconnects.
 
-Life cycle: open WatchTransfers after the last sequence number seen; yield each event; when the
-stream ends or breaks (directory restart, max connection age, network), wait with backoff and
-reopen after the last sequence number, so no retained event is missed or repeated.
-OUT_OF_RANGE (events were dropped, or the directory restarted and its numbering began again)
-calls `on_gap(last_sequence_number)` so the caller re-reads its live transfers with
-GetTransfer, then follows new events only; without `on_gap` it raises `DirectoryCallError`.
+Life cycle: open WatchTransfers after the last sequence number seen, naming the directory
+incarnation it was counted in; yield each event; when the stream ends or breaks (directory restart,
+max connection age, network), wait with backoff and reopen after the last sequence number, so no
+retained event is missed or repeated.
+A gap: OUT_OF_RANGE (events were dropped, or the directory restarted: the server compares the
+incarnation id, whatever the sequence numbers say) or a greeting from a new incarnation calls
+`on_gap(last_sequence_number)` so the caller re-reads its live transfers with GetTransfer (a
+restarted directory answers NOT_FOUND: they are gone), then replays every event the directory
+retained (`replay_retained`), so a new process's first events are delivered too; without
+`on_gap` it raises `DirectoryCallError`.
 INVALID_ARGUMENT, UNAUTHENTICATED and PERMISSION_DENIED raise; other codes (UNAVAILABLE,
 NOT_FOUND while the engine re-registers, ...) are retried.
 """
@@ -35,19 +39,39 @@ async def watch_transfers(client: DirectoryClient, engine_id: str, after_sequenc
     """Yield TransferEvents of `engine_id` in order, forever; reconnects and resumes (module docstring)."""
     last = after_sequence_number
     attempt = 0
+    incarnation = ""  # the directory process `last` counts events of ("" before the first greeting)
+    replay = False    # after a gap: replay everything the directory retained
+    gap_incarnation = ""  # the incarnation a gap was seen in (same one again: only the gap, no restart)
     while True:
         call = client.stub.WatchTransfers(
-            dpb.WatchTransfersRequest(engine_id=engine_id, after_sequence_number=last),
+            dpb.WatchTransfersRequest(engine_id=engine_id, after_sequence_number=0 if replay else last,
+                                      directory_incarnation_id="" if replay else incarnation,
+                                      replay_retained=replay),
             metadata=client.config.metadata)
+        restarted = False
         try:
             async for response in call:
                 attempt = 0
+                current = response.directory_incarnation_id
+                if current and current != incarnation:
+                    if replay:
+                        if current != gap_incarnation:
+                            last = 0  # a new process numbers from 1: every event it has is new to us
+                        replay = False
+                    elif incarnation:
+                        # A restart the sequence numbers hid (the new process is ahead): re-read, then replay.
+                        restarted = True
+                        break
+                    incarnation = current
                 for event in response.events:
                     if event.sequence_number <= last:
                         continue
                     last = event.sequence_number
                     yield event
-            code, details = await call.code(), await call.details()
+            if restarted:
+                code, details = grpc.StatusCode.OUT_OF_RANGE, "the directory restarted (new incarnation id)"
+            else:
+                code, details = await call.code(), await call.details()
         except grpc.aio.AioRpcError as error:
             code, details = error.code(), error.details() or ""
         finally:
@@ -58,7 +82,9 @@ async def watch_transfers(client: DirectoryClient, engine_id: str, after_sequenc
             log.warning("watch gap; re-read transfers", engine_id=engine_id, after_sequence_number=last,
                         details=details)
             on_gap(last)
-            last = 0
+            gap_incarnation = "" if restarted else incarnation
+            incarnation = ""
+            replay = True
             continue
         if code in _FATAL:
             raise DirectoryCallError("WatchTransfers", code, details)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
+INT64_MAX = 2**63 - 1
 PREFILL = tpb.ENGINE_ROLE_PREFILL
 DECODE = tpb.ENGINE_ROLE_DECODE
 TERMINAL_STATES = frozenset(
@@ -62,6 +63,14 @@ class Limits:
     # instead of all lapsing at once. Transfer deadlines are not extended.
     reap_stall_threshold_s: float = 2.0
     max_id_length: int = 128
+    # Rejections queued for one StreamPrefill session, and for all sessions together: past either, the
+    # session ends RESOURCE_EXHAUSTED (a client flooding bad events cannot grow the directory's memory).
+    max_pending_rejections_per_session: int = 1024
+    max_pending_rejections: int = 16_384
+    # A RenewLease stream with no renewal for this long is ended (DEADLINE_EXCEEDED); clients renew every ttl/3.
+    renew_stream_idle_s: float = 30.0
+    # Open RenewLease, WatchTransfers and StreamPrefill calls together; past it a new one is RESOURCE_EXHAUSTED.
+    max_open_streams: int = 20_000
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -211,8 +220,8 @@ class TransferRecord:
         return self.state in TERMINAL_STATES
 
     def total_bytes_written(self) -> int:
-        """Bytes written summed over prefill ranks."""
-        return sum(self.bytes_written.values())
+        """Bytes written summed over prefill ranks, saturating at the wire's int64 maximum."""
+        return min(sum(self.bytes_written.values()), INT64_MAX)
 
     def to_proto(self) -> tpb.Transfer:
         """The wire form of this record."""

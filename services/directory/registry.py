@@ -7,6 +7,7 @@ ran out (the reaper removes them); `extend_all()` moves every lease on after a d
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from kvpush.services.directory.errors import (
@@ -17,8 +18,12 @@ from kvpush.services.directory.errors import (
     ResourceExhausted,
 )
 from kvpush.services.directory.records import Clock, EngineGroup, Limits, Worker, copy_message
+from kvpush.services.directory.validation import same_layout_shape
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
+
+
+_RANK = re.compile("[0-9]{1,9}")
 
 
 class EngineRegistry:
@@ -29,14 +34,20 @@ class EngineRegistry:
         self.clock = clock
         self.groups: dict[str, EngineGroup] = {}
         self.leases: dict[str, Worker] = {}
+        # NIXL agent name -> the worker registered under it (agent names are unique among registrations).
+        self.agents: dict[str, Worker] = {}
         self.worker_count = 0
 
     def existing(self, request: dpb.RegisterEngineRequest, now: float) -> Worker | None:
         """The worker now holding the request's engine id and rank (live or lapsed), after consistency checks.
 
-        Raises InvalidArgument when role or tp_size disagree with the engine's other ranks, and
-        AlreadyExists when a live lease of another agent holds the rank.
+        Raises InvalidArgument when role, tp_size or layout disagree with the engine's other ranks, and
+        AlreadyExists when a live lease of another agent holds the rank or another worker holds the agent name.
         """
+        holder = self.agents.get(request.agent_name)
+        if holder is not None and (holder.engine_id, holder.tp_rank) != (request.engine_id, request.tp_rank) \
+                and holder.lease_deadline >= now:
+            raise AlreadyExists(f"agent name {request.agent_name!r} is registered by another worker")
         group = self.groups.get(request.engine_id)
         if group is None:
             return None
@@ -49,6 +60,11 @@ class EngineRegistry:
         if worker is not None and worker.lease_deadline >= now and worker.agent_name != request.agent_name:
             raise AlreadyExists(
                 f"engine {request.engine_id!r} rank {request.tp_rank} is registered with agent {worker.agent_name!r}")
+        others = [w for rank, w in group.workers.items() if rank != request.tp_rank]
+        if others:
+            why = same_layout_shape(others[0].layout, request.layout)
+            if why:
+                raise InvalidArgument(f"ranks of engine {request.engine_id!r} must agree on layout: {why}")
         return worker
 
     def add(self, request: dpb.RegisterEngineRequest, now: float) -> Worker:
@@ -68,8 +84,22 @@ class EngineRegistry:
         )
         group.workers[request.tp_rank] = worker
         self.leases[worker.lease_id] = worker
+        self.agents[worker.agent_name] = worker
         self.worker_count += 1
         return worker
+
+    def refresh(self, worker: Worker, request: dpb.RegisterEngineRequest, now: float) -> None:
+        """A live worker registered again (same agent): a FRESH lease replaces the old one, which stops working.
+
+        A lease id is handed out once; the registration's metadata, layout and endpoint become the request's.
+        """
+        self.leases.pop(worker.lease_id, None)
+        worker.lease_id = uuid.uuid4().hex
+        self.leases[worker.lease_id] = worker
+        worker.agent_metadata = bytes(request.agent_metadata)
+        worker.layout = copy_message(request.layout)
+        worker.endpoint = request.endpoint
+        self.extend(worker, now)
 
     def extend(self, worker: Worker, now: float) -> None:
         """Give a worker's lease a whole TTL from now."""
@@ -106,6 +136,8 @@ class EngineRegistry:
         group = self.groups[worker.engine_id]
         del group.workers[worker.tp_rank]
         self.leases.pop(worker.lease_id, None)
+        if self.agents.get(worker.agent_name) is worker:
+            del self.agents[worker.agent_name]
         self.worker_count -= 1
         worker.outbox.clear()
         worker.session_id = 0
@@ -129,16 +161,21 @@ class EngineRegistry:
         after: tuple[str, int] | None = None
         if page_token:
             rank_text, sep, engine_id = page_token.partition(":")
-            if not sep or not rank_text.isdigit():
-                raise InvalidArgument(f"page_token {page_token!r} is not a token this server issued")
+            if not sep or not _RANK.fullmatch(rank_text):
+                raise InvalidArgument("page_token is not a token this server issued")
             after = (engine_id, int(rank_text))
         keys = sorted((w.engine_id, w.tp_rank) for g in self.groups.values() for w in g.workers.values()
                       if role == tpb.ENGINE_ROLE_UNSPECIFIED or g.role == role)
         if after is not None:
             keys = [k for k in keys if k > after]
         page = keys[:page_size]
-        next_token = f"{page[-1][1]}:{page[-1][0]}" if len(keys) > page_size else ""
+        next_token = self.page_token_after(self.groups[page[-1][0]].workers[page[-1][1]]) if len(keys) > page_size else ""
         return [self.groups[e].workers[r] for e, r in page], next_token
+
+    @staticmethod
+    def page_token_after(worker: Worker) -> str:
+        """The page token that continues a listing after `worker`."""
+        return f"{worker.tp_rank}:{worker.engine_id}"
 
     def candidates(self, role: int, pinned: str) -> list[EngineGroup]:
         """Engines of a role with every rank registered: the pinned one (checked), or all of them."""

@@ -1,8 +1,8 @@
 """The KV-directory process: gRPC server, auth, health, reflection, reaper, graceful stop.
 
 Life cycle (`serve(config)`, entered through `asyncio.run`):
-1. `create_server(config)` builds a grpc.aio server with the servicer, a bearer-token
-   interceptor (when a token is configured), `grpc.health.v1` (SERVING) and server reflection,
+1. `create_server(config)` builds a grpc.aio server with the servicer, the `GuardInterceptor`
+   (token, decoding, size), `grpc.health.v1` (SERVING) and server reflection,
    binds the address (TLS / mutual TLS when files are given; port 0 picks a free port) and
    returns `(DirectoryServer, port)`.
 2. `DirectoryServer.start()` starts serving and the reaper task, which calls `state.reap()`
@@ -11,7 +11,7 @@ Life cycle (`serve(config)`, entered through `asyncio.run`):
    and end (UNAVAILABLE, so clients reconnect), then `server.stop(grace)` lets unary calls finish.
 
 Oversized messages: a request over `max_message_bytes` is refused with INVALID_ARGUMENT (a unary or
-server-streaming request by `MessageSizeInterceptor`, a StreamPrefill message by the servicer) and
+server-streaming request by `GuardInterceptor`, a StreamPrefill message by the servicer) and
 changes nothing. gRPC's own transport limit sits at `TRANSPORT_LIMIT_FACTOR` times that, so only a
 request far past the cap meets gRPC's RESOURCE_EXHAUSTED, also before any handler runs.
 """
@@ -19,8 +19,9 @@ request far past the cap meets gRPC's RESOURCE_EXHAUSTED, also before any handle
 from __future__ import annotations
 
 import asyncio
-import hmac
+import os
 import signal
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,6 +29,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
+from kvpush.services.directory import validation as check
+from kvpush.services.directory.auth import Authenticator
 from kvpush.services.directory.servicer import DirectoryServicer
 from kvpush.services.directory.state import Clock, DirectoryState, Limits
 from kvpush.services.directory.telemetry import TransferSpans
@@ -46,9 +49,12 @@ class DirectoryConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     token: str = ""
+    # Per-engine tokens: `<principal> <token>` lines (auth.py); turns identities on.
+    tokens_file: str = ""
     tls_cert_file: str = ""
     tls_key_file: str = ""
-    # Client CA: when set, clients must present a certificate it signed (mutual TLS).
+    # Client CA: when set, clients must present a certificate it signed (mutual TLS), and the
+    # certificate's URI SAN names the caller (auth.py): identities are on.
     tls_client_ca_file: str = ""
     limits: Limits = field(default_factory=Limits)
     max_message_bytes: int = 16 * 1024 * 1024
@@ -71,31 +77,49 @@ class DirectoryConfig:
 TRANSPORT_LIMIT_FACTOR = 4
 
 
-class MessageSizeInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses a unary or server-streaming request over `max_bytes` with INVALID_ARGUMENT."""
+class GuardInterceptor(grpc.aio.ServerInterceptor):
+    """What every call passes before a handler runs: the token, body decoding, the size cap.
 
-    def __init__(self, max_bytes: int) -> None:
+    - A call without an admitted bearer token (when one is required) is answered UNAUTHENTICATED by a
+      handler that never reads the request: an unauthenticated caller's bytes are not buffered or parsed.
+    - A body that does not decode is INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN/INTERNAL): the
+      deserializer yields `validation.Undecodable`, which unary handlers refuse here and the servicer's
+      stream readers refuse per message.
+    - A unary or server-streaming request over `max_bytes` is INVALID_ARGUMENT (streams check per message).
+    Health checks pass untouched so orchestrator probes (which send no metadata) work.
+    """
+
+    def __init__(self, authenticator: Authenticator, max_bytes: int) -> None:
+        self._auth = authenticator
         self._max_bytes = max_bytes
 
     async def intercept_service(self, continuation, handler_call_details):
-        """Wrap single-request handlers with a size check; streams of requests check per message."""
+        """Refuse unauthenticated calls unread; wrap the rest with decoding and size checks."""
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
+        if handler is None or handler_call_details.method.startswith(_AUTH_EXEMPT_PREFIX):
             return handler
+        if not self._auth.admits(handler_call_details.invocation_metadata):
+            return _REFUSE_UNREAD
+        deserializer = check.decoding(handler.request_deserializer)
+        kwargs = dict(request_deserializer=deserializer, response_serializer=handler.response_serializer)
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(handler.stream_stream, **kwargs)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(handler.stream_unary, **kwargs)
         max_bytes = self._max_bytes
-        kwargs = dict(request_deserializer=handler.request_deserializer,
-                      response_serializer=handler.response_serializer)
 
-        async def too_big(request, context) -> None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request is {request.ByteSize()} bytes; the limit is {max_bytes}")
+        async def refuse_body(request, context) -> None:
+            if isinstance(request, check.Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request body does not decode: {request}")
+            if request.ByteSize() > max_bytes:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request is {request.ByteSize()} bytes; the limit is {max_bytes}")
 
         if handler.response_streaming:
             inner_stream = handler.unary_stream
 
             async def checked_stream(request, context):
-                if request.ByteSize() > max_bytes:
-                    await too_big(request, context)
+                await refuse_body(request, context)
                 async for response in inner_stream(request, context):
                     yield response
 
@@ -103,51 +127,20 @@ class MessageSizeInterceptor(grpc.aio.ServerInterceptor):
         inner = handler.unary_unary
 
         async def checked(request, context):
-            if request.ByteSize() > max_bytes:
-                await too_big(request, context)
+            await refuse_body(request, context)
             return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(checked, **kwargs)
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without `authorization: Bearer <token>` with UNAUTHENTICATED."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation, handler_call_details):
-        """Pass authorised calls on; answer the rest with a handler that aborts."""
-        if handler_call_details.method.startswith(_AUTH_EXEMPT_PREFIX):
-            return await continuation(handler_call_details)
-        presented = next((value for key, value in handler_call_details.invocation_metadata or ()
-                          if key == "authorization"), "")
-        presented = presented.encode() if isinstance(presented, str) else bytes(presented)
-        if hmac.compare_digest(presented, self._expected):
-            return await continuation(handler_call_details)
-        handler = await continuation(handler_call_details)
-        return _refusing_handler(handler)
+async def _refuse_unread(request_iterator, context):
+    # A request-streaming handler runs before any message is read; the caller's body is never taken in.
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+    yield  # makes this an async generator, as a streaming handler must be
 
 
-def _refusing_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    async def refuse(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-    async def refuse_stream(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-        yield  # makes this an async generator, as a streaming handler must be
-
-    if handler is None:
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    kwargs = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+# Whatever the method's shape, the refusal is a bidi handler: gRPC then reads nothing before it runs.
+_REFUSE_UNREAD = grpc.stream_stream_rpc_method_handler(_refuse_unread)
 
 
 def _read(path: str) -> bytes:
@@ -155,18 +148,47 @@ def _read(path: str) -> bytes:
         return handle.read()
 
 
+def _tls_files(config: DirectoryConfig) -> tuple[str, ...]:
+    return tuple(f for f in (config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file) if f)
+
+
+def _certificate_configuration(config: DirectoryConfig):
+    client_ca = _read(config.tls_client_ca_file) if config.tls_client_ca_file else None
+    return grpc.ssl_server_certificate_configuration(
+        [(_read(config.tls_key_file), _read(config.tls_cert_file))], root_certificates=client_ca)
+
+
 def server_credentials(config: DirectoryConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials from the config's files (None: plaintext)."""
+    """TLS credentials from the config's files (None: plaintext).
+
+    The files are re-read on the first handshake after one of them changed, so certificates, keys and
+    the client CA rotate without a restart (connections already open keep their session).
+    """
     if not config.tls_cert_file and not config.tls_key_file:
         if config.tls_client_ca_file:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
         return None
     if not (config.tls_cert_file and config.tls_key_file):
         raise ValueError("TLS needs both tls_cert_file and tls_key_file")
-    client_ca = _read(config.tls_client_ca_file) if config.tls_client_ca_file else None
-    return grpc.ssl_server_credentials(
-        [(_read(config.tls_key_file), _read(config.tls_cert_file))],
-        root_certificates=client_ca, require_client_auth=client_ca is not None)
+    files = _tls_files(config)
+    seen = {path: os.stat(path).st_mtime_ns for path in files}
+
+    def fetch():
+        try:
+            current = {path: os.stat(path).st_mtime_ns for path in files}
+            if current == seen:
+                return None  # unchanged: gRPC keeps the configuration it has
+            configuration = _certificate_configuration(config)
+        except (OSError, ValueError, RuntimeError) as error:  # half-written files: keep the last good ones
+            log.warning("TLS files changed but could not be loaded; keeping the previous ones", error=str(error))
+            return None
+        seen.update(current)
+        log.info("TLS certificates reloaded", files=list(files))
+        return configuration
+
+    return grpc.dynamic_ssl_server_credentials(
+        _certificate_configuration(config), fetch,
+        require_client_authentication=bool(config.tls_client_ca_file))
 
 
 class DirectoryServer:
@@ -216,7 +238,12 @@ class DirectoryServer:
 def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[DirectoryServer, int]:
     """Build (not start) the directory server and bind it; returns it and the bound port."""
     state = DirectoryState(config.limits, clock or Clock(), TransferSpans())
-    servicer = DirectoryServicer(state, max_message_bytes=config.max_message_bytes)
+    authenticator = Authenticator(config.token, config.tokens_file, mutual_tls=bool(config.tls_client_ca_file))
+    # A fresh random id per process: every response carries it, so clients see a restart whatever
+    # the sequence numbers say.
+    incarnation_id = uuid.uuid4().hex
+    servicer = DirectoryServicer(state, max_message_bytes=config.max_message_bytes, authenticator=authenticator,
+                                 incarnation_id=incarnation_id)
     transport_limit = config.max_message_bytes * TRANSPORT_LIMIT_FACTOR
     options = [
         ("grpc.max_receive_message_length", transport_limit),
@@ -231,10 +258,8 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
     if config.max_connection_age_ms:
         options.append(("grpc.max_connection_age_ms", config.max_connection_age_ms))
         options.append(("grpc.max_connection_age_grace_ms", config.max_connection_age_grace_ms))
-    # Authentication first: an unauthenticated caller learns nothing, not even a size verdict.
-    interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
-    interceptors.append(MessageSizeInterceptor(config.max_message_bytes))
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    server = grpc.aio.server(options=options,
+                             interceptors=[GuardInterceptor(authenticator, config.max_message_bytes)])
     directory_pb2_grpc.add_KVDirectoryServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -258,8 +283,15 @@ async def run(config: DirectoryConfig) -> None:
     """Serve until SIGINT/SIGTERM, then stop gracefully."""
     directory, port = create_server(config)
     await directory.start()
+    auth = directory.servicer.auth
+    if not auth.identities:
+        log.warning("DIRECTORY TRUSTS EVERY CALLER: no per-engine identities are configured, so any client "
+                    + ("holding the shared token " if config.token else "")
+                    + "may act as every engine (register, renew, report, stream, cancel) and see every "
+                    "transfer; configure --tokens-file or mutual TLS with engine certificates (docs/security.md)")
     log.info("directory serving", address=config.address, port=port, tls=bool(config.tls_cert_file),
-             mutual_tls=bool(config.tls_client_ca_file), auth=bool(config.token),
+             mutual_tls=bool(config.tls_client_ca_file), auth=auth.describe(),
+             incarnation_id=directory.servicer.incarnation_id,
              lease_ttl_s=config.limits.lease_ttl_s, transfer_ttl_s=config.limits.transfer_ttl_s)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

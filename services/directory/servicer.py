@@ -11,7 +11,13 @@ Streams:
   cancellations) and this session's rejections. Decode agent metadata and layout are sent only
   the first time the session sees an agent. When the stream ends, the worker's transfers fail.
 - WatchTransfers: replays retained events after a sequence number, then follows the log.
-- RenewLease: one response per renewal; an unknown lease ends the stream with NOT_FOUND.
+- RenewLease: one response per renewal; an unknown lease ends the stream with NOT_FOUND, no renewal
+  for `renew_stream_idle_s` with DEADLINE_EXCEEDED.
+
+Authorisation: each handler resolves the caller's principal (`auth.Authenticator`) and checks it
+acts for the engine it names, or is a party of the transfer, or is the operator (auth.py). Every
+response carries `incarnation_id`. Bounds: a session's queued rejections are capped per session and
+globally (RESOURCE_EXHAUSTED ends the session); refusals are logged rate-limited and counted.
 
 Shutdown: `begin_shutdown()` wakes every stream; each flushes what is queued and ends with
 UNAVAILABLE ("directory shutting down") without failing transfers, so clients reconnect elsewhere.
@@ -20,7 +26,9 @@ UNAVAILABLE ("directory shutting down") without failing transfers, so clients re
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import contextlib
+import time
+from collections import Counter, deque
 
 import grpc
 from google.protobuf import duration_pb2
@@ -28,6 +36,7 @@ from structlog.contextvars import bound_contextvars
 
 from kvpush.observability import get_logger
 from kvpush.services.directory import validation as check
+from kvpush.services.directory.auth import Authenticator, Principal, Unauthenticated
 from kvpush.services.directory.errors import (
     AlreadyExists,
     DirectoryError,
@@ -54,10 +63,48 @@ STATUS_BY_ERROR: dict[type[DirectoryError], grpc.StatusCode] = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 HELLO_TIMEOUT_S = 10.0
 WATCH_EVENTS_PER_MESSAGE = 1000
 _SHUTDOWN_DETAILS = "directory shutting down"
+# A listing page stops before its answer passes this many bytes (clients receive up to 64 MiB; gRPC's
+# default elsewhere is 4 MiB), whatever page_size asked for.
+MAX_PAGE_BYTES = 2 * 1024 * 1024
+# A repeated entry's tag and length prefix, at most (plus the page token and incarnation: far under the slack).
+_ENTRY_OVERHEAD_BYTES = 6
+# Room for the page's other fields (next_page_token, incarnation id).
+_PAGE_SLACK_BYTES = 4096
+
+
+class ThrottledLog:
+    """Logs at most `per_window` lines of one kind per window; the rest are counted and summarised.
+
+    A client flooding bad input must not turn into a flood of log lines (each costs CPU and disk).
+    `counts` keeps every refusal by kind, whether logged or not.
+    """
+
+    def __init__(self, per_window: int = 20, window_s: float = 1.0) -> None:
+        self.per_window = per_window
+        self.window_s = window_s
+        self.counts: Counter[str] = Counter()
+        self._window: dict[str, tuple[float, int, int]] = {}
+
+    def info(self, kind: str, message: str, **fields) -> None:
+        """Count one `kind` and log it unless this window already had `per_window` of them."""
+        self.counts[kind] += 1
+        now = time.monotonic()
+        start, logged, suppressed = self._window.get(kind, (now, 0, 0))
+        if now - start >= self.window_s:
+            if suppressed:
+                log.info("log lines suppressed", kind=kind, suppressed_count=suppressed, window_s=self.window_s)
+            start, logged, suppressed = now, 0, 0
+        if logged < self.per_window:
+            log.info(message, **fields)
+            logged += 1
+        else:
+            suppressed += 1
+        self._window[kind] = (start, logged, suppressed)
 
 
 def status_of(error: DirectoryError) -> grpc.StatusCode:
@@ -73,10 +120,11 @@ def _duration(seconds: float) -> duration_pb2.Duration:
 
 def worker_to_proto(worker: Worker, active_transfer_count: int) -> tpb.Engine:
     """The wire form of one registered worker."""
+    # Never the lease id (a secret of the registrant) nor the NIXL metadata (only push instructions carry it).
     engine = tpb.Engine(
         engine_id=worker.engine_id, role=worker.role, tp_rank=worker.tp_rank, tp_size=worker.tp_size,
-        agent_name=worker.agent_name, agent_metadata=worker.agent_metadata, layout=worker.layout,
-        endpoint=worker.endpoint, lease_id=worker.lease_id, active_transfer_count=active_transfer_count,
+        agent_name=worker.agent_name, layout=worker.layout,
+        endpoint=worker.endpoint, active_transfer_count=active_transfer_count,
     )
     engine.lease_expire_time.FromNanoseconds(int(worker.lease_deadline_wall * 1e9))
     engine.register_time.FromNanoseconds(int(worker.register_wall * 1e9))
@@ -98,15 +146,24 @@ class _PrefillSession:
         self.reader_done = False
         self.end_status: tuple[grpc.StatusCode, str] | None = None
         self.end_reason = "prefill stream closed"
+        self.rejected_count = 0
 
 
 class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
     """KVDirectoryService over one `DirectoryState`; see the module docstring."""
 
-    def __init__(self, state: DirectoryState, max_message_bytes: int = 16 * 1024 * 1024) -> None:
+    def __init__(self, state: DirectoryState, max_message_bytes: int = 16 * 1024 * 1024,
+                 authenticator: Authenticator | None = None, incarnation_id: str = "") -> None:
         self.state = state
         self.max_message_bytes = max_message_bytes
+        self.auth = authenticator or Authenticator()
+        self.incarnation_id = incarnation_id or "unnamed"
         self.limits = state.limits
+        self.refusals = ThrottledLog()
+        # Rejections queued over every open session (bounded by limits.max_pending_rejections).
+        self.pending_rejection_count = 0
+        # Open RenewLease, WatchTransfers and StreamPrefill calls (bounded by limits.max_open_streams).
+        self.open_stream_count = 0
         self._sessions: dict[tuple[str, int], _PrefillSession] = {}
         self._watchers: dict[str, set[asyncio.Event]] = {}
         self._shutting_down = False
@@ -139,6 +196,12 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
     async def _abort(context: grpc.aio.ServicerContext, error: DirectoryError) -> None:
         await context.abort(status_of(error), str(error))
 
+    def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        """The caller's principal; raises Unauthenticated (identities on, none proved)."""
+        if not self.auth.identities:
+            return self.auth.principal(None, None)
+        return self.auth.principal(context.invocation_metadata(), context.auth_context())
+
     # ---------------------------------------------------------------- engines and leases
 
     async def RegisterEngine(self, request, context):
@@ -146,14 +209,16 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         with bound_contextvars(engine_id=request.engine_id, tp_rank=request.tp_rank):
             try:
                 check.check_register(request, self.limits)
+                self._principal(context).require_engine(request.engine_id)
                 worker, effects = self.state.register(request)
             except DirectoryError as error:
-                log.info("registration refused", code=status_of(error).name, error=str(error))
+                self.refusals.info("registration", "registration refused", code=status_of(error).name,
+                                   error=str(error))
                 await self._abort(context, error)
             self.deliver(effects)
-            log.info("engine registered", role=tpb.EngineRole.Name(worker.role), agent_name=worker.agent_name,
-                     lease_id=worker.lease_id)
-            return dpb.RegisterEngineResponse(lease_id=worker.lease_id, ttl=_duration(self.limits.lease_ttl_s))
+            log.info("engine registered", role=tpb.EngineRole.Name(worker.role), agent_name=worker.agent_name)
+            return dpb.RegisterEngineResponse(lease_id=worker.lease_id, ttl=_duration(self.limits.lease_ttl_s),
+                                              directory_incarnation_id=self.incarnation_id)
 
     async def DeregisterEngine(self, request, context):
         """Remove one worker; its engine's transfers fail towards the peers."""
@@ -161,62 +226,117 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             try:
                 check.require_id(request.engine_id, "engine_id", self.limits)
                 check.require_id(request.lease_id, "lease_id", self.limits)
+                check.check_rank(request.tp_rank, "tp_rank")
+                self._principal(context).require_engine(request.engine_id)
                 effects = self.state.deregister(request.engine_id, request.tp_rank, request.lease_id)
             except DirectoryError as error:
                 await self._abort(context, error)
             self.deliver(effects)
             log.info("engine deregistered")
-            return dpb.DeregisterEngineResponse()
+            return dpb.DeregisterEngineResponse(directory_incarnation_id=self.incarnation_id)
+
+    @contextlib.asynccontextmanager
+    async def _stream_slot(self, context: grpc.aio.ServicerContext, kind: str):
+        """One of `limits.max_open_streams` open streams (RenewLease, WatchTransfers, StreamPrefill together)."""
+        if self.open_stream_count >= self.limits.max_open_streams:
+            self.refusals.info("stream", "stream refused", method=kind, open_stream_count=self.open_stream_count)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.open_stream_count} streams are open; the cap is {self.limits.max_open_streams}")
+        self.open_stream_count += 1
+        try:
+            yield
+        finally:
+            self.open_stream_count -= 1
 
     async def RenewLease(self, request_iterator, context):
-        """Renew leases as requests arrive; NOT_FOUND ends the stream for an unknown or lapsed lease."""
+        """Renew leases as requests arrive; NOT_FOUND ends the stream for an unknown or lapsed lease.
+
+        Only the worker's own engine may renew its lease (PERMISSION_DENIED); a stream silent for
+        `renew_stream_idle_s` ends DEADLINE_EXCEEDED. Every task this handler starts ends with it.
+        """
+        async with self._stream_slot(context, "RenewLease"):
+            await self._renew_lease(context)
+
+    async def _renew_lease(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            principal = self._principal(context)
+        except DirectoryError as error:
+            await self._abort(context, error)
         ttl = _duration(self.limits.lease_ttl_s)
         stopping = asyncio.Event()
         self._renew_streams.add(stopping)
+        stop_wait = asyncio.ensure_future(stopping.wait())
+        reading: asyncio.Future | None = None
         try:
             while not self._shutting_down:
                 reading = asyncio.ensure_future(context.read())
-                waiting = asyncio.ensure_future(stopping.wait())
-                await asyncio.wait({reading, waiting}, return_when=asyncio.FIRST_COMPLETED)
-                waiting.cancel()
-                if not reading.done():  # stopping: the client renews on the next directory
+                await asyncio.wait({reading, stop_wait}, timeout=self.limits.renew_stream_idle_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not reading.done():
                     reading.cancel()
-                    break
+                    if stopping.is_set() or self._shutting_down:  # the client renews on the next directory
+                        break
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"no renewal for {self.limits.renew_stream_idle_s}s")
                 request = reading.result()
                 if request is grpc.aio.EOF:
                     return
                 try:
+                    if isinstance(request, check.Undecodable):
+                        raise InvalidArgument(f"request does not decode: {request}")
                     check.require_id(request.lease_id, "lease_id", self.limits)
-                    self.state.renew(request.lease_id, request.load if request.HasField("load") else None)
+                    load = request.load if request.HasField("load") else None
+                    if load is not None:
+                        check.check_load(load)
+                    principal.require_engine(self.state.lease_holder(request.lease_id).engine_id)
+                    self.state.renew(request.lease_id, load)
                 except DirectoryError as error:
-                    log.info("renewal refused", lease_id=request.lease_id, error=str(error))
+                    self.refusals.info("renewal", "renewal refused", code=status_of(error).name, error=str(error))
                     await self._abort(context, error)
-                await context.write(dpb.RenewLeaseResponse(lease_id=request.lease_id, ttl=ttl))
+                await context.write(dpb.RenewLeaseResponse(lease_id=request.lease_id, ttl=ttl,
+                                                           directory_incarnation_id=self.incarnation_id))
             context.set_code(grpc.StatusCode.UNAVAILABLE)
             context.set_details(_SHUTDOWN_DETAILS)
         finally:
+            stop_wait.cancel()
+            if reading is not None and not reading.done():
+                reading.cancel()
             self._renew_streams.discard(stopping)
 
     async def GetEngine(self, request, context):
         """One engine's workers in rank order."""
         try:
             check.require_id(request.engine_id, "engine_id", self.limits)
+            self._principal(context).require_engine(request.engine_id, or_operator=True)
             workers = self.state.get_engine(request.engine_id)
         except DirectoryError as error:
             await self._abort(context, error)
         active = self.state.active_transfer_count(request.engine_id)
-        return dpb.GetEngineResponse(workers=[worker_to_proto(w, active) for w in workers])
+        return dpb.GetEngineResponse(workers=[worker_to_proto(w, active) for w in workers],
+                                     directory_incarnation_id=self.incarnation_id)
 
     async def ListEngines(self, request, context):
         """One page of workers by (engine id, rank)."""
         try:
+            self._principal(context).require_operator("ListEngines")
             page_size = check.check_page(request.page_size, self.limits)
+            check.require_text(request.page_token, "page_token", check.MAX_PAGE_TOKEN_LENGTH)
+            if request.role not in tpb.EngineRole.values():
+                raise InvalidArgument(f"role {request.role} is not an EngineRole")
             workers, token = self.state.list_workers(page_size, request.page_token, request.role)
         except DirectoryError as error:
             await self._abort(context, error)
-        return dpb.ListEnginesResponse(
-            workers=[worker_to_proto(w, self.state.active_transfer_count(w.engine_id)) for w in workers],
-            next_page_token=token)
+        response = dpb.ListEnginesResponse(directory_incarnation_id=self.incarnation_id)
+        size = 0  # a running total: re-measuring the growing response would make a page quadratic
+        for index, worker in enumerate(workers):
+            entry = worker_to_proto(worker, self.state.active_transfer_count(worker.engine_id))
+            size += entry.ByteSize() + _ENTRY_OVERHEAD_BYTES
+            if index and size > MAX_PAGE_BYTES - _PAGE_SLACK_BYTES:
+                token = self.state.engines.page_token_after(workers[index - 1])
+                break
+            response.workers.append(entry)
+        response.next_page_token = token
+        return response
 
     # ---------------------------------------------------------------- transfers
 
@@ -224,26 +344,31 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         """Pick engines and mint a transfer."""
         try:
             ttl = check.check_plan(request, self.limits)
+            self._principal(context).require_operator("PlanTransfer")
             record = self.state.plan(request, ttl)
         except DirectoryError as error:
-            log.info("plan refused", code=status_of(error).name, error=str(error), request_id=request.request_id)
+            self.refusals.info("plan", "plan refused", code=status_of(error).name, error=str(error),
+                               request_id=request.request_id)
             await self._abort(context, error)
         prefill = self.state.get_engine(record.prefill_engine_id)[0]
         decode = self.state.get_engine(record.decode_engine_id)[0]
         return dpb.PlanTransferResponse(transfer=record.to_proto(), prefill_endpoint=prefill.endpoint,
-                                        decode_endpoint=decode.endpoint)
+                                        decode_endpoint=decode.endpoint,
+                                        directory_incarnation_id=self.incarnation_id)
 
     async def ReportAllocation(self, request, context):
         """Record decode's blocks; may dispatch the push instructions."""
         with bound_contextvars(transfer_id=request.transfer_id, engine_id=request.engine_id):
             try:
                 check.check_allocation(request, self.limits)
+                self._principal(context).require_engine(request.engine_id)
                 record, effects = self.state.report_allocation(request)
             except DirectoryError as error:
-                log.info("allocation refused", code=status_of(error).name, error=str(error))
+                self.refusals.info("allocation", "allocation refused", code=status_of(error).name, error=str(error))
                 await self._abort(context, error)
             self.deliver(effects)
-            return dpb.ReportAllocationResponse(transfer=record.to_proto())
+            return dpb.ReportAllocationResponse(transfer=record.to_proto(),
+                                                directory_incarnation_id=self.incarnation_id)
 
     async def CancelTransfer(self, request, context):
         """Cancel a transfer (no-op on a terminal one)."""
@@ -251,52 +376,96 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             try:
                 check.require_id(request.transfer_id, "transfer_id", self.limits)
                 check.require_text(request.reason, "reason")
+                self._require_party(context, request.transfer_id)
                 record, effects = self.state.cancel(request.transfer_id, request.reason)
             except DirectoryError as error:
                 await self._abort(context, error)
             self.deliver(effects)
             log.info("transfer cancel requested", state=tpb.TransferState.Name(record.state), reason=request.reason)
-            return dpb.CancelTransferResponse(transfer=record.to_proto())
+            return dpb.CancelTransferResponse(transfer=record.to_proto(), directory_incarnation_id=self.incarnation_id)
 
     async def GetTransfer(self, request, context):
         """One retained transfer."""
         try:
             check.require_id(request.transfer_id, "transfer_id", self.limits)
-            record = self.state.get_transfer(request.transfer_id)
+            record = self._require_party(context, request.transfer_id)
         except DirectoryError as error:
             await self._abort(context, error)
-        return dpb.GetTransferResponse(transfer=record.to_proto())
+        return dpb.GetTransferResponse(transfer=record.to_proto(), directory_incarnation_id=self.incarnation_id)
+
+    def _require_party(self, context: grpc.aio.ServicerContext, transfer_id: str):
+        """The transfer, if the caller is the operator or one of its engines (NotFound, PermissionDenied)."""
+        principal = self._principal(context)
+        record = self.state.get_transfer(transfer_id)
+        principal.require_party((record.prefill_engine_id, record.decode_engine_id), f"transfer {transfer_id}")
+        return record
 
     async def ListTransfers(self, request, context):
         """One page of transfers, newest first."""
         try:
             page_size = check.check_page(request.page_size, self.limits)
             check.require_id(request.engine_id, "engine_id", self.limits, required=False)
+            check.require_text(request.page_token, "page_token", check.MAX_PAGE_TOKEN_LENGTH)
+            principal = self._principal(context)
+            if request.engine_id:
+                principal.require_engine(request.engine_id, or_operator=True)
+            else:
+                principal.require_operator("ListTransfers without an engine_id")
             if request.state not in tpb.TransferState.values():
                 raise InvalidArgument(f"state {request.state} is not a TransferState")
             records, token = self.state.list_transfers(page_size, request.page_token, request.state,
                                                        request.engine_id)
         except DirectoryError as error:
             await self._abort(context, error)
-        return dpb.ListTransfersResponse(transfers=[r.to_proto() for r in records], next_page_token=token)
+        response = dpb.ListTransfersResponse(directory_incarnation_id=self.incarnation_id)
+        size = 0
+        for index, record in enumerate(records):
+            entry = record.to_proto()
+            size += entry.ByteSize() + _ENTRY_OVERHEAD_BYTES
+            if index and size > MAX_PAGE_BYTES - _PAGE_SLACK_BYTES:
+                token = str(records[index - 1].sequence)
+                break
+            response.transfers.append(entry)
+        response.next_page_token = token
+        return response
 
     # ---------------------------------------------------------------- watch
 
     async def WatchTransfers(self, request, context):
         """Replay retained events after the given sequence number, then follow the decode engine's log."""
+        async with self._stream_slot(context, "WatchTransfers"):
+            async for response in self._watch_transfers(request, context):
+                yield response
+
+    async def _watch_transfers(self, request: dpb.WatchTransfersRequest, context: grpc.aio.ServicerContext):
         try:
             check.require_id(request.engine_id, "engine_id", self.limits)
+            check.require_id(request.directory_incarnation_id, "directory_incarnation_id", self.limits,
+                             required=False)
+            self._principal(context).require_engine(request.engine_id, or_operator=True)
             if request.after_sequence_number < 0:
                 raise InvalidArgument("after_sequence_number must not be negative")
+            if request.replay_retained and request.after_sequence_number:
+                raise InvalidArgument("replay_retained needs after_sequence_number 0")
             if not self.state.is_decode_engine(request.engine_id):
                 raise NotFound(f"engine {request.engine_id!r} is not a registered decode engine")
+            if request.directory_incarnation_id and request.directory_incarnation_id != self.incarnation_id:
+                raise OutOfRange(
+                    f"after_sequence_number counts events of directory incarnation "
+                    f"{request.directory_incarnation_id}; this is {self.incarnation_id}: it restarted, re-read transfers")
+            if request.replay_retained:
+                last = 0
+            else:
+                last = request.after_sequence_number or self.state.last_event_sequence
+            self.state.watch_events(request.engine_id, last)  # a resume point out of range fails before the greeting
         except DirectoryError as error:
             await self._abort(context, error)
         wake = asyncio.Event()
         watchers = self._watchers.setdefault(request.engine_id, set())
         watchers.add(wake)
-        last = request.after_sequence_number or self.state.last_event_sequence
         try:
+            # Sent at once: the client learns which process it follows before any event.
+            yield dpb.WatchTransfersResponse(directory_incarnation_id=self.incarnation_id)
             while True:
                 try:
                     events = self.state.watch_events(request.engine_id, last)
@@ -304,7 +473,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                     await self._abort(context, error)
                 if events:
                     for start in range(0, len(events), WATCH_EVENTS_PER_MESSAGE):
-                        yield dpb.WatchTransfersResponse(events=events[start:start + WATCH_EVENTS_PER_MESSAGE])
+                        yield dpb.WatchTransfersResponse(events=events[start:start + WATCH_EVENTS_PER_MESSAGE],
+                                                         directory_incarnation_id=self.incarnation_id)
                     last = events[-1].sequence_number
                     continue
                 if self._shutting_down:
@@ -322,6 +492,10 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
 
     async def StreamPrefill(self, request_iterator, context):
         """A prefill worker's session: hello, then readiness and results in; instructions out."""
+        async with self._stream_slot(context, "StreamPrefill"):
+            await self._stream_prefill(context)
+
+    async def _stream_prefill(self, context: grpc.aio.ServicerContext) -> None:
         try:
             first = await asyncio.wait_for(context.read(), HELLO_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -329,10 +503,14 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         if first is grpc.aio.EOF:
             return
         try:
+            principal = self._principal(context)
+            if isinstance(first, check.Undecodable):
+                raise InvalidArgument(f"the first message does not decode: {first}")
             if first.WhichOneof("message") != "hello":
                 raise InvalidArgument("the first message of a StreamPrefill must be a hello")
             hello = first.hello
             check.check_hello(hello, self.limits)
+            principal.require_engine(hello.engine_id)
             session_id, effects = self.state.open_session(hello.engine_id, hello.tp_rank, hello.lease_id)
         except DirectoryError as error:
             await self._abort(context, error)
@@ -351,21 +529,28 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 await self._write_prefill(context, session)
             finally:
                 reader.cancel()
+                self._drop_rejections(session)
                 if self._sessions.get(key) is session:
                     del self._sessions[key]
                 if not self._shutting_down:
                     self.deliver(self.state.close_session(session.engine_id, session.tp_rank, session_id,
                                                           session.end_reason))
-                log.info("prefill session closed", session_id=session_id, reason=session.end_reason)
+                log.info("prefill session closed", session_id=session_id, reason=session.end_reason,
+                         rejected_count=session.rejected_count)
 
     async def _write_prefill(self, context: grpc.aio.ServicerContext, session: _PrefillSession) -> None:
         """The session's only writer: flush queued messages whenever woken, until the session ends."""
+        await context.write(dpb.StreamPrefillResponse(
+            opened=dpb.SessionOpened(directory_incarnation_id=self.incarnation_id),
+            directory_incarnation_id=self.incarnation_id))
         while True:
             await session.wake.wait()
             session.wake.clear()
             stale = self.state.session_worker(session.engine_id, session.tp_rank, session.session_id) is None
             while session.rejections:
-                await context.write(session.rejections.popleft())
+                rejection = session.rejections.popleft()
+                self.pending_rejection_count -= 1
+                await context.write(rejection)
             for message in self.state.drain_outbox(session.engine_id, session.tp_rank, session.session_id):
                 if message.WhichOneof("message") == "instruction":
                     instruction = message.instruction
@@ -377,6 +562,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                         instruction.ClearField("decode_layout")
                     else:
                         session.sent_agents.add(agent)
+                message.directory_incarnation_id = self.incarnation_id
                 await context.write(message)
             if session.end_status is not None:
                 session.end_reason = session.end_status[1]
@@ -399,6 +585,9 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 if message is grpc.aio.EOF:
                     session.end_reason = "prefill stream closed by the worker"
                     return
+                if isinstance(message, check.Undecodable):
+                    session.end_status = (grpc.StatusCode.INVALID_ARGUMENT, f"stream message does not decode: {message}")
+                    return
                 if message.ByteSize() > self.max_message_bytes:
                     session.end_status = (grpc.StatusCode.INVALID_ARGUMENT,
                                           f"stream message is {message.ByteSize()} bytes; "
@@ -415,13 +604,18 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 elif kind == "result":
                     self._apply_result(session, message.result)
                 else:
-                    self._reject(session, message.hello.engine_id if kind == "hello" else "",
-                                 InvalidArgument(f"unexpected {kind or 'empty'} message in an open session"))
+                    self._reject(session, "", InvalidArgument(f"unexpected {kind or 'empty'} message in an open session"))
+                if session.end_status is not None:
+                    return
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             session.end_reason = "prefill stream broken"
         finally:
             session.reader_done = True
             session.wake.set()
+
+    def _drop_rejections(self, session: _PrefillSession) -> None:
+        self.pending_rejection_count -= len(session.rejections)
+        session.rejections.clear()
 
     def _apply_ready(self, session: _PrefillSession, events) -> None:
         valid = []
@@ -448,8 +642,25 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         self.deliver(effects)
 
     def _reject(self, session: _PrefillSession, transfer_id: str, error: DirectoryError) -> None:
+        """Queue a rejection; past the per-session or global cap, end the session RESOURCE_EXHAUSTED instead."""
         code = status_of(error)
+        session.rejected_count += 1
+        self.refusals.info("event", "event rejected", transfer_id=transfer_id[:self.limits.max_id_length],
+                           code=code.name, error=str(error))
+        if session.end_status is not None:
+            return
+        if (len(session.rejections) >= self.limits.max_pending_rejections_per_session
+                or self.pending_rejection_count >= self.limits.max_pending_rejections):
+            cap = ("this session's" if len(session.rejections) >= self.limits.max_pending_rejections_per_session
+                   else "the directory's")
+            self._drop_rejections(session)
+            session.end_status = (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"{cap} cap on queued event rejections is reached: read the stream and "
+                                  "send fewer refused events")
+            session.wake.set()
+            return
         session.rejections.append(dpb.StreamPrefillResponse(rejection=dpb.EventRejection(
-            transfer_id=transfer_id, code=code.value[0], message=str(error))))
+            transfer_id=transfer_id[:self.limits.max_id_length], code=code.value[0], message=str(error)),
+            directory_incarnation_id=self.incarnation_id))
+        self.pending_rejection_count += 1
         session.wake.set()
-        log.info("event rejected", transfer_id=transfer_id, code=code.name, error=str(error))

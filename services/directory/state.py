@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -66,6 +67,7 @@ from kvpush.services.directory.records import (
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
+_SEQUENCE_TOKEN = re.compile("[0-9]{1,18}")
 # Re-exported: callers build a state from these without importing `records`.
 __all__ = ["DirectoryState", "Clock", "Effects", "Limits", "TransferObserver", "TransferRecord", "Worker",
            "EngineGroup", "Allocation", "TERMINAL_STATES", "PREFILL", "DECODE"]
@@ -95,12 +97,12 @@ class DirectoryState:
     # ---------------------------------------------------------------- engines and leases
 
     def register(self, request: dpb.RegisterEngineRequest) -> tuple[Worker, Effects]:
-        """Register one worker and grant it a lease; a same-agent re-registration returns the live lease."""
+        """Register one worker and grant it a lease; a same-agent re-registration gets a fresh one (never the live one)."""
         fx = Effects()
         now = self.clock.monotonic()
         existing = self.engines.existing(request, now)
         if existing is not None and existing.lease_deadline >= now:
-            self.engines.extend(existing, now)  # same agent (existing() refused another): same lease
+            self.engines.refresh(existing, request, now)  # same agent (existing() refused another): fresh lease
             return existing, fx
         if existing is not None:  # lapsed but not reaped yet: end it first
             self._remove_worker(existing, "lease expired", fx)
@@ -109,6 +111,13 @@ class DirectoryState:
             self._watch_logs.setdefault(
                 request.engine_id, WatchLog(self.limits.retained_watch_events_per_engine)).gone_since = None
         return worker, fx
+
+    def lease_holder(self, lease_id: str) -> Worker:
+        """The worker holding a live lease; NotFound for an unknown or lapsed lease."""
+        worker = self.engines.leases.get(lease_id)
+        if worker is None or worker.lease_deadline < self.clock.monotonic():
+            raise NotFound(f"lease {lease_id!r} is unknown or expired")
+        return worker
 
     def renew(self, lease_id: str, load: tpb.EngineLoad | None) -> Worker:
         """Renew a live lease and record the reported load; NotFound for an unknown or lapsed lease."""
@@ -494,8 +503,8 @@ class DirectoryState:
         """One page of retained transfers, newest first; returns the next page token ("" at the end)."""
         before = None
         if page_token:
-            if not page_token.isdigit():
-                raise InvalidArgument(f"page_token {page_token!r} is not a token this server issued")
+            if not _SEQUENCE_TOKEN.fullmatch(page_token):
+                raise InvalidArgument("page_token is not a token this server issued")
             before = int(page_token)
         page: list[TransferRecord] = []
         more = False

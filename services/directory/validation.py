@@ -8,40 +8,89 @@ the engine's layer count, block ids against its block count) live in `state`.
 
 from __future__ import annotations
 
+import re
+
 from kvpush.services.directory.errors import InvalidArgument
-from kvpush.services.directory.state import Limits
+from kvpush.services.directory.records import Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
-MAX_LAYERS = 4096
+# Sane maxima: every field of a request is bounded, so no input can make a response too big or a count overflow.
+MAX_LAYERS = 1024
+MAX_TP_SIZE = 64
+MAX_BLOCK_COUNT = 1 << 24
+MAX_BLOCK_SIZE_TOKENS = 4096
+MAX_DEVICE_ID = 1024
+MAX_PLANES = 8
 MAX_AGENT_METADATA_BYTES = 4 * 1024 * 1024
+# A whole layout (addresses, names, planes): 64 ranks of an engine fit one GetEngine answer.
+MAX_LAYOUT_BYTES = 48 * 1024
 MAX_TEXT_LENGTH = 1024
+MAX_PAGE_TOKEN_LENGTH = 256
+MAX_DTYPE_LENGTH = 32
+MAX_HASH_LENGTH = 128
+MAX_LAYER_NAME_LENGTH = 128
+# Ids (engine, agent, transfer, lease, request): 1-128 of these characters (URI- and log-safe; no NUL,
+# newline or space), so an engine id fits a certificate URI SAN as it is.
+ID_CHARACTERS = "A-Za-z0-9._:@+=~-"
+_ID = re.compile(f"[{ID_CHARACTERS}]+")
+# Free text (reasons, endpoints, trace context, dtype, hash): no control characters (NUL, newline, ...).
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+_DTYPE = re.compile("[a-z0-9_]+")
+INT32_MAX = 2**31 - 1
+# Duration.seconds' documented range (about 10,000 years).
+_MAX_DURATION_SECONDS = 315_576_000_000
 
 
 def require_id(value: str, name: str, limits: Limits, required: bool = True) -> None:
-    """An identifier: present when required, at most `max_id_length` characters."""
+    """An identifier: present when required, at most `max_id_length` characters of ID_CHARACTERS."""
     if not value:
         if required:
             raise InvalidArgument(f"{name} is required")
         return
     if len(value) > limits.max_id_length:
         raise InvalidArgument(f"{name} is {len(value)} characters; at most {limits.max_id_length}")
+    if not _ID.fullmatch(value):
+        raise InvalidArgument(f"{name} may hold only the characters [{ID_CHARACTERS}]")
 
 
-def require_text(value: str, name: str) -> None:
-    """Free text (reasons, trace context, endpoints): bounded length."""
-    if len(value) > MAX_TEXT_LENGTH:
-        raise InvalidArgument(f"{name} is {len(value)} characters; at most {MAX_TEXT_LENGTH}")
+def require_text(value: str, name: str, max_length: int = MAX_TEXT_LENGTH) -> None:
+    """Free text (reasons, trace context, endpoints): bounded length, no control characters."""
+    if len(value) > max_length:
+        raise InvalidArgument(f"{name} is {len(value)} characters; at most {max_length}")
+    if _CONTROL.search(value):
+        raise InvalidArgument(f"{name} contains a control character")
 
 
-def _positive(value: int, name: str) -> None:
+def _positive(value: int, name: str, maximum: int | None = None) -> None:
     if value <= 0:
         raise InvalidArgument(f"{name} must be positive, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidArgument(f"{name} {value} is over the maximum {maximum}")
 
 
-def _non_negative(value: int, name: str) -> None:
+def _non_negative(value: int, name: str, maximum: int | None = None) -> None:
     if value < 0:
         raise InvalidArgument(f"{name} must not be negative, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidArgument(f"{name} {value} is over the maximum {maximum}")
+
+
+def duration_s(duration, name: str) -> float:
+    """A google.protobuf.Duration as seconds: well-formed (seconds and nanos in range, same sign), not negative."""
+    if not -_MAX_DURATION_SECONDS <= duration.seconds <= _MAX_DURATION_SECONDS or not -999_999_999 <= duration.nanos <= 999_999_999:
+        raise InvalidArgument(f"{name} is not a valid Duration")
+    if (duration.seconds > 0 and duration.nanos < 0) or (duration.seconds < 0 and duration.nanos > 0):
+        raise InvalidArgument(f"{name} has seconds and nanos of different signs")
+    if duration.seconds < 0 or duration.nanos < 0:
+        raise InvalidArgument(f"{name} must not be negative")
+    return duration.seconds + duration.nanos / 1e9
+
+
+def _timestamp(timestamp, name: str) -> None:
+    # Timestamp's documented range: 0001-01-01 to 9999-12-31.
+    if not -62_135_596_800 <= timestamp.seconds <= 253_402_300_799 or not 0 <= timestamp.nanos <= 999_999_999:
+        raise InvalidArgument(f"{name} is not a valid Timestamp")
 
 
 def check_layout(layout: tpb.KVLayout) -> None:
@@ -49,13 +98,22 @@ def check_layout(layout: tpb.KVLayout) -> None:
     _positive(layout.layer_count, "layout.layer_count")
     if layout.layer_count > MAX_LAYERS:
         raise InvalidArgument(f"layout.layer_count {layout.layer_count} is over {MAX_LAYERS}")
-    _positive(layout.block_size_tokens, "layout.block_size_tokens")
-    _positive(layout.block_count, "layout.block_count")
+    _positive(layout.block_size_tokens, "layout.block_size_tokens", MAX_BLOCK_SIZE_TOKENS)
+    _positive(layout.block_count, "layout.block_count", MAX_BLOCK_COUNT)
     _positive(layout.block_bytes_per_layer, "layout.block_bytes_per_layer")
     _positive(layout.layer_region_bytes, "layout.layer_region_bytes")
-    _non_negative(layout.device_id, "layout.device_id")
+    _non_negative(layout.device_id, "layout.device_id", MAX_DEVICE_ID)
     if not layout.dtype:
         raise InvalidArgument("layout.dtype is required")
+    if len(layout.dtype) > MAX_DTYPE_LENGTH or not _DTYPE.fullmatch(layout.dtype):
+        raise InvalidArgument(f"layout.dtype must be 1-{MAX_DTYPE_LENGTH} characters of [a-z0-9_]")
+    require_text(layout.compatibility_hash, "layout.compatibility_hash", MAX_HASH_LENGTH)
+    if len(layout.planes) > MAX_PLANES:
+        raise InvalidArgument(f"layout.planes has {len(layout.planes)} planes; at most {MAX_PLANES}")
+    for index, name in enumerate(layout.layer_names):
+        require_text(name, f"layout.layer_names[{index}]", MAX_LAYER_NAME_LENGTH)
+    if layout.ByteSize() > MAX_LAYOUT_BYTES:
+        raise InvalidArgument(f"layout is {layout.ByteSize()} bytes; at most {MAX_LAYOUT_BYTES}")
     if layout.memory_kind not in (tpb.MEMORY_KIND_DRAM, tpb.MEMORY_KIND_VRAM):
         raise InvalidArgument("layout.memory_kind must be MEMORY_KIND_DRAM or MEMORY_KIND_VRAM")
     if not layout.planes:
@@ -85,7 +143,7 @@ def check_register(request: dpb.RegisterEngineRequest, limits: Limits) -> None:
     require_text(request.endpoint, "endpoint")
     if request.role not in (tpb.ENGINE_ROLE_PREFILL, tpb.ENGINE_ROLE_DECODE):
         raise InvalidArgument("role must be ENGINE_ROLE_PREFILL or ENGINE_ROLE_DECODE")
-    _positive(request.tp_size, "tp_size")
+    _positive(request.tp_size, "tp_size", MAX_TP_SIZE)
     if not 0 <= request.tp_rank < request.tp_size:
         raise InvalidArgument(f"tp_rank {request.tp_rank} is outside [0, {request.tp_size})")
     if request.role == tpb.ENGINE_ROLE_DECODE and not request.agent_metadata:
@@ -106,7 +164,7 @@ def check_plan(request: dpb.PlanTransferRequest, limits: Limits) -> float | None
     _non_negative(request.prompt_token_count, "prompt_token_count")
     if not request.HasField("ttl"):
         return None
-    ttl = request.ttl.ToNanoseconds() / 1e9
+    ttl = duration_s(request.ttl, "ttl")
     if ttl <= 0:
         raise InvalidArgument(f"ttl must be positive, got {ttl}s")
     return ttl
@@ -131,7 +189,8 @@ def check_allocation(request: dpb.ReportAllocationRequest, limits: Limits) -> No
 def check_layer_ready(event: dpb.LayerReady, limits: Limits) -> None:
     """One LayerReady event (its layer index against the engine's layer count is checked by state)."""
     require_id(event.transfer_id, "transfer_id", limits)
-    _non_negative(event.first_layer, "first_layer")
+    _non_negative(event.first_layer, "first_layer", MAX_LAYERS)
+    _non_negative(event.last_layer, "last_layer", MAX_LAYERS)
     if event.last_layer < event.first_layer:
         raise InvalidArgument(f"last_layer {event.last_layer} is before first_layer {event.first_layer}")
     _non_negative(event.token_start, "token_start")
@@ -143,6 +202,8 @@ def check_layer_ready(event: dpb.LayerReady, limits: Limits) -> None:
             f"token_end {event.token_end} is past prompt_token_count {event.prompt_token_count}")
     if len(event.source_block_ids) > limits.max_block_ids:
         raise InvalidArgument(f"source_block_ids is over the cap of {limits.max_block_ids}")
+    if event.source_block_ids and min(event.source_block_ids) < 0:
+        raise InvalidArgument("source_block_ids contains a negative id")
 
 
 def check_batch(batch: dpb.LayerReadyBatch, limits: Limits) -> None:
@@ -160,15 +221,41 @@ def check_result(result: dpb.WriteResult, limits: Limits) -> None:
     _non_negative(result.layers_written_count, "layers_written_count")
     _non_negative(result.bytes_written, "bytes_written")
     require_text(result.error_message, "error_message")
+    if result.HasField("timing"):
+        check_timing(result.timing)
     if result.status not in dpb.WriteResultStatus.values() or result.status == dpb.WRITE_RESULT_STATUS_UNSPECIFIED:
         raise InvalidArgument(f"status {result.status} is not a known WriteResultStatus other than UNSPECIFIED")
+
+
+def check_timing(timing: tpb.TransferTiming) -> None:
+    """A rank's TransferTiming: valid timestamps, a non-negative duration and counts."""
+    for name in ("first_write_start_time", "last_write_end_time", "prefill_end_time"):
+        if timing.HasField(name):
+            _timestamp(getattr(timing, name), f"timing.{name}")
+    if timing.HasField("post_duration"):
+        duration_s(timing.post_duration, "timing.post_duration")
+    _non_negative(timing.write_count, "timing.write_count")
+    _non_negative(timing.descriptor_count, "timing.descriptor_count")
+    _non_negative(timing.layers_written_before_prefill_end_count, "timing.layers_written_before_prefill_end_count")
+
+
+def check_load(load: tpb.EngineLoad) -> None:
+    """An EngineLoad carried by a renewal: counts not negative."""
+    _non_negative(load.free_block_count, "load.free_block_count")
+    _non_negative(load.running_request_count, "load.running_request_count")
 
 
 def check_hello(hello: dpb.Hello, limits: Limits) -> None:
     """The Hello that opens a StreamPrefill session."""
     require_id(hello.engine_id, "hello.engine_id", limits)
     require_id(hello.lease_id, "hello.lease_id", limits)
-    _non_negative(hello.tp_rank, "hello.tp_rank")
+    require_id(hello.directory_incarnation_id, "hello.directory_incarnation_id", limits, required=False)
+    _non_negative(hello.tp_rank, "hello.tp_rank", MAX_TP_SIZE)
+
+
+def check_rank(tp_rank: int, name: str) -> None:
+    """A TP rank: in [0, MAX_TP_SIZE)."""
+    _non_negative(tp_rank, name, MAX_TP_SIZE - 1)
 
 
 def check_page(page_size: int, limits: Limits) -> int:
@@ -176,3 +263,41 @@ def check_page(page_size: int, limits: Limits) -> int:
     if page_size < 0 or page_size > limits.max_page_size:
         raise InvalidArgument(f"page_size {page_size} is outside [0, {limits.max_page_size}]")
     return page_size or 100
+
+
+def same_layout_shape(a: tpb.KVLayout, b: tpb.KVLayout) -> str:
+    """Why two ranks' layouts disagree on what a peer relies on ("" when they agree).
+
+    Addresses, device and layer names are per rank; everything that sizes or places a block must match.
+    """
+    for name in ("layer_count", "block_size_tokens", "block_count", "block_bytes_per_layer", "dtype",
+                 "memory_kind", "layer_region_bytes", "compatibility_hash", "block_atomic"):
+        if getattr(a, name) != getattr(b, name):
+            return f"layout.{name} {getattr(b, name)!r} differs from the engine's {getattr(a, name)!r}"
+    if list(a.planes) != list(b.planes):
+        return "layout.planes differ from the engine's"
+    return ""
+
+
+class Undecodable:
+    """What the guarded deserializer yields for bytes that are no message of the method's type."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def decoding(deserializer):
+    """Wrap a request deserializer so a body that does not decode becomes `Undecodable` (not an exception)."""
+    if deserializer is None:
+        return None
+
+    def decode(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as error:  # protobuf's DecodeError, or any parser failure: the caller's bytes are bad
+            return Undecodable(type(error).__name__)
+
+    return decode

@@ -11,6 +11,8 @@ Every error leaves as JSON `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
+import hmac
+
 import json
 
 import aiohttp
@@ -117,10 +119,31 @@ async def ping(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "detail": why})
 
 
+def api_key_middleware(api_key: str):
+    """Require `Authorization: Bearer <api_key>` on the OpenAI routes (/v1/*), as OpenAI's API does.
+
+    /health and /ping stay open for probes; /invocations is SageMaker's, which authenticates callers itself.
+    """
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/v1/") and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), expected):
+            error = GatewayError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                 "invalid_request_error")
+            error.headers["WWW-Authenticate"] = "Bearer"
+            return _error_response(error)
+        return await handler(request)
+
+    return check
+
+
 def create_app(config: GatewayConfig) -> web.Application:
     """Build the application; the router and the HTTP session start with it and close with it."""
     config.validate()
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    middlewares = [error_middleware] + ([api_key_middleware(config.api_key)] if config.api_key else [])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[CONFIG_KEY] = config
 
     async def lifecycle(app: web.Application):

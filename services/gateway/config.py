@@ -30,6 +30,8 @@ class GatewayConfig:
     decode_timeout_s: float = 600.0
     transfer_ttl_s: float = 0.0  # 0: the directory's default
     max_body_bytes: int = 8 * 1024 * 1024
+    # When set, /v1/* requests need "Authorization: Bearer <api_key>" (OpenAI style); 401 otherwise.
+    api_key: str = ""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -71,13 +73,16 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for the whole prefill leg")
     parser.add_argument("--decode-timeout", type=float, default=600.0, help="seconds for the whole decode leg")
     parser.add_argument("--transfer-ttl", type=float, default=0.0, help="seconds a transfer may live (0: default)")
+    parser.add_argument("--api-key", default=os.environ.get("KVPUSH_GATEWAY_API_KEY", ""),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (env KVPUSH_GATEWAY_API_KEY)")
     args = parser.parse_args(argv)
     config = GatewayConfig(host=args.host, port=args.port, mode=args.mode, directory_address=args.directory,
                            directory_token=args.directory_token, prefill_url=args.prefill_url.rstrip("/"),
                            decode_url=args.decode_url.rstrip("/"), prefill_engine_id=args.prefill_engine_id,
                            prefill_side_channel=args.prefill_side_channel, plan_timeout_s=args.plan_timeout,
                            connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,
-                           decode_timeout_s=args.decode_timeout, transfer_ttl_s=args.transfer_ttl)
+                           decode_timeout_s=args.decode_timeout, transfer_ttl_s=args.transfer_ttl,
+                           api_key=args.api_key)
     try:
         config.validate()
     except ValueError as error:

@@ -27,8 +27,21 @@ def stub(address: str, token: str = "") -> tuple[grpc.aio.Channel, dgrpc.KVDirec
 
 
 async def read(call, timeout_s: float = WAIT_S):
-    """Read one message from a stream call, bounded."""
-    return await asyncio.wait_for(call.read(), timeout_s)
+    """Read the next message from a stream call, bounded, skipping the greeting every stream opens with.
+
+    The greetings (a StreamPrefill `opened`, the first, empty WatchTransfers response) only name the
+    directory's incarnation; tests that check them read with `call.read()` directly.
+    """
+    async def next_message():
+        while True:
+            message = await call.read()
+            if isinstance(message, dpb.StreamPrefillResponse) and message.WhichOneof("message") == "opened":
+                continue
+            if isinstance(message, dpb.WatchTransfersResponse) and not message.events:
+                continue
+            return message
+
+    return await asyncio.wait_for(next_message(), timeout_s)
 
 
 async def code_of(awaitable) -> grpc.StatusCode:

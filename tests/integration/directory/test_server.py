@@ -207,7 +207,7 @@ def test_stream_level_errors_end_the_stream():
             assert await code_of(call.read()) == grpc.StatusCode.FAILED_PRECONDITION
             call = await open_prefill(s, "p1", p_lease)
             await send_ready(call, *[ready("t", 0, 0)] * 3)
-            assert await code_of(call.read()) == grpc.StatusCode.INVALID_ARGUMENT
+            assert await code_of(read(call)) == grpc.StatusCode.INVALID_ARGUMENT
             await channel.close()
     run(body())
 
@@ -390,7 +390,7 @@ def test_graceful_stop_flushes_and_ends_streams_unavailable():
             started = loop.time()
             await directory.server.stop(10.0)
             assert await code_of(prefill.read()) == grpc.StatusCode.UNAVAILABLE
-            assert await code_of(watch.read()) == grpc.StatusCode.UNAVAILABLE
+            assert await code_of(read(watch)) == grpc.StatusCode.UNAVAILABLE
             assert await code_of(renew.read()) == grpc.StatusCode.UNAVAILABLE
             assert loop.time() - started < 5.0  # streams ended on request, not by the 10 s grace running out
             await channel.close()

@@ -3,7 +3,9 @@
 `local_stack` is a `LocalStack` (directory, prefill + decode with KVPushConnector, colocated engine,
 gateway) started for test_pd_gateway.py and stopped when the module ends, so its three engines are
 gone before other suites start theirs (tests/conftest.py runs this module first): the 24 GiB machine
-cannot hold every suite's engines at once (~3 GiB each).
+cannot hold every suite's engines at once (~3 GiB each). The stack runs with mutual TLS and per-engine
+identities (when the openssl CLI is there to make certificates), so every test here also proves the whole
+P/D path works with security on.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvpush.localstack.model import TinyModelSpec
+from kvpush.localstack.pki import HAVE_OPENSSL
 from kvpush.localstack.stack import LocalStack
 
 
@@ -18,7 +21,8 @@ from kvpush.localstack.stack import LocalStack
 def local_stack(session_log_dir, otlp_receiver):
     """Directory, P/D engines with KVPushConnector, a colocated engine and the gateway, for one module."""
     stack = LocalStack(spec=TinyModelSpec(), log_dir=session_log_dir / "localstack", progress=None,
-                       engine_timeout_s=600.0, engine_env=otlp_receiver.env("kvpush-localstack-engine"))
+                       engine_timeout_s=600.0, engine_env=otlp_receiver.env("kvpush-localstack-engine"),
+                       mutual_tls=HAVE_OPENSSL)
     stack.start()
     yield stack
     stack.stop()

@@ -10,7 +10,9 @@ import random
 import pytest
 
 from kvpush.localstack.client import call, stream_completion
-from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+import grpc
+
+from kvpush.services.client import ChannelConfig, DirectoryCallError, SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 
 
@@ -27,8 +29,8 @@ def _greedy(prompt, max_tokens: int = 8) -> dict:
             "return_token_ids": True}
 
 
-def _transfer(directory_address: str, transfer_id: str) -> tpb.Transfer:
-    client = SyncDirectoryClient(ChannelConfig(address=directory_address, timeout_s=5.0, max_attempts=2))
+def _transfer(stack, transfer_id: str) -> tpb.Transfer:
+    client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=2))
     try:
         return client.get_transfer(transfer_id)
     finally:
@@ -44,7 +46,7 @@ def test_disaggregated_output_equals_colocated(local_stack, prompt_tokens):
     assert via_gateway.status == 200, via_gateway.text
     assert reference.status == 200, reference.text
     assert via_gateway.body["choices"][0]["token_ids"] == reference.body["choices"][0]["token_ids"]
-    transfer = _transfer(local_stack.directory.address, via_gateway.headers["x-kvpush-transfer-id"])
+    transfer = _transfer(local_stack, via_gateway.headers["x-kvpush-transfer-id"])
     assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
 
 
@@ -66,7 +68,7 @@ def test_prompt_over_context_length_is_400_and_cancels(local_stack):
     assert "4096" in result.body["error"]["message"]
     transfer_id = result.headers.get("x-kvpush-transfer-id")
     if transfer_id:  # error responses may not carry it; the directory must then still hold no live transfer
-        transfer = _transfer(local_stack.directory.address, transfer_id)
+        transfer = _transfer(local_stack, transfer_id)
         assert transfer.state in (tpb.TRANSFER_STATE_CANCELLED, tpb.TRANSFER_STATE_FAILED)
 
 
@@ -75,3 +77,29 @@ def test_models_and_ping_reflect_real_engines(local_stack):
     models = call("GET", local_stack.gateway_url + "/v1/models")
     assert models.status == 200 and models.body["data"][0]["id"] == "tiny"
     assert call("GET", local_stack.gateway_url + "/ping").status == 200
+
+
+def test_engines_act_only_as_themselves_under_mutual_tls(local_stack):
+    """With mTLS identities on, both engines registered as themselves; the prefill's certificate cannot plan,
+    list, or act for decode, and no listing shows a lease id."""
+    if local_stack.pki is None:
+        pytest.skip("needs the openssl CLI to make the stack's certificates")
+    operator = SyncDirectoryClient(local_stack.directory_channel(timeout_s=5.0, max_attempts=2))
+    pki = local_stack.pki
+    prefill = SyncDirectoryClient(ChannelConfig(
+        address=local_stack.directory.address, root_cert_file=str(pki.ca), timeout_s=5.0, max_attempts=2,
+        client_cert_file=str(pki.root / "prefill-0.pem"), client_key_file=str(pki.root / "prefill-0.key")))
+    try:
+        workers = operator.list_engines()
+        assert {w.engine_id for w in workers} == {"prefill-0", "decode-0"}
+        assert all(w.lease_id == "" and w.agent_metadata == b"" for w in workers)
+        for refused in (lambda: prefill.plan_transfer(), lambda: prefill.list_engines(),
+                        lambda: prefill.get_engine("decode-0"),
+                        lambda: prefill.report_allocation("t" * 32, "decode-0", [1], 16)):
+            with pytest.raises(DirectoryCallError) as caught:
+                refused()
+            assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert [w.engine_id for w in prefill.get_engine("prefill-0")] == ["prefill-0"]
+    finally:
+        prefill.close()
+        operator.close()

@@ -339,10 +339,14 @@ def test_stale_session_close_changes_nothing():
 
 
 def test_registration_rules():
-    """Same agent re-registers to the same lease; another agent is ALREADY_EXISTS; roles must agree."""
+    """Same agent re-registers to a FRESH lease (the old one stops); another agent is ALREADY_EXISTS; roles agree."""
     d = Directory()
+    old_lease = d.leases[("p1", 0)]
     again, _ = d.state.register(register_request("p1", PREFILL))
-    assert again.lease_id == d.leases[("p1", 0)]
+    assert again.lease_id != old_lease and again.lease_id
+    with pytest.raises(NotFound):
+        d.state.renew(old_lease, None)
+    d.leases[("p1", 0)] = again.lease_id
     with pytest.raises(AlreadyExists):
         d.state.register(register_request("p1", PREFILL, agent_name="other"))
     with pytest.raises(InvalidArgument):

@@ -1,0 +1,121 @@
+"""Directory restarts are seen from the incarnation id, whatever the sequence numbers say."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration, PrefillSession
+from kvpush.services.directory.server import DirectoryConfig, create_server
+from kvpush.services.directory.state import Limits
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.directory import DECODE, PREFILL, register_request, running_directory
+from tests.integration.directory.helpers import code_of, run, stub
+from tests.integration.directory.test_client import _free_port, _wait_until
+
+
+def _events_in_state(state, count: int) -> list[str]:
+    """Before serving: register p1/d1 in the new process and end `count` transfers (its events 1..count)."""
+    state.register(register_request("p1", PREFILL))
+    state.register(register_request("d1", DECODE))
+    ids = []
+    for _ in range(count):
+        record = state.plan(dpb.PlanTransferRequest(), None)
+        state.cancel(record.transfer_id, "before the old client reconnects")
+        ids.append(record.transfer_id)
+    return ids
+
+
+def test_watch_sees_a_restart_even_when_the_new_process_is_ahead():
+    """The new process emitted MORE events than the client saw: the client still gets on_gap, then all of them."""
+    async def body():
+        port = _free_port()
+        config = ChannelConfig(address=f"127.0.0.1:{port}", backoff_max_s=0.2, max_attempts=20)
+        limits = Limits(lease_ttl_s=5.0)
+        client = DirectoryClient(config)
+        gaps: list[int] = []
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def follow():
+            async for event in client.watch_transfers("d1", on_gap=gaps.append):
+                events.put_nowait(event)
+
+        async with running_directory(limits, port=port) as first:
+            channel, s = stub(first.address)
+            await s.RegisterEngine(register_request("p1", PREFILL))
+            await s.RegisterEngine(register_request("d1", DECODE))
+            watcher = asyncio.create_task(follow())
+            await asyncio.sleep(0.3)
+            for _ in range(2):
+                tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+                await s.CancelTransfer(dpb.CancelTransferRequest(transfer_id=tid))
+            assert [(await asyncio.wait_for(events.get(), 5)).sequence_number for _ in range(2)] == [1, 2]
+            in_flight = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
+            first_incarnation = first.server.servicer.incarnation_id
+            await channel.close()
+        server, _ = create_server(DirectoryConfig(host="127.0.0.1", port=port, limits=limits, reap_interval_s=0.05))
+        new_ids = _events_in_state(server.state, 5)  # sequence numbers 1..5 > the client's 2
+        await server.start()
+        try:
+            assert server.servicer.incarnation_id != first_incarnation
+            await _wait_until(lambda: gaps, timeout_s=20)
+            assert gaps == [2]
+            got = [await asyncio.wait_for(events.get(), 5) for _ in range(5)]
+            assert [e.transfer_id for e in got] == new_ids  # the new process's first events are delivered
+            assert [e.sequence_number for e in got] == [1, 2, 3, 4, 5]
+            # The in-flight transfer of the old process is gone: re-reading it is NOT_FOUND.
+            assert await code_of(client.stub.GetTransfer(dpb.GetTransferRequest(transfer_id=in_flight))) == \
+                grpc.StatusCode.NOT_FOUND
+            watcher.cancel()
+            await client.close()
+        finally:
+            await server.stop(0.5)
+    run(body())
+
+
+def test_prefill_session_and_lease_see_the_new_incarnation():
+    """After a restart the prefill session reports on_directory_restart once, the lease re-registers."""
+    async def body():
+        port = _free_port()
+        config = ChannelConfig(address=f"127.0.0.1:{port}", backoff_max_s=0.2, max_attempts=20)
+        limits = Limits(lease_ttl_s=5.0)
+        restarts: list[str] = []
+        async with running_directory(limits, port=port) as first:
+            client = DirectoryClient(config)
+            registration = EngineRegistration(client, register_request("p1", PREFILL))
+            await registration.start()
+            session = PrefillSession(client, registration, on_directory_restart=restarts.append)
+            await session.start()
+            await _wait_until(lambda: session.directory_incarnation_id, timeout_s=5)
+            assert session.directory_incarnation_id == first.server.servicer.incarnation_id
+            assert registration.directory_incarnation_id == first.server.servicer.incarnation_id
+        async with running_directory(limits, port=port) as second:
+            new = second.server.servicer.incarnation_id
+            await _wait_until(lambda: restarts and registration.directory_incarnation_id == new, timeout_s=20)
+            assert restarts == [new] and session.directory_incarnation_id == new
+            await session.stop()
+            await registration.stop()
+            await client.close()
+    run(body())
+
+
+def test_a_watch_naming_another_incarnation_is_out_of_range():
+    """WatchTransfers with another process's incarnation id is OUT_OF_RANGE even at sequence 0."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            await s.RegisterEngine(register_request("d1", DECODE))
+            call = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1", directory_incarnation_id="another"))
+            assert await code_of(call.read()) == grpc.StatusCode.OUT_OF_RANGE
+            call = s.WatchTransfers(dpb.WatchTransfersRequest(
+                engine_id="d1", directory_incarnation_id=directory.server.servicer.incarnation_id))
+            greeting = await call.read()
+            assert not greeting.events and greeting.directory_incarnation_id == directory.server.servicer.incarnation_id
+            call.cancel()
+            response = await s.GetEngine(dpb.GetEngineRequest(engine_id="d1"))
+            assert response.directory_incarnation_id == directory.server.servicer.incarnation_id
+            assert response.workers[0].role == tpb.ENGINE_ROLE_DECODE
+            await channel.close()
+    run(body())
