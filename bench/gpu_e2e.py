@@ -267,6 +267,33 @@ def push_timing(record: dict, layer_count: int) -> dict[str, Any]:
     }
 
 
+def distribution(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"mean": statistics.fmean(ordered), "p50": ordered[len(ordered) // 2],
+            "p99": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], "count": len(ordered)}
+
+
+# A transfer's life at the directory, hop by hop (the fixed cost per request is the sum of the early ones).
+_HOPS = (("plan_to_allocated", "create_time", "allocate_time"),
+         ("plan_to_first_ready", "create_time", "first_ready_time"),
+         ("ready_and_allocated_to_dispatch", None, "dispatch_time"),
+         ("dispatch_to_end", "dispatch_time", "end_time"),
+         ("plan_to_end", "create_time", "end_time"))
+
+
+def transfer_hops(record: dict) -> dict[str, float]:
+    """Milliseconds between the directory's timestamps of one transfer (`_HOPS`)."""
+    stamps = {key: ts(record.get(key)) for key in ("create_time", "allocate_time", "first_ready_time",
+                                                   "dispatch_time", "end_time")}
+    hops = {}
+    for name, start, end in _HOPS:
+        begin = (max(filter(None, (stamps["allocate_time"], stamps["first_ready_time"])), default=None)
+                 if start is None else stamps[start])
+        if begin is not None and stamps[end] is not None:
+            hops[name] = (stamps[end] - begin) * 1e3
+    return hops
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -326,7 +353,8 @@ def run_e2e(args: argparse.Namespace) -> int:
                     transfer_id: str) -> dict[str, Any]:
             record = stack.transfer(transfer_id) if transfer_id else {}
             entry = {"prompt_tokens": len(prompt), "match": got == reference, "transfer_id": transfer_id,
-                     "push": push_timing(record, layers) if record else None}
+                     "push": push_timing(record, layers) if record else None,
+                     "hops_ms": transfer_hops(record) if record else None}
             if got != reference:
                 position = first_difference(got, reference)
                 chosen = got[position] if position < len(got) else None
@@ -526,19 +554,19 @@ def run_serve(args: argparse.Namespace) -> int:
                         point = {"error": str(exc)[-800:]}
                     point.update({"connector": connector, "isl": isl, "rate": rate})
                     if stack.client is not None:
-                        tails = []
+                        tails, hops = [], {}
                         for transfer in stack.client.list_transfers(limit=5000):
                             if transfer.transfer_id in seen:
                                 continue
-                            timing = push_timing(MessageToDict(transfer, preserving_proto_field_name=True),
-                                                 config["num_hidden_layers"])
+                            record = MessageToDict(transfer, preserving_proto_field_name=True)
+                            timing = push_timing(record, config["num_hidden_layers"])
                             if timing["exposed_tail_ms"] is not None:
                                 tails.append(timing["exposed_tail_ms"])
+                            for hop, ms in transfer_hops(record).items():
+                                hops.setdefault(hop, []).append(ms)
                         if tails:
-                            tails.sort()
-                            point["exposed_tail_ms"] = {"mean": statistics.fmean(tails), "p50": tails[len(tails) // 2],
-                                                        "p99": tails[min(len(tails) - 1, int(len(tails) * 0.99))],
-                                                        "count": len(tails)}
+                            point["exposed_tail_ms"] = distribution(tails)
+                        point["hops_ms"] = {hop: distribution(values) for hop, values in hops.items()}
                     report["points"].append(point)
                     say(f"{connector} ISL {isl} rate {rate}: " + json.dumps(
                         {k: point.get(k) for k in ("completed", "failed", "mean_ttft_ms", "p99_ttft_ms",
