@@ -50,9 +50,8 @@ class ConnectorConfig:
     idle_step_wait_s: on a step that schedules no tokens while transfers are in flight, the worker waits
         this long at most for a transfer signal before returning to vLLM (default 0.004; 0 = never wait).
         Ends early on any signal; spares the CPU that back-to-back empty steps would burn.
-    metrics_port: serve this engine's kvpush_* Prometheus metrics over HTTP on this port (default 0: off).
-        The scheduler half's process (EngineCore) serves on metrics_port; a worker running in a process of
-        its own (TP > 1) serves on metrics_port + 1 + its TP rank (`connector.metrics`).
+    metrics_port: serve this engine's kvpush_connector_* Prometheus metrics over HTTP (default 0: off): the
+        worker of TP rank r on metrics_port + r, at /metrics (`connector.metrics`).
     fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it
         plans no more, as a stuck or dying writer would (default None: off). Fault-injection tests use it to
         kill a prefill engine while a transfer is really half-written.

@@ -72,6 +72,7 @@ class KVPushConnector(KVConnectorBase_V1):
         self._link: Any = None
         self._agent: Any = None
         self._load_errors: set[int] = set()
+        self._metrics: Any = None
         from kvpush.connector.engine_spin import pace_message_queue_spin
 
         pace_message_queue_spin(self.config.message_queue_poll_s)
@@ -115,23 +116,33 @@ class KVPushConnector(KVConnectorBase_V1):
         on_gpu = next(iter(kv_caches.values())).device.type == "cuda"
         layout = self._agent.layout.to_proto()
         role = tpb.ENGINE_ROLE_PREFILL if self.config.is_prefill else tpb.ENGINE_ROLE_DECODE
+        from kvpush.connector import metrics
+
+        self._metrics = metrics.WorkerMetrics(self.config.engine_id, self.config.role, tp_rank)
+        if self.config.metrics_port:
+            metrics.serve(self.config.metrics_port + tp_rank)
+        observed = self._metrics
         if self.config.is_prefill:
             from kvpush.connector.worker.prefill import PrefillWorker
             from kvpush.connector.worker.transport import PushTransport
 
             worker = PrefillWorker(self.config, self._link, layer_names, self._block_size, on_gpu=on_gpu)
-            worker.attach_transport(PushTransport(self._agent, worker.on_write_done, worker.on_writer_quiet))
+            worker.attach_transport(PushTransport(
+                self._agent, lambda done: (observed.on_write_done(done), worker.on_write_done(done)),
+                lambda quiet: (observed.on_writer_quiet(quiet), worker.on_writer_quiet(quiet))))
             self._link.register(role, tp_rank, tp_size, self._agent.agent_name, self._agent.agent_metadata(), layout,
-                                on_lease_lost=lambda lease, reason: worker.on_session_lost())
-            self._link.open_prefill_session(worker.on_instruction, worker.on_cancellation, worker.on_rejection,
-                                            worker.on_session_lost)
+                                on_lease_lost=lambda lease, reason: (observed.on_lease_lost(), worker.on_session_lost()))
+            session = self._link.open_prefill_session(worker.on_instruction, worker.on_cancellation,
+                                                      worker.on_rejection, worker.on_session_lost)
+            observed.watch_backlog(lambda: session.queued_message_count)
         else:
             from kvpush.connector.dataplane.listener import NotificationListener
             from kvpush.connector.worker.decode import DecodeWorker
 
             worker = DecodeWorker(self.config, self._link, self._block_size)
             NotificationListener(self._agent, worker.on_notification)
-            self._link.register(role, tp_rank, tp_size, self._agent.agent_name, self._agent.agent_metadata(), layout)
+            self._link.register(role, tp_rank, tp_size, self._agent.agent_name, self._agent.agent_metadata(), layout,
+                                on_lease_lost=lambda lease, reason: observed.on_lease_lost())
             self._link.watch(worker.on_event, worker.on_gap)
         self._worker = worker
         _log.info("kvpush connector worker ready", engine_id=self.config.engine_id, role=self.config.role,
@@ -149,6 +160,8 @@ class KVPushConnector(KVConnectorBase_V1):
                             f"KVPushMetadata version {WIRE_VERSION}")
         if self._worker is not None:
             self._worker.begin_step(connector_metadata)
+            if connector_metadata.receives:
+                self._metrics.on_receives_begun([start.request_id for start in connector_metadata.receives])
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Nothing to start: pushed KV is written into our blocks by prefill, one-sided."""
@@ -183,6 +196,7 @@ class KVPushConnector(KVConnectorBase_V1):
         if self.config.is_prefill:
             return self._worker.get_finished_sending(finished_req_ids), None
         finished, load_errors = self._worker.collect()
+        self._metrics.on_receives_finished(finished, self._worker.completed_count, self._worker.failed_count)
         self._load_errors |= load_errors
         return None, finished
 
@@ -194,7 +208,10 @@ class KVPushConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Push timelines of transfers that ended (prefill), for the response's kv_transfer_params."""
         if self.config.is_prefill and self._worker is not None:
-            return self._worker.build_worker_meta()
+            meta = self._worker.build_worker_meta()
+            if meta is not None:
+                self._metrics.on_timelines(meta.timelines)
+            return meta
         return None
 
     def shutdown(self) -> None:

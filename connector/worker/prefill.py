@@ -190,7 +190,7 @@ class PrefillWorker:
                                       {"kvpush.request_id": chunk.request_id,
                                        "kvpush.prompt_token_count": chunk.prompt_token_count,
                                        "kvpush.cached_token_count": chunk.cached_token_count})
-            live = _Live(push, chunk.trace_context, span)
+            live = _Live(push, span.traceparent() or chunk.trace_context, span)  # writes: children of the push
             self._live[chunk.request_id] = live
             self._by_transfer[chunk.transfer_id] = chunk.request_id
         if live.push.terminal:

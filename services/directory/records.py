@@ -87,11 +87,13 @@ class Effects:
     prefill_outboxes: (engine_id, tp_rank) whose outbox received messages.
     watch_engines: decode engine ids whose watch log received events.
     stall_s: from `reap()` only, how long the directory stalled (0: it did not); leases were extended by it.
+    expired_lease_roles: from `reap()` only, the role of each worker whose lease lapsed (for metrics).
     """
 
     prefill_outboxes: set[tuple[str, int]] = field(default_factory=set)
     watch_engines: set[str] = field(default_factory=set)
     stall_s: float = 0.0
+    expired_lease_roles: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.prefill_outboxes or self.watch_engines)

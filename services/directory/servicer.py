@@ -192,6 +192,14 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         for wake in self._renew_streams:
             wake.set()
 
+    def open_prefill_session_count(self) -> int:
+        """Open StreamPrefill sessions (for metrics)."""
+        return len(self._sessions)
+
+    def open_watch_count(self) -> int:
+        """Open WatchTransfers streams (for metrics)."""
+        return sum(len(wakes) for wakes in self._watchers.values())
+
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, error: DirectoryError) -> None:
         await context.abort(status_of(error), str(error))

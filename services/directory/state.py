@@ -484,6 +484,7 @@ class DirectoryState:
             if worker.lease_id in self.engines.leases:
                 self._remove_worker(
                     worker, f"engine {worker.engine_id} rank {worker.tp_rank} lease expired", fx)
+                fx.expired_lease_roles.append(worker.role)
         for record in [r for r in self._live.values() if r.deadline < now]:
             self._end(record, tpb.TRANSFER_STATE_EXPIRED, "transfer deadline passed", fx)
         retention = self.limits.gone_engine_log_retention_s

@@ -22,8 +22,9 @@ from kvpush.localstack.stack import LocalStack
 def local_stack(session_log_dir, otlp_receiver):
     """Directory, P/D engines with KVPushConnector, a colocated engine and the gateway, for this folder."""
     stack = LocalStack(spec=TinyModelSpec(), log_dir=session_log_dir / "localstack", progress=None,
-                       engine_timeout_s=600.0, engine_env=otlp_receiver.env("kvpush-localstack-engine"),
-                       mutual_tls=HAVE_OPENSSL)
+                       engine_timeout_s=600.0, engine_env={"UCX_NET_DEVICES": "lo",
+                                                           **otlp_receiver.env("kvpush-localstack-engine")},
+                       service_env=otlp_receiver.env("kvpush-localstack"), mutual_tls=HAVE_OPENSSL)
     stack.start()
     yield stack
     stack.stop()
