@@ -33,7 +33,7 @@ from kvpush.services.gateway.config import GatewayConfig
 from kvpush.services.gateway.errors import GatewayError, bad_gateway
 from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.routing import Route, Router, pull_decode_params
-from kvpush.services.gateway.validation import ClientRequest, decode_body, prefill_body
+from kvpush.services.gateway.validation import ClientRequest, decode_body, prefill_body, tokenize_body
 
 _log = get_logger("gateway.dispatch")
 _tracer = get_tracer("kvpush.gateway")
@@ -117,9 +117,12 @@ class Dispatcher:
     async def _run(self, http_request: web.Request, request: ClientRequest, request_id: str,
                    outcome: Outcome) -> web.StreamResponse:
         traceparent = current_traceparent()
+        model = request.body.get("model") if isinstance(request.body.get("model"), str) else ""
+        prompt_token_count = request.prompt_token_count or await self._count_prompt_tokens(request, model)
         planning = time.monotonic()
-        with _tracer.start_as_current_span("gateway.plan"):
-            route = await self._router.plan(request_id, request.prompt_token_count, traceparent)
+        with _tracer.start_as_current_span("gateway.plan") as span:
+            span.set_attribute("kvpush.prompt_token_count", prompt_token_count)
+            route = await self._router.plan(request_id, prompt_token_count, traceparent, model)
         outcome.plan_ms = (time.monotonic() - planning) * 1000
         outcome.transfer_id = route.transfer_id
         remember_transfer(route.transfer_id, request_id, trace.get_current_span())
@@ -142,6 +145,33 @@ class Dispatcher:
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(self._router.cancel(route, reason))
             raise
+
+    async def _count_prompt_tokens(self, request: ClientRequest, model: str) -> int:
+        """A text or chat prompt's token count from a prefill engine's /tokenize (0 when it cannot say).
+
+        The count lets the directory check decode's free blocks before planning; failing to get one only skips
+        that check, so errors are logged, not raised.
+        """
+        if not self._config.count_prompt_tokens:
+            return 0
+        url = await self._router.tokenizer_url(model)
+        if url is None:
+            return 0
+        body = tokenize_body(request)
+        with _tracer.start_as_current_span("gateway.tokenize", kind=trace.SpanKind.CLIENT):
+            try:
+                answer = await legs.post_json(self._session, "tokenize", url + "/tokenize", body, {},
+                                              self._config.connect_timeout_s, self._config.connect_timeout_s)
+            except GatewayError as error:
+                if error.status < 500:  # the engine refused the prompt: the legs will say why, precisely
+                    return 0
+                _log.warning("prompt not tokenized; planning without its length", error=error.message)
+                return 0
+        count = answer.get("count")
+        if isinstance(count, int) and count > 0:
+            self._metrics.prompt_tokens.observe(count)
+            return count
+        return 0
 
     def _prefill(self, request: ClientRequest, route: Route, headers: dict[str, str], outcome: Outcome):
         async def run() -> dict[str, Any]:

@@ -37,6 +37,10 @@ class GatewayMetrics:
         self.cancelled_transfers = Counter("kvpush_gateway_cancelled_transfers",
                                            "Transfers the gateway cancelled after a failed or abandoned request.",
                                            registry=r)
+        self.prompt_tokens = Histogram("kvpush_gateway_prompt_tokens",
+                                       "Text and chat prompts' token counts from an engine's /tokenize (planning "
+                                       "checks decode's free blocks with them).",
+                                       buckets=(16, 64, 256, 1024, 4096, 16384, 65536, 262144), registry=r)
         self.in_flight = Gauge("kvpush_gateway_requests_in_flight", "Requests being served now.", registry=r)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:

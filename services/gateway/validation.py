@@ -30,7 +30,7 @@ class ClientRequest:
     path: str
     body: dict[str, Any]
     stream: bool
-    prompt_token_count: int  # 0 when unknown (text prompts; the gateway has no tokenizer)
+    prompt_token_count: int  # token-id prompts: their length; 0 for text and chat (counted by an engine's /tokenize)
 
 
 def request_id_from(header_value: str | None) -> str:
@@ -109,6 +109,23 @@ def prefill_body(request: ClientRequest, kv_transfer_params: dict) -> dict:
     for key in ("stream_options", "min_tokens"):
         body.pop(key, None)
     body["kv_transfer_params"] = kv_transfer_params
+    return body
+
+
+# Chat fields that change how messages become tokens (vLLM's /tokenize takes them as /v1/chat/completions does).
+_CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+                         "chat_template_kwargs", "tools", "documents")
+
+
+def tokenize_body(request: ClientRequest) -> dict:
+    """vLLM's /tokenize request for the client's prompt (text) or messages (chat, with its template fields)."""
+    body: dict = {"model": request.body.get("model")} if request.body.get("model") else {}
+    if request.path == CHAT_COMPLETIONS:
+        body["messages"] = request.body["messages"]
+        body.update({k: request.body[k] for k in _CHAT_TEMPLATE_FIELDS if k in request.body})
+    else:
+        prompt = request.body["prompt"]
+        body["prompt"] = prompt[0] if isinstance(prompt, list) else prompt
     return body
 
 

@@ -231,7 +231,7 @@ class _Engines:
         for engine, role in ((self.prefill, tpb.ENGINE_ROLE_PREFILL), (self.decode, tpb.ENGINE_ROLE_DECODE)):
             self.client.start_registration(dpb.RegisterEngineRequest(
                 engine_id=f"image-{engine.name}", role=role, tp_rank=0, tp_size=1, agent_name=f"agent-{engine.name}",
-                agent_metadata=b"md", layout=layout, endpoint=engine.url))
+                agent_metadata=b"md", layout=layout, endpoint=engine.url, model="tiny"))
 
     def stop(self) -> None:
         self.client.close()

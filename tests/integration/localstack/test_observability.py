@@ -188,3 +188,42 @@ def test_log_lines_of_the_request_carry_its_trace_id(traffic, local_stack):
         for line in lines:
             assert line["trace_id"] == CLIENT_TRACE_ID, line
             assert line["span_id"] and line["request_id"] == "observed-0", line
+
+
+def test_engines_report_load_model_and_one_compatibility_hash(traffic, local_stack):
+    """Each engine registered its served model and the same non-empty compatibility hash; after steps ran, its
+    renewals carry a free-block count within its cache."""
+    client = SyncDirectoryClient(ChannelConfig(address=local_stack.directory.address, timeout_s=5.0))
+    try:
+        deadline = time.monotonic() + 30  # renewals come every lease ttl / 3 (10 s here)
+        while True:
+            engines = client.list_engines()
+            if all(e.HasField("load") for e in engines) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        client.close()
+    assert {e.model for e in engines} == {"tiny"}
+    hashes = {e.layout.compatibility_hash for e in engines}
+    assert len(hashes) == 1 and len(next(iter(hashes))) == 16
+    for engine in engines:
+        assert engine.HasField("load"), engine.engine_id
+        assert 0 < engine.load.free_block_count <= engine.layout.block_count
+
+
+def test_gateway_counts_chat_prompt_tokens_with_the_engine(local_stack):
+    """A chat request is tokenized by the prefill engine before planning: the gateway's histogram grows by the
+    engine's own count for those messages."""
+    messages = [{"role": "user", "content": "Count the tokens of this sentence, please."}]
+    expected = call("POST", local_stack.prefill.url + "/tokenize", {"model": "tiny", "messages": messages,
+                                                                     "add_generation_prompt": True})
+    assert expected.status == 200, expected.text
+    url = local_stack.metrics_urls()["gateway"]
+    before = _scrape(url)
+    answer = call("POST", local_stack.gateway_url + "/v1/chat/completions",
+                  {"model": "tiny", "messages": messages, "max_tokens": 2, "add_generation_prompt": True},
+                  timeout_s=120)
+    assert answer.status == 200, answer.text
+    after = _scrape(url)
+    assert _value(after, "kvpush_gateway_prompt_tokens_sum") - _value(before, "kvpush_gateway_prompt_tokens_sum") \
+        == expected.body["count"]
