@@ -33,7 +33,13 @@ from kvpush.services.gateway.config import GatewayConfig
 from kvpush.services.gateway.errors import GatewayError, bad_gateway
 from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.routing import Route, Router, pull_decode_params
-from kvpush.services.gateway.validation import ClientRequest, decode_body, prefill_body, tokenize_body
+from kvpush.services.gateway.validation import (
+    ClientRequest,
+    decode_body,
+    prefill_body,
+    prompt_token_upper_bound,
+    tokenize_body,
+)
 
 _log = get_logger("gateway.dispatch")
 _tracer = get_tracer("kvpush.gateway")
@@ -118,11 +124,27 @@ class Dispatcher:
                    outcome: Outcome) -> web.StreamResponse:
         traceparent = current_traceparent()
         model = request.body.get("model") if isinstance(request.body.get("model"), str) else ""
-        prompt_token_count = request.prompt_token_count or await self._count_prompt_tokens(request, model)
+        prompt_token_count = request.prompt_token_count
+        bound = prompt_token_upper_bound(request) if not prompt_token_count and self._config.count_prompt_tokens else 0
+        if bound and await self._router.fits_every_decode_engine(bound, model):
+            # Even the byte-length bound fits every decode engine: the free-block check passes with it as with
+            # the exact count, so the /tokenize round trip is skipped (it would only add to TTFT).
+            prompt_token_count = bound
+        elif not prompt_token_count:
+            prompt_token_count = await self._count_prompt_tokens(request, model)
+            bound = 0
         planning = time.monotonic()
         with _tracer.start_as_current_span("gateway.plan") as span:
             span.set_attribute("kvpush.prompt_token_count", prompt_token_count)
-            route = await self._router.plan(request_id, prompt_token_count, traceparent, model)
+            span.set_attribute("kvpush.prompt_token_count_is_bound", bool(bound))
+            try:
+                route = await self._router.plan(request_id, prompt_token_count, traceparent, model)
+            except GatewayError as error:
+                if not bound or error.status != 503:
+                    raise
+                # The directory's view of free blocks was tighter than the cached one: plan with the exact count.
+                route = await self._router.plan(request_id, await self._count_prompt_tokens(request, model),
+                                                traceparent, model)
         outcome.plan_ms = (time.monotonic() - planning) * 1000
         outcome.transfer_id = route.transfer_id
         remember_transfer(route.transfer_id, request_id, trace.get_current_span())

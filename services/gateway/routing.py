@@ -57,6 +57,9 @@ class Router(Protocol):
     async def tokenizer_url(self, model: str) -> str | None:
         """An engine URL whose /tokenize counts prompt tokens for `model` (None: do not count)."""
 
+    async def fits_every_decode_engine(self, token_count: int, model: str) -> bool:
+        """True when every decode engine for `model` last reported room for `token_count` tokens."""
+
     async def cancel(self, route: Route, reason: str) -> None:
         """Give up a route after a failed leg (never raises)."""
 
@@ -126,6 +129,18 @@ class DirectoryRouter:
             if engine.role == types_pb2.ENGINE_ROLE_PREFILL and engine.endpoint and (not model or engine.model == model):
                 return engine.endpoint.rstrip("/")
         return None
+
+    async def fits_every_decode_engine(self, token_count: int, model: str) -> bool:
+        """From the cached engine list: every decode worker for `model` has free blocks for `token_count` tokens."""
+        decodes = [e for e in await self._registered()
+                   if e.role == types_pb2.ENGINE_ROLE_DECODE and (not model or e.model == model)]
+        if not decodes:
+            return False
+        for engine in decodes:
+            free = engine.load.free_block_count if engine.HasField("load") else engine.layout.block_count
+            if free * engine.layout.block_size_tokens < token_count:
+                return False
+        return True
 
     async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "") -> Route:
         """PlanTransfer (by model), then build the kvpush legs' params from the transfer id and endpoints."""
@@ -217,6 +232,10 @@ class StaticRouter:
     async def tokenizer_url(self, model: str) -> str | None:
         """None: vLLM's connectors plan nothing, so nothing needs the count."""
         return None
+
+    async def fits_every_decode_engine(self, token_count: int, model: str) -> bool:
+        """Nothing is checked for static engines."""
+        return True
 
     async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "") -> Route:
         """Static engines; params as vLLM's own proxies build them."""

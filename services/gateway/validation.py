@@ -117,6 +117,20 @@ _CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "add
                          "chat_template_kwargs", "tools", "documents")
 
 
+# Tokens a text prompt can have beyond its UTF-8 bytes: byte-level BPE and SentencePiece with byte fallback never
+# make a token of less than one byte, so only special tokens and a dummy prefix come on top.
+_SPECIAL_TOKEN_MARGIN = 16
+
+
+def prompt_token_upper_bound(request: ClientRequest) -> int:
+    """An upper bound on a text prompt's token count from its length in bytes (0: no bound, e.g. chat)."""
+    if request.path != COMPLETIONS:
+        return 0  # a chat template adds an unknown number of tokens
+    prompt = request.body["prompt"]
+    text = prompt[0] if isinstance(prompt, list) else prompt
+    return len(text.encode("utf-8")) + _SPECIAL_TOKEN_MARGIN if isinstance(text, str) else 0
+
+
 def tokenize_body(request: ClientRequest) -> dict:
     """vLLM's /tokenize request for the client's prompt (text) or messages (chat, with its template fields)."""
     body: dict = {"model": request.body.get("model")} if request.body.get("model") else {}

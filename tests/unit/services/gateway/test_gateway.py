@@ -376,9 +376,22 @@ def test_chat_prompt_is_counted_with_its_template_fields(gw):
 def test_tokenizer_failure_only_skips_the_free_block_check(gw):
     """When /tokenize fails (500) the request is still served, planned without a prompt length."""
     gw.prefill.tokenize_status = 500
-    result = _complete(gw, {"model": "tiny", "prompt": "hello there", "max_tokens": 2})
+    result = _complete(gw, {"model": "tiny", "prompt": " ".join(["abcdefgh"] * 300), "max_tokens": 2})
     assert result.status == 200, result.text
     assert gw.prefill.tokenized and gw.decode.legs
+
+
+def test_short_text_prompt_skips_tokenize_when_its_byte_bound_fits(gw):
+    """A text prompt whose UTF-8 length (+16) fits every decode engine's free blocks is planned with that bound,
+    without a /tokenize round trip; a longer one is counted exactly and then fits."""
+    short = _complete(gw, {"model": "tiny", "prompt": "hello there", "max_tokens": 2})
+    assert short.status == 200, short.text
+    assert not gw.prefill.tokenized
+    assert gw.transfer(short.headers["x-kvpush-transfer-id"]).prompt_token_count == len("hello there") + 16
+    longer = _complete(gw, {"model": "tiny", "prompt": " ".join(["abcdefgh"] * 600), "max_tokens": 2})
+    assert longer.status == 200, longer.text  # 5399 bytes exceed 1024 tokens of cache; 600 tokens do not
+    assert len(gw.prefill.tokenized) == 1
+    assert gw.transfer(longer.headers["x-kvpush-transfer-id"]).prompt_token_count == 600
 
 
 def test_unknown_model_is_404_naming_the_served_models(gw):
