@@ -20,6 +20,11 @@ Not `SupportsHMA`: a transfer carries one list of decode blocks and failures are
 manager off, which full-attention models do not need; sliding-window or hybrid SSM models would need
 per-group block lists in the directory API first.
 
+Operations hooks here (not in the halves): each worker registers its served model and a compatibility hash
+(`metadata.compatibility_hash`), renews its lease with the engine's load (the scheduler reads free blocks from the
+block pool each step and passes them in the step's metadata), and feeds `connector.metrics` from WRITE
+settlements, push timelines and finished receives (served on `metrics_port + tp_rank`).
+
 Unlike vLLM's NIXL connectors this never pins CPU cores, and its NIXL agent runs with the progress
 thread off and every NIXL call on the data plane's one I/O thread.
 """

@@ -287,3 +287,23 @@ def test_sagemaker_serve_starts_the_gateway_on_port_8080() -> None:
     argv = shlex.split(line.replace('"${SAGEMAKER_BIND_TO_PORT:-8080}"', "8080"))[4:-1]  # drop exec python -m M, "$@"
     gateway = parse_gateway_args([*argv, "--directory", "d:50051"])
     assert (gateway.host, gateway.port) == ("0.0.0.0", 8080)
+
+
+def test_ec2_runbook_commands_use_flags_that_exist():
+    """The EC2/EFA run-book's directory command parses, its connector config is accepted, and the link check's
+    benchmark flags exist."""
+    text = (DEPLOY / "ec2-efa" / "README.md").read_text()
+    joined = text.replace("\\\n", " ")
+    directory_line = next(line for line in joined.splitlines() if line.strip().startswith("kvpush directory"))
+    argv = shlex.split(directory_line.split("#")[0].replace('"$KVPUSH_DIRECTORY_TOKEN"', "t"))[1:]
+    args = build_parser().parse_args(argv)
+    assert (args.port, args.metrics_port) == (50051, 9090)
+    bench = (ROOT / "bench" / "dataplane_bench.py").read_text()
+    for flag in re.findall(r"dataplane_bench\.py ((?:--[a-z-]+ ?\S* ?)+)", text):
+        for name in re.findall(r"--[a-z-]+", flag):
+            assert f'"{name}"' in bench, f"bench/dataplane_bench.py has no {name}"
+    extra = re.search(r'"kv_connector_extra_config":\{(.*?)\}\}', text, re.S).group(1)
+    extra = re.sub(r"'\"\$\([^)]*\)\"'|'\"\$[A-Z_]+\"'", "x", extra).replace("\n", " ")
+    config = json.loads("{" + extra + "}")
+    parsed = ConnectorConfig.from_extra_config(config, role="prefill", engine_id="p")
+    assert parsed.nixl_backends == ("LIBFABRIC",) and parsed.metrics_port == 9400
