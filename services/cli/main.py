@@ -155,11 +155,12 @@ async def _engines(args: argparse.Namespace) -> int:
         print(_to_json(workers))
         return 0
     rows = [(w.engine_id, _short_enum(tpb.EngineRole, w.role, "ENGINE_ROLE_"), f"{w.tp_rank}/{w.tp_size}",
-             w.agent_name, w.layout.layer_count, w.layout.block_count,
-             w.load.free_block_count if w.HasField("load") else "-", w.active_transfer_count,
-             _ts(w.lease_expire_time), w.endpoint or "-") for w in workers]
-    print(_table(["ENGINE", "ROLE", "RANK", "AGENT", "LAYERS", "BLOCKS", "FREE", "ACTIVE", "LEASE_UNTIL",
-                  "ENDPOINT"], rows))
+             w.agent_name, w.model or "-", w.layout.layer_count, w.layout.block_count,
+             w.load.free_block_count if w.HasField("load") else "-",
+             f"{w.load.running_request_count}/{w.load.waiting_request_count}" if w.HasField("load") else "-",
+             w.active_transfer_count, _ts(w.lease_expire_time), w.endpoint or "-") for w in workers]
+    print(_table(["ENGINE", "ROLE", "RANK", "AGENT", "MODEL", "LAYERS", "BLOCKS", "FREE", "RUN/WAIT", "ACTIVE",
+                  "LEASE_UNTIL", "ENDPOINT"], rows))
     return 0
 
 
