@@ -24,7 +24,12 @@ after the writer saw the transfer done (CLOCK_MONOTONIC is shared by the two pro
                       NIXL's own ceiling, so the writer's overhead shows
 
 Usage:  python bench/dataplane_bench.py [--tokens 2048] [--reps 5] [--num-threads 0] [--prog-thread] [--telemetry]
-Prints JSON and writes bench/results/dataplane_bench.json. The GPU variant (dataplane_gpu_bench.py)
+Prints JSON and writes bench/results/dataplane_bench.json.
+
+Two hosts (checking a P->D link, e.g. EFA with --backend LIBFABRIC; deploy/ec2-efa/README.md): on the decode
+host `--serve-decode 0.0.0.0:PORT` runs the decode side and waits for one prefill host; on the prefill host
+`--decode-at DHOST:PORT` runs the cases against it. Both read the shared secret KVPUSH_BENCH_AUTHKEY, and
+need the same --tokens/--backend/--num-threads. Notification lags then mix two hosts' clocks: ignore them. The GPU variant (dataplane_gpu_bench.py)
 reuses the receiver and the cases with torch tensors on two GPUs.
 """
 
@@ -138,6 +143,24 @@ def receiver_main(conn: Any, shape: KVShape, device: str, config: dict[str, Any]
             return
 
 
+def _authkey() -> bytes:
+    key = os.environ.get("KVPUSH_BENCH_AUTHKEY", "")
+    if not key:
+        raise SystemExit("set KVPUSH_BENCH_AUTHKEY to the same secret on both hosts")
+    return key.encode()
+
+
+def serve_decode(address: str, shape: KVShape, config: dict[str, Any]) -> None:
+    """Decode host: accept one prefill host, then serve its commands until it says exit."""
+    from multiprocessing.connection import Listener
+
+    host, _, port = address.rpartition(":")
+    with Listener((host, int(port)), authkey=_authkey()) as listener:
+        print(f"decode side listening on {address}; waiting for the prefill host", flush=True)
+        with listener.accept() as conn:
+            receiver_main(conn, shape, "cpu", config, "bench-decode")
+
+
 class Receiver:
     """Handle on the decode process."""
 
@@ -176,6 +199,25 @@ class Receiver:
             self.conn.send(("exit", None))
             self.conn.poll(30) and self.conn.recv()
         self.process.join(30)
+
+
+class RemoteReceiver(Receiver):
+    """Handle on a decode side served by `--serve-decode` on another host (the same commands, over TCP)."""
+
+    def __init__(self, address: str) -> None:  # noqa: D107 - no process to start: connect instead
+        from multiprocessing.connection import Client
+
+        host, _, port = address.rpartition(":")
+        self.conn = Client((host, int(port)), authkey=_authkey())
+        if not self.conn.poll(300):
+            raise RuntimeError(f"decode side at {address} did not answer")
+        self.metadata, layout_bytes = self.conn.recv()
+        self.layout = KVLayoutSpec.from_proto(types_pb2.KVLayout.FromString(layout_bytes))
+        self.name = "bench-decode"
+
+    def close(self) -> None:
+        self.conn.send(("exit", None))
+        self.conn.poll(30) and self.conn.recv()
 
 
 # ---- prefill side -------------------------------------------------------------------------------
@@ -402,10 +444,16 @@ def main() -> None:
     parser.add_argument("--prog-thread", action="store_true", help="NIXL progress thread on (paced, 100 us)")
     parser.add_argument("--skip-mismatch", action="store_true")
     parser.add_argument("--telemetry", action="store_true", help="NIXL per-transfer telemetry (costs on CPU)")
+    parser.add_argument("--backend", default="UCX", help="NIXL backend: UCX, or LIBFABRIC on EFA")
+    parser.add_argument("--serve-decode", metavar="HOST:PORT", help="run only the decode side, for a prefill host")
+    parser.add_argument("--decode-at", metavar="HOST:PORT", help="write to a decode side on another host")
     args = parser.parse_args()
     shape = KVShape(blocks=max(64, 2 * args.tokens // 128))
     config = {"num_threads": args.num_threads, "enable_prog_thread": args.prog_thread,
-              "capture_telemetry": args.telemetry}
+              "capture_telemetry": args.telemetry, "backends": (args.backend,)}
+    if args.serve_decode:
+        serve_decode(args.serve_decode, shape, config)
+        return
     n_blocks = args.tokens // 128
     request_bytes = shape.layers * n_blocks * shape.block_bytes
     results: dict[str, Any] = {
@@ -413,7 +461,8 @@ def main() -> None:
         "shape": asdict(shape), "tokens": args.tokens, "request_bytes": request_bytes, "config": config, "cases": [],
     }
     cases: list[CaseResult] = [memcpy_case(request_bytes, max(args.reps, 5))]
-    receiver = Receiver(shape, "cpu", config)
+    receiver = RemoteReceiver(args.decode_at) if args.decode_at else Receiver(shape, "cpu", config)
+    results["decode_at"] = args.decode_at or "local process"
     kv = host_kv(shape, random=True)
     agent = TransferAgent("bench-prefill", NixlConfig(**config))
     agent.register(kv, shape.block_size, shape.heads, shape.head_size, LAYOUT_HINT)

@@ -50,6 +50,8 @@ class ConnectorConfig:
     idle_step_wait_s: on a step that schedules no tokens while transfers are in flight, the worker waits
         this long at most for a transfer signal before returning to vLLM (default 0.004; 0 = never wait).
         Ends early on any signal; spares the CPU that back-to-back empty steps would burn.
+    metrics_port: serve this engine's kvpush_connector_* Prometheus metrics over HTTP (default 0: off): the
+        worker of TP rank r on metrics_port + r, at /metrics (`connector.metrics`).
     fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it
         plans no more, as a stuck or dying writer would (default None: off). Fault-injection tests use it to
         kill a prefill engine while a transfer is really half-written.
@@ -69,6 +71,7 @@ class ConnectorConfig:
     push_timeout_s: float = 60.0
     message_queue_poll_s: float | None = 0.0001
     idle_step_wait_s: float = 0.004
+    metrics_port: int = 0
     fault_stall_after_writes: int | None = None
 
     @property
@@ -135,6 +138,7 @@ class ConnectorConfig:
             message_queue_poll_s=_seconds(extra, "message_queue_poll_s", 0.0001 if cpu_platform else None,
                                           high=0.01, nullable=True),
             idle_step_wait_s=_seconds(extra, "idle_step_wait_s", 0.004, low_included=True, high=0.1),
+            metrics_port=_int(extra, "metrics_port", 0, minimum=0, maximum=65535),
             fault_stall_after_writes=(_int(extra, "fault_stall_after_writes", 0, minimum=0, maximum=1 << 30)
                                       if extra.get("fault_stall_after_writes") is not None else None),
         )

@@ -20,6 +20,11 @@ Not `SupportsHMA`: a transfer carries one list of decode blocks and failures are
 manager off, which full-attention models do not need; sliding-window or hybrid SSM models would need
 per-group block lists in the directory API first.
 
+Operations hooks here (not in the halves): each worker registers its served model and a compatibility hash
+(`metadata.compatibility_hash`), renews its lease with the engine's load (the scheduler reads free blocks from the
+block pool each step and passes them in the step's metadata), and feeds `connector.metrics` from WRITE
+settlements, push timelines and finished receives (served on `metrics_port + tp_rank`).
+
 Unlike vLLM's NIXL connectors this never pins CPU cores, and its NIXL agent runs with the progress
 thread off and every NIXL call on the data plane's one I/O thread.
 """
@@ -72,6 +77,11 @@ class KVPushConnector(KVConnectorBase_V1):
         self._link: Any = None
         self._agent: Any = None
         self._load_errors: set[int] = set()
+        self._metrics: Any = None
+        # Load as the scheduler last saw it (worker side, from the step's metadata); requests it holds (scheduler).
+        self._engine_load: tuple[int, int, int] | None = None
+        self._block_pool: Any = None
+        self._known_requests: set[str] = set()
         from kvpush.connector.engine_spin import pace_message_queue_spin
 
         pace_message_queue_spin(self.config.message_queue_poll_s)
@@ -114,29 +124,63 @@ class KVPushConnector(KVConnectorBase_V1):
         self._link = DirectoryLink(self.config, f"kvpush-worker{tp_rank}-directory")
         on_gpu = next(iter(kv_caches.values())).device.type == "cuda"
         layout = self._agent.layout.to_proto()
+        layout.compatibility_hash = self._compatibility_hash(num_kv_heads, head_size, len(layer_names))
+        model = str(getattr(model_config, "served_model_name", None) or model_config.model)
         role = tpb.ENGINE_ROLE_PREFILL if self.config.is_prefill else tpb.ENGINE_ROLE_DECODE
+        from kvpush.connector import metrics
+
+        self._metrics = metrics.WorkerMetrics(self.config.engine_id, self.config.role, tp_rank)
+        if self.config.metrics_port:
+            metrics.serve(self.config.metrics_port + tp_rank)
+        observed = self._metrics
         if self.config.is_prefill:
             from kvpush.connector.worker.prefill import PrefillWorker
             from kvpush.connector.worker.transport import PushTransport
 
             worker = PrefillWorker(self.config, self._link, layer_names, self._block_size, on_gpu=on_gpu)
-            worker.attach_transport(PushTransport(self._agent, worker.on_write_done, worker.on_writer_quiet))
+            worker.attach_transport(PushTransport(
+                self._agent, lambda done: (observed.on_write_done(done), worker.on_write_done(done)),
+                lambda quiet: (observed.on_writer_quiet(quiet), worker.on_writer_quiet(quiet))))
             self._link.register(role, tp_rank, tp_size, self._agent.agent_name, self._agent.agent_metadata(), layout,
-                                on_lease_lost=lambda lease, reason: worker.on_session_lost())
-            self._link.open_prefill_session(worker.on_instruction, worker.on_cancellation, worker.on_rejection,
-                                            worker.on_session_lost)
+                                on_lease_lost=lambda lease, reason: (observed.on_lease_lost(), worker.on_session_lost()),
+                                model=model, load_callback=self._load)
+            session = self._link.open_prefill_session(worker.on_instruction, worker.on_cancellation,
+                                                      worker.on_rejection, worker.on_session_lost)
+            observed.watch_backlog(lambda: session.queued_message_count)
         else:
             from kvpush.connector.dataplane.listener import NotificationListener
             from kvpush.connector.worker.decode import DecodeWorker
 
             worker = DecodeWorker(self.config, self._link, self._block_size)
             NotificationListener(self._agent, worker.on_notification)
-            self._link.register(role, tp_rank, tp_size, self._agent.agent_name, self._agent.agent_metadata(), layout)
+            self._link.register(role, tp_rank, tp_size, self._agent.agent_name, self._agent.agent_metadata(), layout,
+                                on_lease_lost=lambda lease, reason: observed.on_lease_lost(), model=model,
+                                load_callback=self._load)
             self._link.watch(worker.on_event, worker.on_gap)
         self._worker = worker
         _log.info("kvpush connector worker ready", engine_id=self.config.engine_id, role=self.config.role,
                   tp_rank=tp_rank, tp_size=tp_size, agent=self._agent.agent_name, layers=len(layer_names),
                   layout=self._agent.layout.layout_name, blocks=self._agent.layout.block_count)
+
+    def _compatibility_hash(self, num_kv_heads: int, head_size: int, layer_count: int) -> str:
+        import vllm
+
+        from kvpush.connector.metadata import compatibility_hash
+
+        model_config, cache_config = self._vllm_config.model_config, self._vllm_config.cache_config
+        return compatibility_hash(
+            model=str(model_config.model), dtype=str(model_config.dtype), cache_dtype=str(cache_config.cache_dtype),
+            kv_layout=self._agent.layout.layout_name, num_kv_heads=num_kv_heads, head_size=head_size,
+            block_size=self._block_size, layer_count=layer_count, vllm_version=str(vllm.__version__))
+
+    def _load(self) -> Any:
+        """This engine's load for a lease renewal (client thread): the scheduler's latest, None before a step."""
+        from kvpush.v1 import types_pb2 as tpb
+
+        load = self._engine_load
+        if load is None:
+            return None
+        return tpb.EngineLoad(free_block_count=load[0], running_request_count=load[1], waiting_request_count=load[2])
 
     # ================================================================ worker side
 
@@ -147,8 +191,12 @@ class KVPushConnector(KVConnectorBase_V1):
             raise TypeError(f"KVPushConnector worker got metadata {type(connector_metadata).__name__} "
                             f"version {getattr(connector_metadata, 'wire_version', None)}; expected "
                             f"KVPushMetadata version {WIRE_VERSION}")
+        if connector_metadata.engine_load is not None:
+            self._engine_load = connector_metadata.engine_load
         if self._worker is not None:
             self._worker.begin_step(connector_metadata)
+            if connector_metadata.receives:
+                self._metrics.on_receives_begun([start.request_id for start in connector_metadata.receives])
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Nothing to start: pushed KV is written into our blocks by prefill, one-sided."""
@@ -183,6 +231,7 @@ class KVPushConnector(KVConnectorBase_V1):
         if self.config.is_prefill:
             return self._worker.get_finished_sending(finished_req_ids), None
         finished, load_errors = self._worker.collect()
+        self._metrics.on_receives_finished(finished, self._worker.completed_count, self._worker.failed_count)
         self._load_errors |= load_errors
         return None, finished
 
@@ -194,7 +243,10 @@ class KVPushConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Push timelines of transfers that ended (prefill), for the response's kv_transfer_params."""
         if self.config.is_prefill and self._worker is not None:
-            return self._worker.build_worker_meta()
+            meta = self._worker.build_worker_meta()
+            if meta is not None:
+                self._metrics.on_timelines(meta.timelines)
+            return meta
         return None
 
     def shutdown(self) -> None:
@@ -208,8 +260,13 @@ class KVPushConnector(KVConnectorBase_V1):
 
     # ================================================================ scheduler side
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Keep the block pool: each step's metadata carries its free-block count to the workers (EngineLoad)."""
+        self._block_pool = gpu_block_pool
+
     def on_new_request(self, request: "Request") -> None:
-        """Track a request that carries kvpush kv_transfer_params."""
+        """Track a request that carries kvpush kv_transfer_params (and count it for the engine's load)."""
+        self._known_requests.add(request.request_id)
         self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -222,8 +279,14 @@ class KVPushConnector(KVConnectorBase_V1):
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        """This step's chunks / receives / holds for the workers (does not modify scheduler_output)."""
-        return self._scheduler.build_connector_meta(scheduler_output)
+        """This step's chunks / receives / holds for the workers, and the engine's load (does not modify
+        scheduler_output)."""
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._block_pool is not None:
+            running = len(scheduler_output.num_scheduled_tokens)
+            meta.engine_load = (self._block_pool.get_num_free_blocks(), running,
+                                max(0, len(self._known_requests) - running))
+        return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         """Release holds and forget receives the workers reported; merge push timelines."""
@@ -231,6 +294,7 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Exactly once per request, before its blocks are freed: hold them while pushes may still touch them."""
+        self._known_requests.discard(request.request_id)
         return self._scheduler.request_finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:

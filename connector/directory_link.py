@@ -79,13 +79,18 @@ class DirectoryLink:
     # ---------------------------------------------------------------- worker start-up and streams
 
     def register(self, role: int, tp_rank: int, tp_size: int, agent_name: str, agent_metadata: bytes,
-                 layout: tpb.KVLayout, on_lease_lost: Callable[[str, str], None] | None = None) -> EngineRegistration:
-        """Register this worker and keep its lease alive (blocking, bounded by the client's retry budget)."""
+                 layout: tpb.KVLayout, on_lease_lost: Callable[[str, str], None] | None = None, model: str = "",
+                 load_callback: Callable[[], tpb.EngineLoad | None] | None = None) -> EngineRegistration:
+        """Register this worker and keep its lease alive (blocking, bounded by the client's retry budget).
+
+        load_callback (client thread, must not block) gives the load each renewal reports.
+        """
         request = dpb.RegisterEngineRequest(
             engine_id=self._config.engine_id, role=role, tp_rank=tp_rank, tp_size=tp_size, agent_name=agent_name,
-            agent_metadata=agent_metadata, layout=layout, endpoint=self._config.engine_endpoint)
+            agent_metadata=agent_metadata, layout=layout, endpoint=self._config.engine_endpoint, model=model)
         try:
-            self.registration = self.client.start_registration(request, on_lease_lost=on_lease_lost)
+            self.registration = self.client.start_registration(request, on_lease_lost=on_lease_lost,
+                                                               load_callback=load_callback)
         except (DirectoryCallError, TimeoutError) as exc:
             raise RuntimeError(
                 f"kvpush: cannot register engine {self._config.engine_id!r} rank {tp_rank} with the directory at "

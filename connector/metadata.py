@@ -14,6 +14,9 @@ Everything here is plain data (dataclasses of str/int/float/lists), so any execu
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +69,17 @@ class ReceiveStart:
         return self.block_ids[first:last]
 
 
+def compatibility_hash(*, model: str, dtype: str, cache_dtype: str, kv_layout: str, num_kv_heads: int,
+                       head_size: int, block_size: int, layer_count: int, vllm_version: str) -> str:
+    """A short hash over everything that makes one engine's KV unreadable by another (KVLayout.compatibility_hash).
+
+    Every engine sets it at registration; the directory pairs a prefill and a decode engine only when equal.
+    """
+    factors = dict(model=model, dtype=dtype, cache_dtype=cache_dtype, kv_layout=kv_layout, num_kv_heads=num_kv_heads,
+                   head_size=head_size, block_size=block_size, layer_count=layer_count, vllm_version=vllm_version)
+    return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
+
+
 @dataclass
 class KVPushMetadata(KVConnectorMetadata):
     """Scheduler → worker data for one step.
@@ -89,6 +103,9 @@ class KVPushMetadata(KVConnectorMetadata):
     failed_receives: list[tuple[str, str]] = field(default_factory=list)
     # True when the step schedules no tokens (vLLM still runs the connector hooks).
     empty_step: bool = False
+    # (free blocks, running requests, waiting requests) as the scheduler saw them this step; the worker
+    # reports the latest with each lease renewal (EngineLoad). None: unknown (no block pool bound).
+    engine_load: tuple[int, int, int] | None = None
 
     def is_idle(self) -> bool:
         """True when this step carries no connector work at all."""

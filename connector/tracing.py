@@ -16,6 +16,7 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvpush.observability import configure_tracing, get_tracer
+from kvpush.observability.logs import remember_transfer
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -41,7 +42,15 @@ class TransferSpan:
             name, context=context, kind=trace.SpanKind.INTERNAL,
             attributes={"kvpush.transfer_id": transfer_id, **(attributes or {})},
             start_time=int(start_time_s * 1e9) if start_time_s is not None else None)
+        # Log lines naming this transfer (even after the span ended) carry its trace and span ids.
+        remember_transfer(transfer_id, str((attributes or {}).get("kvpush.request_id", "")), span)
         return cls(span)
+
+    def traceparent(self) -> str:
+        """This span's W3C traceparent ('' when tracing is off), for work done on its behalf elsewhere."""
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(self._span))
+        return carrier.get("traceparent", "")
 
     def event(self, name: str, attributes: dict[str, Any] | None = None, time_s: float | None = None) -> None:
         """Add a timestamped event."""

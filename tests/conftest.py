@@ -58,9 +58,9 @@ class PDStack:
     colocated: EngineHandle
 
 
-# Suites whose engines live only as long as their module; they run first, before session-long engines of
-# other suites are up (the machine holds about seven ~3 GiB engines at most).
-_RUN_FIRST = ("tests/integration/localstack/test_pd_gateway.py",)
+# Suites whose engines live only as long as their folder (localstack's `local_stack`); they run first, before
+# session-long engines of other suites are up (the machine holds about seven ~3 GiB engines at most).
+_RUN_FIRST = ("tests/integration/localstack/",)
 
 
 def pytest_configure(config):
@@ -72,7 +72,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Move the module-scoped real-engine suites to the front (stable otherwise)."""
+    """Move the folder-scoped real-engine suites to the front (stable otherwise)."""
     first = [item for item in items if item.nodeid.startswith(_RUN_FIRST)]
     if first:
         chosen = set(map(id, first))

@@ -190,7 +190,7 @@ class PrefillWorker:
                                       {"kvpush.request_id": chunk.request_id,
                                        "kvpush.prompt_token_count": chunk.prompt_token_count,
                                        "kvpush.cached_token_count": chunk.cached_token_count})
-            live = _Live(push, chunk.trace_context, span)
+            live = _Live(push, span.traceparent() or chunk.trace_context, span)  # writes: children of the push
             self._live[chunk.request_id] = live
             self._by_transfer[chunk.transfer_id] = chunk.request_id
         if live.push.terminal:
@@ -426,6 +426,9 @@ class PrefillWorker:
         self._timeline_dirty.add(request_id)
         live.push.write_finished(done.ok, done.error, done.end_time, done.post_duration_s, done.descriptor_count,
                                  done.bytes_written)
+        if done.ok:
+            ends = live.push.timing.layer_write_end_times
+            ends[done.layer] = max(ends.get(done.layer, 0.0), done.end_time)
         live.span.event("layer_write" if done.ok else "layer_write_failed",
                         {"kvpush.layer": done.layer, "kvpush.bytes": done.bytes_written,
                          "kvpush.descriptor_count": done.descriptor_count,
@@ -566,6 +569,8 @@ def _timing_proto(timing: Any) -> Any:
             stamp = timestamp_pb2.Timestamp()
             stamp.FromNanoseconds(int(value * 1e9))
             getattr(proto, name).CopyFrom(stamp)
+    for layer in sorted(timing.layer_write_end_times):
+        proto.layer_writes.add(layer=layer).end_time.FromNanoseconds(int(timing.layer_write_end_times[layer] * 1e9))
     proto.post_duration.CopyFrom(duration_pb2.Duration(seconds=int(timing.post_duration_s),
                                                        nanos=int((timing.post_duration_s % 1) * 1e9)))
     return proto

@@ -54,6 +54,8 @@ class PushTiming:
     # Layer writes (one layer of one chunk's blocks each) that landed before prefill ended.
     writes_before_prefill_end_count: int = 0
     write_end_times: list[float] = field(default_factory=list)
+    # layer -> when its last successful write ended (for the directory's per-layer timeline).
+    layer_write_end_times: dict[int, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float | int | None]:
         """Plain values for kv_transfer_params / worker metadata."""

@@ -93,6 +93,12 @@ class LocalStack:
     # Mutual TLS with per-engine identities on every directory channel (certificates made in log_dir/pki).
     mutual_tls: bool = False
     pki: StackPKI | None = None
+    # Environment of the directory and the gateway (e.g. OTEL_* to export their spans).
+    service_env: dict[str, str] = field(default_factory=dict)
+    # Prometheus /metrics of the directory and each engine's connector, on free ports (the gateway's is on its own).
+    serve_metrics: bool = True
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    gateway_port: int | None = None  # None: a free one
 
     def _say(self, message: str) -> None:
         if self.progress:
@@ -109,36 +115,58 @@ class LocalStack:
                 self.pki = make_stack_pki(self.log_dir / "pki", [PREFILL_ENGINE_ID, DECODE_ENGINE_ID])
             tls_args = self.pki.directory_args() if self.pki else []
             # 30 s leases: on a 2-core machine shared with engines a renewal can be late by seconds.
-            self.directory = start_directory(self.log_dir, progress=self.progress,
-                                             extra_args=[*DIRECTORY_ARGS, *tls_args])
+            directory_args = [*DIRECTORY_ARGS, *tls_args]
+            if self.serve_metrics:
+                self.metrics_ports = {name: free_port() for name in ("directory", "prefill", "decode")}
+                directory_args += ["--metrics-port", str(self.metrics_ports["directory"])]
+            self.directory = start_directory(self.log_dir, progress=self.progress, extra_args=directory_args,
+                                             env=self._env("kvpush-directory"))
             self._say(f"[stack] directory ready at {self.directory.address}")
             self._launch_engines()
             self._wait_engines(started)
             self.gateway = start_gateway(self.log_dir, directory_address=self.directory.address,
-                                         progress=self.progress,
-                                         env=self.pki.client_env("operator") if self.pki else None)
+                                         progress=self.progress, port=self.gateway_port,
+                                         env={**self._env("kvpush-gateway"),
+                                              **(self.pki.client_env("operator") if self.pki else {})})
             self._say(f"[stack] gateway ready at {self.gateway.url} ({time.monotonic() - started:.0f} s in all)")
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _env(self, service_name: str) -> dict[str, str]:
+        env = dict(self.service_env)
+        if "OTEL_EXPORTER_OTLP_ENDPOINT" in env:
+            env["OTEL_SERVICE_NAME"] = service_name
+        return env
+
     def _launch_engines(self) -> None:
         assert self.directory is not None and self.model_dir is not None
-        common = dict(model_dir=self.model_dir, env=self.engine_env)
         prefill_port, decode_port = free_port(), free_port()
+
+        def extra(role: str, engine_id: str) -> dict:
+            settings = dict(self.pki.connector_settings(engine_id)) if self.pki else {}
+            if self.serve_metrics:
+                settings["metrics_port"] = self.metrics_ports[role]
+            return settings
+
+        def env(role: str) -> dict[str, str]:  # each engine names itself in traces
+            named = {"OTEL_SERVICE_NAME": f"kvpush-{role}"} if "OTEL_EXPORTER_OTLP_ENDPOINT" in self.engine_env else {}
+            return {**self.engine_env, **named}
+
         self.prefill = launch_engine(EngineSpec(
             name="prefill", port=prefill_port, kv_transfer_config=kv_transfer_config(
                 "kvpush", "prefill", engine_id=PREFILL_ENGINE_ID, directory_address=self.directory.address,
-                engine_endpoint=f"http://127.0.0.1:{prefill_port}",
-                extra=self.pki.connector_settings(PREFILL_ENGINE_ID) if self.pki else None), **common), self.log_dir)
+                engine_endpoint=f"http://127.0.0.1:{prefill_port}", extra=extra("prefill", PREFILL_ENGINE_ID)),
+            model_dir=self.model_dir, env=env("prefill")), self.log_dir)
         self.decode = launch_engine(EngineSpec(
             name="decode", port=decode_port, kv_transfer_config=kv_transfer_config(
                 "kvpush", "decode", engine_id=DECODE_ENGINE_ID, directory_address=self.directory.address,
-                engine_endpoint=f"http://127.0.0.1:{decode_port}",
-                extra=self.pki.connector_settings(DECODE_ENGINE_ID) if self.pki else None), **common), self.log_dir)
+                engine_endpoint=f"http://127.0.0.1:{decode_port}", extra=extra("decode", DECODE_ENGINE_ID)),
+            model_dir=self.model_dir, env=env("decode")), self.log_dir)
         if self.with_colocated:
-            self.colocated = launch_engine(EngineSpec(name="colocated", **common), self.log_dir)
+            self.colocated = launch_engine(EngineSpec(name="colocated", model_dir=self.model_dir,
+                                                      env=env("colocated")), self.log_dir)
         self._say("[stack] launched prefill, decode" + (" and colocated" if self.with_colocated else "")
                   + " vLLM engines (CPU, eager); loading takes about a minute on 2 cores")
 
@@ -147,6 +175,18 @@ class LocalStack:
             remaining = max(1.0, self.engine_timeout_s - (time.monotonic() - started))
             took = handle.wait_ready(remaining, progress=self.progress)
             self._say(f"[stack] {handle.spec.name} engine ready at {handle.url} ({took:.0f} s)")
+
+    def processes(self) -> list:
+        """Every ManagedProcess started so far (directory, engines, gateway)."""
+        handles = [self.directory, *self.engines(), self.gateway]
+        return [h.process for h in handles if h is not None]
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Where each process serves Prometheus metrics (empty until started, or with serve_metrics off)."""
+        urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
+        if self.gateway is not None:
+            urls["gateway"] = self.gateway.url + "/metrics"
+        return urls
 
     def engines(self) -> list[EngineHandle]:
         """The engines started so far."""

@@ -1,8 +1,14 @@
 """structlog set-up: JSON lines in production, a console renderer for a person at a TTY.
 
 `KVPUSH_LOG_FORMAT` = `json` | `console` overrides the TTY guess; `KVPUSH_LOG_LEVEL` sets the level.
-Context (transfer_id, engine_id) is bound with `structlog.contextvars.bound_contextvars`; note that
-asyncio tasks and threads each see their own context.
+Context (transfer_id, request_id, engine_id) is bound with `structlog.contextvars.bound_contextvars`; note
+that asyncio tasks and threads each see their own context.
+
+Trace-linked lines (`add_trace_context`): a line logged inside a span, or naming a transfer, carries
+`trace_id`, `span_id`, `transfer_id` and `request_id`. The current OpenTelemetry span gives the trace and span
+ids; a line without one (a callback on another thread, a directory handler) takes them from the transfer it
+names, whose span was registered with `remember_transfer` when it started (the directory's transfer span, an
+engine's push or receive span). Paste a `trace_id` into Jaeger's search to open the request's trace.
 """
 
 from __future__ import annotations
@@ -10,10 +16,60 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+from collections import OrderedDict
 
 import structlog
+from opentelemetry import trace
 
 _configured = False
+# transfer id -> (request id, trace id hex, span id hex): the most recent transfers of this process, bounded.
+_TRANSFERS_REMEMBERED = 8192
+_transfers: OrderedDict[str, tuple[str, str, str]] = OrderedDict()
+_transfers_lock = threading.Lock()
+
+
+def remember_transfer(transfer_id: str, request_id: str, span: trace.Span | None) -> None:
+    """Let later log lines naming `transfer_id` carry its request id and its span's trace and span ids."""
+    if not transfer_id:
+        return
+    context = span.get_span_context() if span is not None else None
+    ids = (f"{context.trace_id:032x}", f"{context.span_id:016x}") if context is not None and context.is_valid else ("", "")
+    with _transfers_lock:
+        _transfers[transfer_id] = (request_id, *ids)
+        _transfers.move_to_end(transfer_id)
+        while len(_transfers) > _TRANSFERS_REMEMBERED:
+            _transfers.popitem(last=False)
+
+
+def add_trace_context(logger, method_name: str, event_dict: dict) -> dict:
+    """structlog processor: fill trace_id, span_id, request_id from the current span and the named transfer."""
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        event_dict.setdefault("trace_id", f"{context.trace_id:032x}")
+        event_dict.setdefault("span_id", f"{context.span_id:016x}")
+    transfer_id = event_dict.get("transfer_id")
+    if transfer_id:
+        with _transfers_lock:
+            known = _transfers.get(transfer_id)
+        if known is not None:
+            request_id, trace_id, span_id = known
+            if request_id:
+                event_dict.setdefault("request_id", request_id)
+            if trace_id:
+                event_dict.setdefault("trace_id", trace_id)
+                event_dict.setdefault("span_id", span_id)
+    return event_dict
+
+
+def shared_processors() -> list:
+    """The processors every kvpush process runs before rendering (contextvars first, then trace ids)."""
+    return [
+        structlog.contextvars.merge_contextvars,
+        add_trace_context,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
 
 
 def configure_logging(level: str | None = None, fmt: str | None = None, force: bool = False) -> None:
@@ -24,11 +80,7 @@ def configure_logging(level: str | None = None, fmt: str | None = None, force: b
     level_name = (level or os.environ.get("KVPUSH_LOG_LEVEL", "INFO")).upper()
     level_no = logging.getLevelNamesMapping().get(level_name, logging.INFO)
     fmt = fmt or os.environ.get("KVPUSH_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
-    shared = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
+    shared = shared_processors()
     if fmt == "console":
         renderer: structlog.typing.Processor = structlog.dev.ConsoleRenderer()
         processors = [*shared, renderer]

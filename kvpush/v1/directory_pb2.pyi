@@ -25,7 +25,7 @@ WRITE_RESULT_STATUS_FAILED: WriteResultStatus
 WRITE_RESULT_STATUS_CANCELLED: WriteResultStatus
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint")
+    __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint", "model")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class RegisterEngineRequest(_message.Message):
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: _types_pb2.EngineRole
     tp_rank: int
@@ -42,7 +43,8 @@ class RegisterEngineRequest(_message.Message):
     agent_metadata: bytes
     layout: _types_pb2.KVLayout
     endpoint: str
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("lease_id", "ttl", "directory_incarnation_id")
@@ -89,20 +91,22 @@ class RenewLeaseResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class PlanTransferRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_count", "prefill_engine_id", "decode_engine_id", "trace_context", "ttl")
+    __slots__ = ("request_id", "prompt_token_count", "prefill_engine_id", "decode_engine_id", "trace_context", "ttl", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TTL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_count: int
     prefill_engine_id: str
     decode_engine_id: str
     trace_context: str
     ttl: _duration_pb2.Duration
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., trace_context: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., trace_context: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PlanTransferResponse(_message.Message):
     __slots__ = ("transfer", "prefill_endpoint", "decode_endpoint", "directory_incarnation_id")

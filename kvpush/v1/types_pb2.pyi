@@ -97,15 +97,17 @@ class KVLayout(_message.Message):
     def __init__(self, layer_count: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_count: _Optional[int] = ..., block_bytes_per_layer: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[KVPlane, _Mapping]]] = ..., layer_base_addresses: _Optional[_Iterable[int]] = ..., layer_region_bytes: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., compatibility_hash: _Optional[str] = ..., block_atomic: _Optional[bool] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("free_block_count", "running_request_count")
+    __slots__ = ("free_block_count", "running_request_count", "waiting_request_count")
     FREE_BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUEST_COUNT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUEST_COUNT_FIELD_NUMBER: _ClassVar[int]
     free_block_count: int
     running_request_count: int
-    def __init__(self, free_block_count: _Optional[int] = ..., running_request_count: _Optional[int] = ...) -> None: ...
+    waiting_request_count: int
+    def __init__(self, free_block_count: _Optional[int] = ..., running_request_count: _Optional[int] = ..., waiting_request_count: _Optional[int] = ...) -> None: ...
 
 class Engine(_message.Message):
-    __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint", "lease_id", "lease_expire_time", "load", "active_transfer_count", "register_time")
+    __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint", "lease_id", "lease_expire_time", "load", "active_transfer_count", "register_time", "model")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +121,7 @@ class Engine(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_TRANSFER_COUNT_FIELD_NUMBER: _ClassVar[int]
     REGISTER_TIME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: EngineRole
     tp_rank: int
@@ -132,10 +135,11 @@ class Engine(_message.Message):
     load: EngineLoad
     active_transfer_count: int
     register_time: _timestamp_pb2.Timestamp
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., active_transfer_count: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    model: str
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., active_transfer_count: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "state", "prefill_engine_id", "decode_engine_id", "prompt_token_count", "prefix_hit_token_count", "decode_block_ids", "layers_written_count", "bytes_written", "failure_reason", "create_time", "allocate_time", "first_ready_time", "dispatch_time", "end_time", "deadline", "trace_context", "rank_timings")
+    __slots__ = ("transfer_id", "request_id", "state", "prefill_engine_id", "decode_engine_id", "prompt_token_count", "prefix_hit_token_count", "decode_block_ids", "layers_written_count", "bytes_written", "failure_reason", "create_time", "allocate_time", "first_ready_time", "dispatch_time", "end_time", "deadline", "trace_context", "rank_timings", "layer_timings")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +159,7 @@ class Transfer(_message.Message):
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     RANK_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     state: TransferState
@@ -174,7 +179,18 @@ class Transfer(_message.Message):
     deadline: _timestamp_pb2.Timestamp
     trace_context: str
     rank_timings: _containers.RepeatedCompositeFieldContainer[RankTiming]
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failure_reason: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., allocate_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_ready_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., dispatch_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., trace_context: _Optional[str] = ..., rank_timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ...) -> None: ...
+    layer_timings: _containers.RepeatedCompositeFieldContainer[LayerTiming]
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failure_reason: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., allocate_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_ready_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., dispatch_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., trace_context: _Optional[str] = ..., rank_timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ...) -> None: ...
+
+class LayerTiming(_message.Message):
+    __slots__ = ("layer", "ready_time", "written_time")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    READY_TIME_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_TIME_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    ready_time: _timestamp_pb2.Timestamp
+    written_time: _timestamp_pb2.Timestamp
+    def __init__(self, layer: _Optional[int] = ..., ready_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., written_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class RankTiming(_message.Message):
     __slots__ = ("tp_rank", "timing")
@@ -185,7 +201,7 @@ class RankTiming(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., timing: _Optional[_Union[TransferTiming, _Mapping]] = ...) -> None: ...
 
 class TransferTiming(_message.Message):
-    __slots__ = ("first_write_start_time", "last_write_end_time", "prefill_end_time", "post_duration", "write_count", "descriptor_count", "layers_written_before_prefill_end_count")
+    __slots__ = ("first_write_start_time", "last_write_end_time", "prefill_end_time", "post_duration", "write_count", "descriptor_count", "layers_written_before_prefill_end_count", "layer_writes")
     FIRST_WRITE_START_TIME_FIELD_NUMBER: _ClassVar[int]
     LAST_WRITE_END_TIME_FIELD_NUMBER: _ClassVar[int]
     PREFILL_END_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +209,7 @@ class TransferTiming(_message.Message):
     WRITE_COUNT_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     LAYERS_WRITTEN_BEFORE_PREFILL_END_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_WRITES_FIELD_NUMBER: _ClassVar[int]
     first_write_start_time: _timestamp_pb2.Timestamp
     last_write_end_time: _timestamp_pb2.Timestamp
     prefill_end_time: _timestamp_pb2.Timestamp
@@ -200,4 +217,13 @@ class TransferTiming(_message.Message):
     write_count: int
     descriptor_count: int
     layers_written_before_prefill_end_count: int
-    def __init__(self, first_write_start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_write_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., prefill_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., post_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., write_count: _Optional[int] = ..., descriptor_count: _Optional[int] = ..., layers_written_before_prefill_end_count: _Optional[int] = ...) -> None: ...
+    layer_writes: _containers.RepeatedCompositeFieldContainer[LayerWrite]
+    def __init__(self, first_write_start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_write_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., prefill_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., post_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., write_count: _Optional[int] = ..., descriptor_count: _Optional[int] = ..., layers_written_before_prefill_end_count: _Optional[int] = ..., layer_writes: _Optional[_Iterable[_Union[LayerWrite, _Mapping]]] = ...) -> None: ...
+
+class LayerWrite(_message.Message):
+    __slots__ = ("layer", "end_time")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_TIME_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    end_time: _timestamp_pb2.Timestamp
+    def __init__(self, layer: _Optional[int] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

@@ -4,6 +4,8 @@
     kvpush engines [--role R] [--json]  registered workers
     kvpush transfers [ID] [--state S] [--engine E] [--limit N] [--json]
     kvpush health [--json]              exit 0 when SERVING
+    kvpush trace TRANSFER_ID [--json]   one transfer's timeline, readable in a terminal
+    kvpush up [--colocated]             the local P/D stack (CPU, tiny model), up until Ctrl-C
 
 Client commands reach the directory through `--address`/`--token`/`--tls-*` or the
 `KVPUSH_DIRECTORY_ADDRESS`/`KVPUSH_DIRECTORY_TOKEN`/`KVPUSH_DIRECTORY_TLS_*` variables. Exit codes:
@@ -53,6 +55,7 @@ _SERVE_FLAGS: dict[str, tuple[str, object, type]] = {
     "max_pending_rejections": ("KVPUSH_DIRECTORY_MAX_PENDING_REJECTIONS", 16_384, int),
     "renew_stream_idle_s": ("KVPUSH_DIRECTORY_RENEW_STREAM_IDLE_S", 30.0, float),
     "max_open_streams": ("KVPUSH_DIRECTORY_MAX_OPEN_STREAMS", 20_000, int),
+    "metrics_port": ("KVPUSH_DIRECTORY_METRICS_PORT", 0, int),
 }
 
 
@@ -101,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     health = commands.add_parser("health", help="check the directory's health")
     client_flags(health)
+
+    trace = commands.add_parser("trace", help="one transfer's timeline (planned, allocated, each layer ready and "
+                                              "written, prefill end, completion, per-rank timing)")
+    client_flags(trace)
+    trace.add_argument("transfer_id", help="the transfer (X-KVPush-Transfer-Id of the gateway's answer)")
+
+    up = commands.add_parser("up", help="bring the local P/D stack up (CPU, tiny model) until Ctrl-C")
+    from kvpush.localstack.up import add_arguments
+
+    add_arguments(up)
     return parser
 
 
@@ -142,11 +155,12 @@ async def _engines(args: argparse.Namespace) -> int:
         print(_to_json(workers))
         return 0
     rows = [(w.engine_id, _short_enum(tpb.EngineRole, w.role, "ENGINE_ROLE_"), f"{w.tp_rank}/{w.tp_size}",
-             w.agent_name, w.layout.layer_count, w.layout.block_count,
-             w.load.free_block_count if w.HasField("load") else "-", w.active_transfer_count,
-             _ts(w.lease_expire_time), w.endpoint or "-") for w in workers]
-    print(_table(["ENGINE", "ROLE", "RANK", "AGENT", "LAYERS", "BLOCKS", "FREE", "ACTIVE", "LEASE_UNTIL",
-                  "ENDPOINT"], rows))
+             w.agent_name, w.model or "-", w.layout.layer_count, w.layout.block_count,
+             w.load.free_block_count if w.HasField("load") else "-",
+             f"{w.load.running_request_count}/{w.load.waiting_request_count}" if w.HasField("load") else "-",
+             w.active_transfer_count, _ts(w.lease_expire_time), w.endpoint or "-") for w in workers]
+    print(_table(["ENGINE", "ROLE", "RANK", "AGENT", "MODEL", "LAYERS", "BLOCKS", "FREE", "RUN/WAIT", "ACTIVE",
+                  "LEASE_UNTIL", "ENDPOINT"], rows))
     return 0
 
 
@@ -171,6 +185,73 @@ async def _transfers(args: argparse.Namespace) -> int:
              _ts(t.create_time), _ts(t.end_time), t.failure_reason or "-") for t in transfers]
     print(_table(["TRANSFER", "STATE", "PREFILL", "DECODE", "TOKENS", "BLOCKS", "BYTES", "CREATED", "ENDED",
                   "REASON"], rows))
+    return 0
+
+
+def _ns(timestamp) -> int | None:
+    return timestamp.ToNanoseconds() if timestamp.seconds or timestamp.nanos else None
+
+
+def render_timeline(transfer: tpb.Transfer) -> str:
+    """A transfer's life as lines of text: a header, every event in time order relative to the plan, the ranks."""
+    origin = _ns(transfer.create_time) or 0
+    state = _short_enum(tpb.TransferState, transfer.state, "TRANSFER_STATE_").upper()
+    lines = [f"transfer {transfer.transfer_id}  {state}" + (f"  ({transfer.failure_reason})"
+                                                           if transfer.failure_reason else ""),
+             f"  request {transfer.request_id or '-'}; prefill {transfer.prefill_engine_id} -> decode "
+             f"{transfer.decode_engine_id}; {transfer.prompt_token_count} prompt tokens "
+             f"({transfer.prefix_hit_token_count} already on decode), {len(transfer.decode_block_ids)} decode blocks; "
+             f"{transfer.layers_written_count} layers, {transfer.bytes_written} bytes written"]
+    if transfer.trace_context.count("-") == 3:
+        lines.append(f"  trace id {transfer.trace_context.split('-')[1]} (search it in Jaeger)")
+    events: list[tuple[int, str]] = []
+
+    def add(timestamp, text: str) -> None:
+        ns = _ns(timestamp)
+        if ns is not None:
+            events.append((ns, text))
+
+    add(transfer.create_time, "planned")
+    add(transfer.allocate_time, f"decode allocated {len(transfer.decode_block_ids)} blocks")
+    add(transfer.first_ready_time, "first layer ready at the directory")
+    add(transfer.dispatch_time, "push instruction sent to prefill")
+    for layer in transfer.layer_timings:
+        add(layer.ready_time, f"layer {layer.layer} ready")
+        add(layer.written_time, f"layer {layer.layer} written")
+    for rank in transfer.rank_timings:
+        who = f" (rank {rank.tp_rank})" if len(transfer.rank_timings) > 1 else ""
+        add(rank.timing.first_write_start_time, f"first WRITE posted{who}")
+        add(rank.timing.prefill_end_time, f"prefill ended{who}")
+        add(rank.timing.last_write_end_time, f"last WRITE completed{who}")
+    add(transfer.end_time, state.lower() if transfer.state != tpb.TRANSFER_STATE_COMPLETE else "complete")
+    if origin:
+        lines.append(f"  planned at {datetime.fromtimestamp(origin / 1e9, timezone.utc):%Y-%m-%d %H:%M:%S.%f} UTC")
+    lines.append("")
+    for ns, text in sorted(events, key=lambda e: e[0]):
+        lines.append(f"  {(ns - origin) / 1e6:+10.3f} ms  {text}")
+    if transfer.rank_timings:
+        lines.append("")
+        rows = []
+        for rank in transfer.rank_timings:
+            timing = rank.timing
+            first, end, last = (_ns(t) for t in (timing.first_write_start_time, timing.prefill_end_time,
+                                                 timing.last_write_end_time))
+            rows.append((rank.tp_rank, timing.write_count, timing.descriptor_count,
+                         f"{timing.post_duration.ToNanoseconds() / 1e6:.3f}",
+                         f"{(last - first) / 1e6:.3f}" if first and last else "-",
+                         f"{(last - end) / 1e6:.3f}" if end and last else "-",
+                         f"{timing.layers_written_before_prefill_end_count}/{len(timing.layer_writes) or '-'}"))
+        table = _table(["RANK", "WRITES", "DESCRIPTORS", "POST_MS", "PUSH_MS", "EXPOSED_TAIL_MS",
+                        "LAYERS_BEFORE_PREFILL_END"], rows)
+        lines += ["  " + line for line in table.splitlines()]
+        lines.append("  (exposed tail: last WRITE end minus prefill end, what decode waited beyond prefill)")
+    return "\n".join(lines)
+
+
+async def _trace(args: argparse.Namespace) -> int:
+    async with DirectoryClient(_channel_config(args)) as client:
+        transfer = await client.get_transfer(args.transfer_id)
+    print(_to_json([transfer]) if args.json else render_timeline(transfer))
     return 0
 
 
@@ -202,7 +283,9 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, token=args.token, tokens_file=args.tokens_file, tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca, limits=limits,
             max_message_bytes=args.max_message_bytes, reap_interval_s=args.reap_interval_s, grace_s=args.grace_s,
-            max_connection_age_ms=int(args.max_connection_age_s * 1000))
+            max_connection_age_ms=int(args.max_connection_age_s * 1000), metrics_port=args.metrics_port)
+        if not 0 <= args.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {args.metrics_port} is not a port (0: off)")
     except ValueError as error:
         print(f"kvpush: {error}", file=sys.stderr)
         return 2
@@ -219,7 +302,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "directory":
         return _serve(args)
-    handler = {"engines": _engines, "transfers": _transfers, "health": _health}[args.command]
+    if args.command == "up":
+        from kvpush.localstack.up import run
+
+        return run(args)
+    handler = {"engines": _engines, "transfers": _transfers, "health": _health, "trace": _trace}[args.command]
     try:
         return asyncio.run(handler(args))
     except DirectoryCallError as error:

@@ -92,11 +92,11 @@ class DirectoryClient:
 
     async def plan_transfer(self, request_id: str = "", prompt_token_count: int = 0, prefill_engine_id: str = "",
                             decode_engine_id: str = "", trace_context: str = "", ttl_s: float | None = None,
-                            timeout_s: float | None = None) -> dpb.PlanTransferResponse:
-        """Pick engines and mint a transfer (state PLANNED)."""
+                            timeout_s: float | None = None, model: str = "") -> dpb.PlanTransferResponse:
+        """Pick engines (serving `model` when given) and mint a transfer (state PLANNED)."""
         request = dpb.PlanTransferRequest(
             request_id=request_id, prompt_token_count=prompt_token_count, prefill_engine_id=prefill_engine_id,
-            decode_engine_id=decode_engine_id, trace_context=trace_context)
+            decode_engine_id=decode_engine_id, trace_context=trace_context, model=model)
         if ttl_s is not None:
             request.ttl.CopyFrom(_duration(ttl_s))
         return await self._unary("PlanTransfer", request, timeout_s)

@@ -88,6 +88,11 @@ class PrefillSession:
         """True while a stream with a sent hello is open."""
         return self._connected.is_set()
 
+    @property
+    def queued_message_count(self) -> int:
+        """Readiness events and results queued here, not yet written to the stream (the session's backlog)."""
+        return len(self._queue)
+
     def send_ready(self, events: Iterable[dpb.LayerReady]) -> None:
         """Queue readiness events (from any thread); they go out batched."""
         self._enqueue(list(events))

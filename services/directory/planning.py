@@ -1,10 +1,11 @@
 """Planning: which prefill and which decode engine take a new transfer.
 
-Rule: among engines with every rank registered and below their transfer cap, decode engines need
-enough free blocks for the prompt (from their last EngineLoad, else their block count); prefill
-engines are tried fewest active transfers first, decode engines most free blocks first, then
-fewest active transfers (engine id breaks ties, so a plan is deterministic). The first pair
-whose layouts are compatible wins (`incompatibility`).
+Rule: among engines with every rank registered, serving the request's model (when it names one) and below
+their transfer cap, decode engines need enough free blocks for the prompt (from their last EngineLoad, else
+their block count); prefill engines are tried fewest active transfers first, then fewest queued (running +
+waiting) requests; decode engines most free blocks first, then fewest queued requests, then fewest active
+transfers (engine id breaks ties, so a plan is deterministic). The first pair whose layouts are compatible
+wins (`incompatibility`): equal TP size, layer count, dtype and compatibility hash.
 """
 
 from __future__ import annotations
@@ -16,8 +17,16 @@ from kvpush.services.directory.records import EngineGroup
 
 
 def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_token_count: int,
-                max_active_transfers: int) -> tuple[EngineGroup, EngineGroup]:
+                max_active_transfers: int, model: str = "") -> tuple[EngineGroup, EngineGroup]:
     """The (prefill, decode) pair for a new transfer from complete candidate engines; raises why none fits."""
+    if model:
+        served = sorted({g.model or "(none)" for g in prefills + decodes})
+        prefills = [g for g in prefills if g.model == model]
+        decodes = [g for g in decodes if g.model == model]
+        for role, groups in (("prefill", prefills), ("decode", decodes)):
+            if not groups:
+                raise ResourceExhausted(f"no {role} engine serves model {model!r}; registered models: "
+                                        f"{', '.join(served) or 'none'}")
     prefills = [g for g in prefills if len(g.active_transfers) < max_active_transfers]
     decodes = [g for g in decodes if len(g.active_transfers) < max_active_transfers]
     if not prefills or not decodes:
@@ -27,8 +36,8 @@ def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_
                    if g.free_blocks() >= math.ceil(prompt_token_count / g.layout().block_size_tokens)]
         if not decodes:
             raise ResourceExhausted(f"no decode engine has free blocks for {prompt_token_count} tokens")
-    prefills.sort(key=lambda g: (len(g.active_transfers), g.engine_id))
-    decodes.sort(key=lambda g: (-g.free_blocks(), len(g.active_transfers), g.engine_id))
+    prefills.sort(key=lambda g: (len(g.active_transfers), g.queued_requests(), g.engine_id))
+    decodes.sort(key=lambda g: (-g.free_blocks(), g.queued_requests(), len(g.active_transfers), g.engine_id))
     why = ""
     for prefill in prefills:
         for decode in decodes:
@@ -41,13 +50,16 @@ def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_
 def incompatibility(prefill: EngineGroup, decode: EngineGroup) -> str:
     """Why two engines cannot be paired ("" when they can)."""
     p, d = prefill.layout(), decode.layout()
+    names = f"prefill {prefill.engine_id!r} and decode {decode.engine_id!r}"
     if prefill.tp_size != decode.tp_size:
         return (f"tp_size {prefill.tp_size} of {prefill.engine_id} differs from {decode.tp_size} of "
                 f"{decode.engine_id} (heterogeneous TP is not supported yet)")
     if p.layer_count != d.layer_count:
-        return f"layer_count {p.layer_count} differs from {d.layer_count}"
+        return f"layer_count {p.layer_count} differs from {d.layer_count} ({names})"
     if p.dtype != d.dtype:
-        return f"dtype {p.dtype!r} differs from {d.dtype!r}"
-    if p.compatibility_hash and d.compatibility_hash and p.compatibility_hash != d.compatibility_hash:
-        return "compatibility_hash differs"
+        return f"dtype {p.dtype!r} differs from {d.dtype!r} ({names})"
+    if p.compatibility_hash != d.compatibility_hash:
+        return (f"compatibility hash {p.compatibility_hash or '(none)'} of prefill {prefill.engine_id!r} differs "
+                f"from {d.compatibility_hash or '(none)'} of decode {decode.engine_id!r}: they differ in model, "
+                "dtype, KV layout, block size or vLLM release")
     return ""

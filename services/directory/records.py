@@ -87,11 +87,13 @@ class Effects:
     prefill_outboxes: (engine_id, tp_rank) whose outbox received messages.
     watch_engines: decode engine ids whose watch log received events.
     stall_s: from `reap()` only, how long the directory stalled (0: it did not); leases were extended by it.
+    expired_lease_roles: from `reap()` only, the role of each worker whose lease lapsed (for metrics).
     """
 
     prefill_outboxes: set[tuple[str, int]] = field(default_factory=set)
     watch_engines: set[str] = field(default_factory=set)
     stall_s: float = 0.0
+    expired_lease_roles: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.prefill_outboxes or self.watch_engines)
@@ -133,6 +135,7 @@ class Worker:
     register_wall: float
     lease_deadline_wall: float
     load: tpb.EngineLoad | None = None
+    model: str = ""
     # Messages for this prefill worker's StreamPrefill session, delivered in order.
     outbox: deque = field(default_factory=deque)
     # The current StreamPrefill session (0: none); a stale session's end changes nothing.
@@ -157,6 +160,16 @@ class EngineGroup:
     def layout(self) -> tpb.KVLayout:
         """The layout of the lowest registered rank (ranks of one engine share the shape)."""
         return self.workers[min(self.workers)].layout
+
+    @property
+    def model(self) -> str:
+        """The model the engine serves, as its lowest rank registered it."""
+        return self.workers[min(self.workers)].model
+
+    def queued_requests(self) -> int:
+        """Running plus waiting requests from the last reported load (the busiest rank; 0 before one)."""
+        return max((w.load.running_request_count + w.load.waiting_request_count for w in self.workers.values()
+                    if w.load is not None), default=0)
 
     def free_blocks(self) -> int:
         """Free blocks from the last reported load, else the layout's block count."""
@@ -213,6 +226,8 @@ class TransferRecord:
     timing: dict[int, tpb.TransferTiming] = field(default_factory=dict)
     # (terminal state, reason) waiting for every dispatched rank to be quiescent.
     ending: tuple[int, str] | None = None
+    # layer -> when prefill first reported it ready (any rank).
+    layer_ready_walls: dict[int, float] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
@@ -250,6 +265,15 @@ class TransferRecord:
         set_timestamp(msg.deadline, self.deadline_wall)
         for tp_rank in sorted(self.timing):
             msg.rank_timings.add(tp_rank=tp_rank).timing.CopyFrom(self.timing[tp_rank])
+        written: dict[int, int] = {}  # layer -> latest write end over ranks (ns)
+        for timing in self.timing.values():
+            for write in timing.layer_writes:
+                written[write.layer] = max(written.get(write.layer, 0), write.end_time.ToNanoseconds())
+        for layer in sorted(set(self.layer_ready_walls) | set(written)):
+            entry = msg.layer_timings.add(layer=layer)
+            set_timestamp(entry.ready_time, self.layer_ready_walls.get(layer))
+            if layer in written:
+                entry.written_time.FromNanoseconds(written[layer])
         return msg
 
 

@@ -78,7 +78,8 @@ class EngineRegistry:
         worker = Worker(
             engine_id=request.engine_id, tp_rank=request.tp_rank, role=request.role, tp_size=request.tp_size,
             agent_name=request.agent_name, agent_metadata=bytes(request.agent_metadata),
-            layout=copy_message(request.layout), endpoint=request.endpoint, lease_id=uuid.uuid4().hex,
+            layout=copy_message(request.layout), endpoint=request.endpoint, model=request.model,
+            lease_id=uuid.uuid4().hex,
             lease_deadline=now + self.limits.lease_ttl_s, register_wall=wall,
             lease_deadline_wall=wall + self.limits.lease_ttl_s,
         )

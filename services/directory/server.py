@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
 from kvpush.services.directory import validation as check
 from kvpush.services.directory.auth import Authenticator
+from kvpush.services.directory.metrics import DirectoryMetrics, RpcMetricsInterceptor, TransferObservers
 from kvpush.services.directory.servicer import DirectoryServicer
 from kvpush.services.directory.state import Clock, DirectoryState, Limits
 from kvpush.services.directory.telemetry import TransferSpans
@@ -64,6 +65,8 @@ class DirectoryConfig:
     max_connection_age_ms: int = 0
     # After max_connection_age_ms, streams get this long to finish before the connection closes.
     max_connection_age_grace_ms: int = 5_000
+    # Prometheus /metrics over HTTP on this port of `host` (0: not served; the metrics still count).
+    metrics_port: int = 0
 
     @property
     def address(self) -> str:
@@ -195,8 +198,11 @@ class DirectoryServer:
     """A started-or-startable directory: the grpc.aio server, its state, servicer and reaper."""
 
     def __init__(self, config: DirectoryConfig, server: grpc.aio.Server, state: DirectoryState,
-                 servicer: DirectoryServicer, health_servicer: health.aio.HealthServicer) -> None:
+                 servicer: DirectoryServicer, health_servicer: health.aio.HealthServicer,
+                 metrics: DirectoryMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or DirectoryMetrics()
+        self._metrics_http = None
         self.server = server
         self.state = state
         self.servicer = servicer
@@ -209,12 +215,15 @@ class DirectoryServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvpush-directory-reaper")
+        if self.config.metrics_port:
+            self._metrics_http = await self.metrics.start_http(self.config.host, self.config.metrics_port)
 
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
             try:
                 effects = self.state.reap()
+                self.metrics.on_reap(effects)
                 if effects.stall_s:
                     log.warning("directory stalled; leases extended by the stall", stall_s=round(effects.stall_s, 3))
                 self.servicer.deliver(effects)
@@ -229,6 +238,8 @@ class DirectoryServer:
         if self._reaper is not None:
             self._reaper.cancel()
         await self.server.stop(grace)
+        if self._metrics_http is not None:
+            await self._metrics_http.cleanup()
 
     async def wait_for_termination(self) -> None:
         """Block until the server stopped."""
@@ -237,13 +248,15 @@ class DirectoryServer:
 
 def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[DirectoryServer, int]:
     """Build (not start) the directory server and bind it; returns it and the bound port."""
-    state = DirectoryState(config.limits, clock or Clock(), TransferSpans())
+    metrics = DirectoryMetrics()
+    state = DirectoryState(config.limits, clock or Clock(), TransferObservers(TransferSpans(), metrics))
     authenticator = Authenticator(config.token, config.tokens_file, mutual_tls=bool(config.tls_client_ca_file))
     # A fresh random id per process: every response carries it, so clients see a restart whatever
     # the sequence numbers say.
     incarnation_id = uuid.uuid4().hex
     servicer = DirectoryServicer(state, max_message_bytes=config.max_message_bytes, authenticator=authenticator,
                                  incarnation_id=incarnation_id)
+    metrics.bind(state, servicer)
     transport_limit = config.max_message_bytes * TRANSPORT_LIMIT_FACTOR
     options = [
         ("grpc.max_receive_message_length", transport_limit),
@@ -258,8 +271,9 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
     if config.max_connection_age_ms:
         options.append(("grpc.max_connection_age_ms", config.max_connection_age_ms))
         options.append(("grpc.max_connection_age_grace_ms", config.max_connection_age_grace_ms))
-    server = grpc.aio.server(options=options,
-                             interceptors=[GuardInterceptor(authenticator, config.max_message_bytes)])
+    # Metrics outermost: refused calls are observed with their codes too.
+    server = grpc.aio.server(options=options, interceptors=[
+        RpcMetricsInterceptor(metrics), GuardInterceptor(authenticator, config.max_message_bytes)])
     directory_pb2_grpc.add_KVDirectoryServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -276,7 +290,7 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
         raise OSError(f"could not bind {config.address} (in use, or not an address of this host)") from error
     if port == 0:
         raise OSError(f"could not bind {config.address}")
-    return DirectoryServer(config, server, state, servicer, health_servicer), port
+    return DirectoryServer(config, server, state, servicer, health_servicer, metrics), port
 
 
 async def run(config: DirectoryConfig) -> None:
@@ -292,7 +306,8 @@ async def run(config: DirectoryConfig) -> None:
     log.info("directory serving", address=config.address, port=port, tls=bool(config.tls_cert_file),
              mutual_tls=bool(config.tls_client_ca_file), auth=auth.describe(),
              incarnation_id=directory.servicer.incarnation_id,
-             lease_ttl_s=config.limits.lease_ttl_s, transfer_ttl_s=config.limits.transfer_ttl_s)
+             lease_ttl_s=config.limits.lease_ttl_s, transfer_ttl_s=config.limits.transfer_ttl_s,
+             metrics_port=config.metrics_port or None)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -125,6 +125,7 @@ def worker_to_proto(worker: Worker, active_transfer_count: int) -> tpb.Engine:
         engine_id=worker.engine_id, role=worker.role, tp_rank=worker.tp_rank, tp_size=worker.tp_size,
         agent_name=worker.agent_name, layout=worker.layout,
         endpoint=worker.endpoint, active_transfer_count=active_transfer_count,
+        model=worker.model,
     )
     engine.lease_expire_time.FromNanoseconds(int(worker.lease_deadline_wall * 1e9))
     engine.register_time.FromNanoseconds(int(worker.register_wall * 1e9))
@@ -191,6 +192,14 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 wake.set()
         for wake in self._renew_streams:
             wake.set()
+
+    def open_prefill_session_count(self) -> int:
+        """Open StreamPrefill sessions (for metrics)."""
+        return len(self._sessions)
+
+    def open_watch_count(self) -> int:
+        """Open WatchTransfers streams (for metrics)."""
+        return sum(len(wakes) for wakes in self._watchers.values())
 
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, error: DirectoryError) -> None:

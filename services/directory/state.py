@@ -172,7 +172,8 @@ class DirectoryState:
             raise ResourceExhausted(f"{len(self._live)} live transfers; the cap is {self.limits.max_live_transfers}")
         prefill, decode = choose_pair(self.engines.candidates(PREFILL, request.prefill_engine_id),
                                       self.engines.candidates(DECODE, request.decode_engine_id),
-                                      request.prompt_token_count, self.limits.max_active_transfers_per_engine)
+                                      request.prompt_token_count, self.limits.max_active_transfers_per_engine,
+                                      model=request.model)
         return self._mint(request, prefill, decode, ttl)
 
     def _mint(self, request: dpb.PlanTransferRequest, prefill: EngineGroup, decode: EngineGroup,
@@ -332,6 +333,8 @@ class DirectoryState:
             record.chunk_count += 1
             seen = 0
         chunks[key] = seen | mask
+        for layer in range(event.first_layer, event.last_layer + 1):
+            record.layer_ready_walls.setdefault(layer, self.clock.wall())
         record.ready_prompt_token_count = event.prompt_token_count
         if record.first_ready_wall is None:
             record.first_ready_wall = self.clock.wall()
@@ -484,6 +487,7 @@ class DirectoryState:
             if worker.lease_id in self.engines.leases:
                 self._remove_worker(
                     worker, f"engine {worker.engine_id} rank {worker.tp_rank} lease expired", fx)
+                fx.expired_lease_roles.append(worker.role)
         for record in [r for r in self._live.values() if r.deadline < now]:
             self._end(record, tpb.TRANSFER_STATE_EXPIRED, "transfer deadline passed", fx)
         retention = self.limits.gone_engine_log_retention_s

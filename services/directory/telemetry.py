@@ -1,4 +1,4 @@
-"""One OpenTelemetry span per transfer at the directory, plus a log line per milestone.
+"""One OpenTelemetry span per transfer at the directory, plus one log line when it ends.
 
 Life cycle: the span starts when the transfer is planned (parent: the request's W3C traceparent
 when the gateway gave one), gets the events `allocation`, `first_readiness`, `instruction`, and
@@ -13,6 +13,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvpush.observability import get_logger, get_tracer
+from kvpush.observability.logs import remember_transfer
 from kvpush.services.directory.state import TransferObserver, TransferRecord
 from kvpush.v1 import types_pb2 as tpb
 
@@ -43,6 +44,7 @@ class TransferSpans(TransferObserver):
             },
         )
         self._spans[transfer.transfer_id] = span
+        remember_transfer(transfer.transfer_id, transfer.request_id, span)  # its log lines carry the trace id
         log.debug("transfer planned", transfer_id=transfer.transfer_id,
                   prefill_engine_id=transfer.prefill_engine_id, decode_engine_id=transfer.decode_engine_id)
 
@@ -75,10 +77,8 @@ class TransferSpans(TransferObserver):
         fields = dict(transfer_id=transfer.transfer_id, state=state, reason=transfer.failure_reason,
                       bytes_written=transfer.total_bytes_written(),
                       prefill_engine_id=transfer.prefill_engine_id, decode_engine_id=transfer.decode_engine_id)
-        if transfer.state == tpb.TRANSFER_STATE_COMPLETE:
-            log.debug("transfer ended", **fields)
-        else:
-            log.info("transfer ended", **fields)
+        # One canonical line per transfer (trace-linked by its transfer id): grep a trace id or transfer id.
+        log.info("transfer ended", **fields)
         if span is None:
             return
         span.set_attribute("kvpush.state", state)

@@ -141,6 +141,7 @@ def check_register(request: dpb.RegisterEngineRequest, limits: Limits) -> None:
     require_id(request.engine_id, "engine_id", limits)
     require_id(request.agent_name, "agent_name", limits)
     require_text(request.endpoint, "endpoint")
+    require_text(request.model, "model")
     if request.role not in (tpb.ENGINE_ROLE_PREFILL, tpb.ENGINE_ROLE_DECODE):
         raise InvalidArgument("role must be ENGINE_ROLE_PREFILL or ENGINE_ROLE_DECODE")
     _positive(request.tp_size, "tp_size", MAX_TP_SIZE)
@@ -161,6 +162,7 @@ def check_plan(request: dpb.PlanTransferRequest, limits: Limits) -> float | None
     require_id(request.prefill_engine_id, "prefill_engine_id", limits, required=False)
     require_id(request.decode_engine_id, "decode_engine_id", limits, required=False)
     require_text(request.trace_context, "trace_context")
+    require_text(request.model, "model")
     _non_negative(request.prompt_token_count, "prompt_token_count")
     if not request.HasField("ttl"):
         return None

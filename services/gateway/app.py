@@ -6,6 +6,7 @@ Routes:
   GET  /health                                200 while the gateway runs and its directory answers
   GET  /ping                                  SageMaker: 200 when requests can be routed now
   POST /invocations                           SageMaker: a completions request (chat if it has messages)
+  GET  /metrics                               Prometheus metrics (`metrics`)
 Every error leaves as JSON `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -23,6 +24,7 @@ from kvpush.services.gateway import legs
 from kvpush.services.gateway.config import GatewayConfig
 from kvpush.services.gateway.dispatch import Dispatcher
 from kvpush.services.gateway.errors import GatewayError, bad_request, unavailable
+from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.routing import DirectoryRouter, Router, make_router
 from kvpush.services.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, request_id_from, validate
 
@@ -32,6 +34,7 @@ ROUTER_KEY = web.AppKey("router", object)
 DISPATCHER_KEY = web.AppKey("dispatcher", Dispatcher)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 CONFIG_KEY = web.AppKey("config", GatewayConfig)
+METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
 
 
 def _error_response(error: GatewayError) -> web.Response:
@@ -142,9 +145,13 @@ def api_key_middleware(api_key: str):
 def create_app(config: GatewayConfig) -> web.Application:
     """Build the application; the router and the HTTP session start with it and close with it."""
     config.validate()
-    middlewares = [error_middleware] + ([api_key_middleware(config.api_key)] if config.api_key else [])
+    metrics = GatewayMetrics()
+    # Metrics outermost: errors and refused keys are counted too; /metrics is not under /v1/, so open to scrapers.
+    middlewares = [metrics.middleware(), error_middleware] + ([api_key_middleware(config.api_key)]
+                                                              if config.api_key else [])
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[CONFIG_KEY] = config
+    app[METRICS_KEY] = metrics
 
     async def lifecycle(app: web.Application):
         router = make_router(config)
@@ -152,7 +159,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         session = aiohttp.ClientSession(connector=connector, trust_env=False)
         app[ROUTER_KEY] = router
         app[SESSION_KEY] = session
-        app[DISPATCHER_KEY] = Dispatcher(config, router, session)
+        app[DISPATCHER_KEY] = Dispatcher(config, router, session, metrics)
         yield
         await session.close()
         await router.close()
@@ -164,4 +171,5 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ping", ping)
     app.router.add_post("/invocations", invocations)
+    app.router.add_get("/metrics", metrics.handle)
     return app

@@ -32,6 +32,8 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     # When set, /v1/* requests need "Authorization: Bearer <api_key>" (OpenAI style); 401 otherwise.
     api_key: str = ""
+    # Count text and chat prompts' tokens with a prefill engine's /tokenize before planning (free-block check).
+    count_prompt_tokens: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -75,6 +77,9 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--transfer-ttl", type=float, default=0.0, help="seconds a transfer may live (0: default)")
     parser.add_argument("--api-key", default=os.environ.get("KVPUSH_GATEWAY_API_KEY", ""),
                         help="require 'Authorization: Bearer KEY' on /v1/* (env KVPUSH_GATEWAY_API_KEY)")
+    parser.add_argument("--count-prompt-tokens", action=argparse.BooleanOptionalAction, default=True,
+                        help="count text/chat prompt tokens with a prefill engine's /tokenize before planning, so the "
+                             "directory checks decode's free blocks (default on)")
     args = parser.parse_args(argv)
     config = GatewayConfig(host=args.host, port=args.port, mode=args.mode, directory_address=args.directory,
                            directory_token=args.directory_token, prefill_url=args.prefill_url.rstrip("/"),
@@ -82,7 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                            prefill_side_channel=args.prefill_side_channel, plan_timeout_s=args.plan_timeout,
                            connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,
                            decode_timeout_s=args.decode_timeout, transfer_ttl_s=args.transfer_ttl,
-                           api_key=args.api_key)
+                           api_key=args.api_key, count_prompt_tokens=args.count_prompt_tokens)
     try:
         config.validate()
     except ValueError as error:

@@ -24,13 +24,22 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from opentelemetry import propagate, trace
+from structlog.contextvars import bound_contextvars
 
 from kvpush.observability import get_logger, get_tracer
+from kvpush.observability.logs import remember_transfer
 from kvpush.services.gateway import legs
 from kvpush.services.gateway.config import GatewayConfig
 from kvpush.services.gateway.errors import GatewayError, bad_gateway
+from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.routing import Route, Router, pull_decode_params
-from kvpush.services.gateway.validation import ClientRequest, decode_body, prefill_body
+from kvpush.services.gateway.validation import (
+    ClientRequest,
+    decode_body,
+    prefill_body,
+    prompt_token_upper_bound,
+    tokenize_body,
+)
 
 _log = get_logger("gateway.dispatch")
 _tracer = get_tracer("kvpush.gateway")
@@ -54,6 +63,9 @@ class Outcome:
     prefill_params: dict[str, Any] | None = None
     # Decode streamed a token: its KV had landed, so a later disconnect has no transfer left to cancel.
     kv_delivered: bool = False
+    plan_ms: float | None = None
+    prefill_ok: bool = False
+    cancelled: bool = False
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -67,17 +79,20 @@ def current_traceparent() -> str:
 class Dispatcher:
     """Runs requests through a router over one shared HTTP client session."""
 
-    def __init__(self, config: GatewayConfig, router: Router, session: aiohttp.ClientSession) -> None:
+    def __init__(self, config: GatewayConfig, router: Router, session: aiohttp.ClientSession,
+                 metrics: GatewayMetrics | None = None) -> None:
         self._config = config
         self._router = router
         self._session = session
+        self._metrics = metrics or GatewayMetrics()
 
     async def handle(self, http_request: web.Request, request: ClientRequest, request_id: str) -> web.StreamResponse:
         """Serve one validated request; raise GatewayError for a clean error response."""
         outcome = Outcome(request_id=request_id)
         started = time.monotonic()
         parent = propagate.extract(dict(http_request.headers))
-        with _tracer.start_as_current_span("gateway.request", context=parent, kind=trace.SpanKind.SERVER) as span:
+        with _tracer.start_as_current_span("gateway.request", context=parent, kind=trace.SpanKind.SERVER) as span, \
+                bound_contextvars(request_id=request_id):
             span.set_attribute("http.route", request.path)
             span.set_attribute("kvpush.request_id", request_id)
             span.set_attribute("kvpush.gateway.mode", self._config.mode)
@@ -101,15 +116,45 @@ class Dispatcher:
                 _log.info("request", request_id=request_id, transfer_id=outcome.transfer_id, path=request.path,
                           stream=request.stream, status=outcome.status, error=outcome.error or None,
                           prefill_ms=round(outcome.prefill_ms, 1), total_ms=round(outcome.total_ms, 1))
+                self._metrics.observe_dispatch(None if outcome.plan_ms is None else outcome.plan_ms / 1000,
+                                               outcome.prefill_ms / 1000 if outcome.prefill_ok else None,
+                                               outcome.cancelled)
 
     async def _run(self, http_request: web.Request, request: ClientRequest, request_id: str,
                    outcome: Outcome) -> web.StreamResponse:
         traceparent = current_traceparent()
-        with _tracer.start_as_current_span("gateway.plan"):
-            route = await self._router.plan(request_id, request.prompt_token_count, traceparent)
+        model = request.body.get("model") if isinstance(request.body.get("model"), str) else ""
+        prompt_token_count = request.prompt_token_count
+        bound = prompt_token_upper_bound(request) if not prompt_token_count and self._config.count_prompt_tokens else 0
+        if bound and await self._router.fits_every_decode_engine(bound, model):
+            # Even the byte-length bound fits every decode engine: the free-block check passes with it as with
+            # the exact count, so the /tokenize round trip is skipped (it would only add to TTFT).
+            prompt_token_count = bound
+        elif not prompt_token_count:
+            prompt_token_count = await self._count_prompt_tokens(request, model)
+            bound = 0
+        planning = time.monotonic()
+        with _tracer.start_as_current_span("gateway.plan") as span:
+            span.set_attribute("kvpush.prompt_token_count", prompt_token_count)
+            span.set_attribute("kvpush.prompt_token_count_is_bound", bool(bound))
+            try:
+                route = await self._router.plan(request_id, prompt_token_count, traceparent, model)
+            except GatewayError as error:
+                if not bound or error.status != 503:
+                    raise
+                # The directory's view of free blocks was tighter than the cached one: plan with the exact count.
+                route = await self._router.plan(request_id, await self._count_prompt_tokens(request, model),
+                                                traceparent, model)
+        outcome.plan_ms = (time.monotonic() - planning) * 1000
         outcome.transfer_id = route.transfer_id
+        remember_transfer(route.transfer_id, request_id, trace.get_current_span())
         headers = {"X-Request-Id": request_id}
         propagate.inject(headers)
+        with bound_contextvars(**({"transfer_id": route.transfer_id} if route.transfer_id else {})):
+            return await self._legs(http_request, request, request_id, route, headers, outcome)
+
+    async def _legs(self, http_request: web.Request, request: ClientRequest, request_id: str, route: Route,
+                    headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
         try:
             if route.concurrent:
                 return await self._concurrent(http_request, request, route, headers, outcome)
@@ -117,10 +162,38 @@ class Dispatcher:
         except BaseException as error:
             if not outcome.kv_delivered:
                 reason = error.message if isinstance(error, GatewayError) else f"gateway: {type(error).__name__}"
+                outcome.cancelled = bool(route.transfer_id)
                 # Shielded: a cancelled handler must still tell the directory to stop the transfer.
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(self._router.cancel(route, reason))
             raise
+
+    async def _count_prompt_tokens(self, request: ClientRequest, model: str) -> int:
+        """A text or chat prompt's token count from a prefill engine's /tokenize (0 when it cannot say).
+
+        The count lets the directory check decode's free blocks before planning; failing to get one only skips
+        that check, so errors are logged, not raised.
+        """
+        if not self._config.count_prompt_tokens:
+            return 0
+        url = await self._router.tokenizer_url(model)
+        if url is None:
+            return 0
+        body = tokenize_body(request)
+        with _tracer.start_as_current_span("gateway.tokenize", kind=trace.SpanKind.CLIENT):
+            try:
+                answer = await legs.post_json(self._session, "tokenize", url + "/tokenize", body, {},
+                                              self._config.connect_timeout_s, self._config.connect_timeout_s)
+            except GatewayError as error:
+                if error.status < 500:  # the engine refused the prompt: the legs will say why, precisely
+                    return 0
+                _log.warning("prompt not tokenized; planning without its length", error=error.message)
+                return 0
+        count = answer.get("count")
+        if isinstance(count, int) and count > 0:
+            self._metrics.prompt_tokens.observe(count)
+            return count
+        return 0
 
     def _prefill(self, request: ClientRequest, route: Route, headers: dict[str, str], outcome: Outcome):
         async def run() -> dict[str, Any]:
@@ -128,9 +201,11 @@ class Dispatcher:
             with _tracer.start_as_current_span("gateway.prefill_leg", kind=trace.SpanKind.CLIENT) as span:
                 span.set_attribute("server.address", route.prefill_url)
                 answer = await legs.post_json(self._session, "prefill", route.prefill_url + request.path,
-                                              prefill_body(request, route.prefill_params), _leg_headers(headers),
+                                              prefill_body(request, _leg_params(route.prefill_params)),
+                                              _leg_headers(headers),
                                               self._config.prefill_timeout_s, self._config.connect_timeout_s)
             outcome.prefill_ms = (time.monotonic() - started) * 1000
+            outcome.prefill_ok = True
             outcome.prefill_params = answer.get("kv_transfer_params")
             return answer
         return run()
@@ -140,13 +215,12 @@ class Dispatcher:
         assert route.decode_params is not None
         prefill_task = asyncio.create_task(self._prefill(request, route, headers, outcome))
         decode_url = route.decode_url + request.path
-        decode = decode_body(request, route.decode_params)
         try:
             if not request.stream:
-                decode_task = asyncio.create_task(self._decode_json(decode_url, decode, headers))
+                decode_task = asyncio.create_task(self._decode_json(decode_url, request, route.decode_params, headers))
                 answer = await _both(prefill_task, decode_task)
                 return self._json_response(answer, route, outcome)
-            stream_task = asyncio.create_task(self._first_chunk(decode_url, decode, headers))
+            stream_task = asyncio.create_task(self._first_chunk(decode_url, request, route.decode_params, headers))
             response, first_chunk = await _both_until_second(prefill_task, stream_task)
         except BaseException:
             if not prefill_task.done():
@@ -159,24 +233,28 @@ class Dispatcher:
     async def _sequential(self, http_request: web.Request, request: ClientRequest, route: Route,
                           headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
         prefill_answer = await self._prefill(request, route, headers, outcome)
-        decode = decode_body(request, pull_decode_params(prefill_answer))
+        decode_params = pull_decode_params(prefill_answer)
         decode_url = route.decode_url + request.path
         if not request.stream:
-            answer = await self._decode_json(decode_url, decode, headers)
+            answer = await self._decode_json(decode_url, request, decode_params, headers)
             return self._json_response(answer, route, outcome)
-        response, first_chunk = await self._first_chunk(decode_url, decode, headers)
+        response, first_chunk = await self._first_chunk(decode_url, request, decode_params, headers)
         return await self._pass_through(http_request, response, first_chunk, route, outcome, None)
 
-    async def _decode_json(self, url: str, body: dict, headers: dict[str, str]) -> dict[str, Any]:
+    async def _decode_json(self, url: str, request: ClientRequest, params: dict,
+                           headers: dict[str, str]) -> dict[str, Any]:
         with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("server.address", url)
+            body = decode_body(request, _leg_params(params))
             return await legs.post_json(self._session, "decode", url, body, _leg_headers(headers),
                                         self._config.decode_timeout_s, self._config.connect_timeout_s)
 
-    async def _first_chunk(self, url: str, body: dict, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
+    async def _first_chunk(self, url: str, request: ClientRequest, params: dict,
+                           headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
         # The span covers the decode leg up to its first chunk (TTFT as the gateway sees it).
         with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("server.address", url)
+            body = decode_body(request, _leg_params(params))
             response = await legs.open_stream(self._session, "decode", url, body, _leg_headers(headers),
                                               self._config.decode_timeout_s, self._config.connect_timeout_s)
             try:
@@ -246,6 +324,14 @@ def _stream_error(first_chunk: bytes) -> str | None:
             return str(error.get("message", error) if isinstance(error, dict) else error)[:500]
         return None
     return None
+
+
+def _leg_params(params: dict) -> dict:
+    """A leg's kv_transfer_params: with the current (leg) span's traceparent where the route carries one, so
+    the engine's spans are children of the leg that reached it."""
+    if "traceparent" not in params:
+        return params
+    return {**params, "traceparent": current_traceparent() or params["traceparent"]}
 
 
 def _leg_headers(headers: dict[str, str]) -> dict[str, str]:

@@ -13,6 +13,7 @@ same gateway code.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,6 +26,8 @@ from kvpush.services.gateway.errors import GatewayError, bad_gateway, unavailabl
 from kvpush.v1 import types_pb2
 
 _log = get_logger("gateway.routing")
+# How long the registered-engine list is reused for model checks and /tokenize endpoints.
+ENGINE_CACHE_S = 2.0
 
 
 @dataclass
@@ -48,8 +51,14 @@ class Route:
 class Router(Protocol):
     """A routing strategy (see the module docstring)."""
 
-    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str) -> Route:
-        """Choose engines and build both legs' parameters; raise GatewayError when impossible."""
+    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "") -> Route:
+        """Choose engines (serving `model` when given) and build both legs' parameters; GatewayError when impossible."""
+
+    async def tokenizer_url(self, model: str) -> str | None:
+        """An engine URL whose /tokenize counts prompt tokens for `model` (None: do not count)."""
+
+    async def fits_every_decode_engine(self, token_count: int, model: str) -> bool:
+        """True when every decode engine for `model` last reported room for `token_count` tokens."""
 
     async def cancel(self, route: Route, reason: str) -> None:
         """Give up a route after a failed leg (never raises)."""
@@ -93,13 +102,54 @@ class DirectoryRouter:
         if config.directory_token:
             overrides["token"] = config.directory_token
         self._client = DirectoryClient(ChannelConfig.from_env(**overrides))
+        self._engines: list[tpb.Engine] = []
+        self._engines_read_at = -ENGINE_CACHE_S
 
-    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str) -> Route:
-        """PlanTransfer, then build the kvpush legs' params from the transfer id and endpoints."""
+    async def _registered(self) -> list[tpb.Engine]:
+        """Registered workers, re-read at most every ENGINE_CACHE_S (for model checks and /tokenize)."""
+        now = time.monotonic()
+        if now - self._engines_read_at >= ENGINE_CACHE_S:
+            try:
+                self._engines = await self._client.list_engines()
+                self._engines_read_at = now
+            except DirectoryCallError as error:
+                _log.warning("engine list unavailable", code=error.code.name, details=error.details)
+        return self._engines
+
+    async def _check_model(self, model: str) -> None:
+        engines = await self._registered()
+        if engines and not any(e.model == model for e in engines):
+            served = sorted({e.model for e in engines if e.model})
+            raise GatewayError(404, f"model {model!r} is not served here; served: {', '.join(served) or 'none'}",
+                               "invalid_request_error", "model")
+
+    async def tokenizer_url(self, model: str) -> str | None:
+        """A prefill engine's endpoint for `model` (its /tokenize applies the model's tokenizer and chat template)."""
+        for engine in await self._registered():
+            if engine.role == types_pb2.ENGINE_ROLE_PREFILL and engine.endpoint and (not model or engine.model == model):
+                return engine.endpoint.rstrip("/")
+        return None
+
+    async def fits_every_decode_engine(self, token_count: int, model: str) -> bool:
+        """From the cached engine list: every decode worker for `model` has free blocks for `token_count` tokens."""
+        decodes = [e for e in await self._registered()
+                   if e.role == types_pb2.ENGINE_ROLE_DECODE and (not model or e.model == model)]
+        if not decodes:
+            return False
+        for engine in decodes:
+            free = engine.load.free_block_count if engine.HasField("load") else engine.layout.block_count
+            if free * engine.layout.block_size_tokens < token_count:
+                return False
+        return True
+
+    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "") -> Route:
+        """PlanTransfer (by model), then build the kvpush legs' params from the transfer id and endpoints."""
+        if model:
+            await self._check_model(model)
         try:
             response = await self._client.plan_transfer(
                 request_id=request_id, prompt_token_count=prompt_token_count, trace_context=traceparent,
-                ttl_s=self._config.transfer_ttl_s or None)
+                ttl_s=self._config.transfer_ttl_s or None, model=model)
         except DirectoryCallError as error:
             status = _PLAN_STATUS.get(error.code, 502)
             raise GatewayError(status, f"directory PlanTransfer failed: {error.code.name}: {error.details}",
@@ -179,7 +229,15 @@ class StaticRouter:
             raise ValueError("nixl-push needs --prefill-engine-id and --prefill-side-channel HOST:PORT")
         self._config = config
 
-    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str) -> Route:
+    async def tokenizer_url(self, model: str) -> str | None:
+        """None: vLLM's connectors plan nothing, so nothing needs the count."""
+        return None
+
+    async def fits_every_decode_engine(self, token_count: int, model: str) -> bool:
+        """Nothing is checked for static engines."""
+        return True
+
+    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "") -> Route:
         """Static engines; params as vLLM's own proxies build them."""
         config = self._config
         prefill_params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

@@ -30,7 +30,7 @@ class ClientRequest:
     path: str
     body: dict[str, Any]
     stream: bool
-    prompt_token_count: int  # 0 when unknown (text prompts; the gateway has no tokenizer)
+    prompt_token_count: int  # token-id prompts: their length; 0 for text and chat (counted by an engine's /tokenize)
 
 
 def request_id_from(header_value: str | None) -> str:
@@ -109,6 +109,37 @@ def prefill_body(request: ClientRequest, kv_transfer_params: dict) -> dict:
     for key in ("stream_options", "min_tokens"):
         body.pop(key, None)
     body["kv_transfer_params"] = kv_transfer_params
+    return body
+
+
+# Chat fields that change how messages become tokens (vLLM's /tokenize takes them as /v1/chat/completions does).
+_CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+                         "chat_template_kwargs", "tools", "documents")
+
+
+# Tokens a text prompt can have beyond its UTF-8 bytes: byte-level BPE and SentencePiece with byte fallback never
+# make a token of less than one byte, so only special tokens and a dummy prefix come on top.
+_SPECIAL_TOKEN_MARGIN = 16
+
+
+def prompt_token_upper_bound(request: ClientRequest) -> int:
+    """An upper bound on a text prompt's token count from its length in bytes (0: no bound, e.g. chat)."""
+    if request.path != COMPLETIONS:
+        return 0  # a chat template adds an unknown number of tokens
+    prompt = request.body["prompt"]
+    text = prompt[0] if isinstance(prompt, list) else prompt
+    return len(text.encode("utf-8")) + _SPECIAL_TOKEN_MARGIN if isinstance(text, str) else 0
+
+
+def tokenize_body(request: ClientRequest) -> dict:
+    """vLLM's /tokenize request for the client's prompt (text) or messages (chat, with its template fields)."""
+    body: dict = {"model": request.body.get("model")} if request.body.get("model") else {}
+    if request.path == CHAT_COMPLETIONS:
+        body["messages"] = request.body["messages"]
+        body.update({k: request.body[k] for k in _CHAT_TEMPLATE_FIELDS if k in request.body})
+    else:
+        prompt = request.body["prompt"]
+        body["prompt"] = prompt[0] if isinstance(prompt, list) else prompt
     return body
 
 

@@ -39,6 +39,8 @@ class StandInEngine:
     behaviour: Callable[[RecordedLeg], tuple[int, dict, float]] | None = None
     legs: list[RecordedLeg] = field(default_factory=list)
     arrived: threading.Event = field(default_factory=threading.Event)
+    tokenized: list[dict] = field(default_factory=list)  # /tokenize request bodies
+    tokenize_status: int = 200
     port: int = 0
     _loop: asyncio.AbstractEventLoop | None = None
     _runner: web.AppRunner | None = None
@@ -59,6 +61,7 @@ class StandInEngine:
             app.router.add_post("/v1/completions", self._handle)
             app.router.add_post("/v1/chat/completions", self._handle)
             app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/tokenize", self._tokenize)
             self._runner = web.AppRunner(app)
             await self._runner.setup()
             site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -85,6 +88,18 @@ class StandInEngine:
         future.result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize, with one token per whitespace-separated word (chat: every message's words + 3)."""
+        body = await request.json()
+        self.tokenized.append(body)
+        if self.tokenize_status != 200:
+            return web.json_response({"error": {"message": "tokenizer broke"}}, status=self.tokenize_status)
+        if "messages" in body:
+            count = sum(len(str(m.get("content", "")).split()) + 3 for m in body["messages"])
+        else:
+            count = len(str(body.get("prompt", "")).split())
+        return web.json_response({"count": count, "max_model_len": 4096, "tokens": list(range(count))})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})

@@ -42,7 +42,7 @@ class Deployment:
         for engine, role in ((self.prefill, tpb.ENGINE_ROLE_PREFILL), (self.decode, tpb.ENGINE_ROLE_DECODE)):
             self.client.start_registration(dpb.RegisterEngineRequest(
                 engine_id=f"standin-{engine.name}", role=role, tp_rank=0, tp_size=1, agent_name=f"agent-{engine.name}",
-                agent_metadata=b"standin-metadata", layout=_layout(), endpoint=engine.url))
+                agent_metadata=b"standin-metadata", layout=_layout(), endpoint=engine.url, model="tiny"))
         self.gateway = start_gateway(log_dir, directory_address=self.directory.address, env=otlp_env,
                                      extra_args=["--prefill-timeout", "4", "--decode-timeout", "4"])
 
@@ -51,6 +51,8 @@ class Deployment:
             engine.legs.clear()
             engine.arrived.clear()
             engine.behaviour = None
+            engine.tokenized.clear()
+            engine.tokenize_status = 200
 
     def transfer(self, transfer_id: str) -> tpb.Transfer:
         return self.client.get_transfer(transfer_id)
@@ -347,3 +349,55 @@ class TestStaticModes:
             assert "prefill engine" in result.body["error"]["message"] and "unreachable" in result.body["error"]["message"]
         finally:
             gateway.process.stop(grace_s=5.0)
+
+
+def test_text_prompt_is_counted_and_a_prompt_too_long_for_decode_is_refused(gw):
+    """A text prompt is tokenized on the prefill engine first; 2000 tokens exceed decode's 64 free blocks of 16
+    tokens, so the directory refuses the plan (503 naming the count) and no leg is sent."""
+    result = _complete(gw, {"model": "tiny", "prompt": " ".join(["word"] * 2000), "max_tokens": 2})
+    assert result.status == 503, result.text
+    assert "free blocks for 2000 tokens" in result.body["error"]["message"]
+    assert gw.prefill.tokenized[-1]["prompt"].count("word") == 2000
+    assert not gw.prefill.legs and not gw.decode.legs
+
+
+def test_chat_prompt_is_counted_with_its_template_fields(gw):
+    """A chat request is tokenized as messages with its template fields, then served; the count reaches the plan."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 2,
+            "add_generation_prompt": True}
+    result = _complete(gw, body, path="/v1/chat/completions")
+    assert result.status == 200, result.text
+    (tokenized,) = gw.prefill.tokenized
+    assert tokenized["messages"] == body["messages"] and tokenized["add_generation_prompt"] is True
+    transfer = gw.transfer(result.headers["x-kvpush-transfer-id"])
+    assert transfer.prompt_token_count == 6  # 3 words + 3 (the stand-in's chat template)
+
+
+def test_tokenizer_failure_only_skips_the_free_block_check(gw):
+    """When /tokenize fails (500) the request is still served, planned without a prompt length."""
+    gw.prefill.tokenize_status = 500
+    result = _complete(gw, {"model": "tiny", "prompt": " ".join(["abcdefgh"] * 300), "max_tokens": 2})
+    assert result.status == 200, result.text
+    assert gw.prefill.tokenized and gw.decode.legs
+
+
+def test_short_text_prompt_skips_tokenize_when_its_byte_bound_fits(gw):
+    """A text prompt whose UTF-8 length (+16) fits every decode engine's free blocks is planned with that bound,
+    without a /tokenize round trip; a longer one is counted exactly and then fits."""
+    short = _complete(gw, {"model": "tiny", "prompt": "hello there", "max_tokens": 2})
+    assert short.status == 200, short.text
+    assert not gw.prefill.tokenized
+    assert gw.transfer(short.headers["x-kvpush-transfer-id"]).prompt_token_count == len("hello there") + 16
+    longer = _complete(gw, {"model": "tiny", "prompt": " ".join(["abcdefgh"] * 600), "max_tokens": 2})
+    assert longer.status == 200, longer.text  # 5399 bytes exceed 1024 tokens of cache; 600 tokens do not
+    assert len(gw.prefill.tokenized) == 1
+    assert gw.transfer(longer.headers["x-kvpush-transfer-id"]).prompt_token_count == 600
+
+
+def test_unknown_model_is_404_naming_the_served_models(gw):
+    """A model no engine serves is refused before planning with 404 naming what is served."""
+    result = _complete(gw, {"model": "gpt-17", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert result.status == 404, result.text
+    assert "'gpt-17'" in result.body["error"]["message"] and "tiny" in result.body["error"]["message"]
+    assert result.body["error"]["param"] == "model"
+    assert not gw.prefill.legs and not gw.decode.legs
