@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.localstack.client import call
-from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+from kvpush.services.client import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 
 pytestmark = pytest.mark.engines
@@ -68,7 +68,7 @@ def traffic(local_stack):
         answers.append(answer)
     bad = call("POST", local_stack.gateway_url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0})
     assert bad.status == 400
-    client = SyncDirectoryClient(ChannelConfig(address=local_stack.directory.address, timeout_s=5.0))
+    client = SyncDirectoryClient(local_stack.directory_channel(timeout_s=5.0))
     try:
         transfers = [client.get_transfer(a.headers["x-kvpush-transfer-id"]) for a in answers]
     finally:
@@ -193,7 +193,7 @@ def test_log_lines_of_the_request_carry_its_trace_id(traffic, local_stack):
 def test_engines_report_load_model_and_one_compatibility_hash(traffic, local_stack):
     """Each engine registered its served model and the same non-empty compatibility hash; after steps ran, its
     renewals carry a free-block count within its cache."""
-    client = SyncDirectoryClient(ChannelConfig(address=local_stack.directory.address, timeout_s=5.0))
+    client = SyncDirectoryClient(local_stack.directory_channel(timeout_s=5.0))
     try:
         deadline = time.monotonic() + 30  # renewals come every lease ttl / 3 (10 s here)
         while True:
