@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from kvpush.localstack.client import call
 from kvpush.observability import configure_logging
 from kvpush.localstack.model import TinyModelSpec
+from kvpush.localstack.pki import HAVE_OPENSSL
 from kvpush.localstack.stack import LocalStack
 
 _WORDS = ("the prefill engine writes every layer of the key and value cache into blocks that the decode "
@@ -66,10 +67,10 @@ def _print_timeline(stack: LocalStack, answer: dict) -> None:
     if not transfer_id:
         _say("    (no transfer id in the response)")
         return
-    from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+    from kvpush.services.client import SyncDirectoryClient
     from kvpush.v1 import types_pb2
 
-    client = SyncDirectoryClient(ChannelConfig(address=stack.directory.address, timeout_s=5.0, max_attempts=2))
+    client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=2))
     try:
         transfer = client.get_transfer(transfer_id)
     finally:
@@ -105,7 +106,8 @@ def _describe_push(timing, origin) -> str:
 def run(args: argparse.Namespace) -> int:
     """Start the stack, run the checks, print a verdict; returns the exit code."""
     _say("kvpush demo: push-based, layer-streamed KV transfer between a prefill and a decode vLLM engine (CPU)")
-    stack = LocalStack(spec=TinyModelSpec(), progress=lambda m: _say("  " + m), engine_timeout_s=args.engine_timeout)
+    stack = LocalStack(spec=TinyModelSpec(), progress=lambda m: _say("  " + m), engine_timeout_s=args.engine_timeout,
+                       mutual_tls=args.mutual_tls)
     failures: list[str] = []
     try:
         try:
@@ -165,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpush.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--engine-timeout", type=float, default=600.0, help="seconds for all engines to load")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument("--mutual-tls", action=argparse.BooleanOptionalAction, default=HAVE_OPENSSL,
+                        help="mutual TLS with per-engine identities on every directory channel (default on when "
+                             "the openssl CLI can make the certificates; docs/security.md)")
     args = parser.parse_args(argv)
     # The demo narrates itself; kvpush's own info lines (process started, ...) would interleave.
     configure_logging(level="WARNING", fmt="console")
