@@ -147,3 +147,24 @@ def test_cli_refuses_bad_settings():
     env_bad = subprocess.run([sys.executable, "-m", "kvpush.services.cli.main", "directory"], capture_output=True,
                              text=True, timeout=60, env={**os.environ, "KVPUSH_DIRECTORY_PORT": "abc"})
     assert env_bad.returncode != 0 and "KVPUSH_DIRECTORY_PORT" in env_bad.stderr
+
+
+def test_cli_with_a_tokens_file_serves_the_operator_and_refuses_engines(tmp_path):
+    """`kvpush directory --tokens-file`: the operator's token lists engines; an engine's token may not."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("operator operator-token-0123456789\nengine/p1 p1-token-0123456789abcdef\n")
+    process = DirectoryProcess({"OTEL_SDK_DISABLED": "true"}, "--tokens-file", str(tokens))
+    try:
+        assert any("per-engine identities from tokens file" in line for line in process.lines)
+        listed = cli("engines", "--address", process.address, "--token", "operator-token-0123456789", "--json")
+        assert listed.returncode == 0, listed.stderr
+        refused = cli("engines", "--address", process.address, "--token", "p1-token-0123456789abcdef")
+        assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr
+        unknown = cli("engines", "--address", process.address, "--token", "not-a-token")
+        assert unknown.returncode == 1 and "UNAUTHENTICATED" in unknown.stderr
+    finally:
+        assert process.stop() == 0
+    bad = tmp_path / "bad"
+    bad.write_text("root sometoken-0123456789\n")
+    result = cli("directory", "--port", "0", "--tokens-file", str(bad))
+    assert result.returncode == 1 and "neither 'operator'" in result.stderr
