@@ -86,7 +86,8 @@ def test_invalid_readiness_flood_ends_the_session_and_memory_stays_bounded(direc
             if session % 5 == 0:
                 peak = max(peak, rss_bytes(process.process.pid))
                 assert await _health_latency_s(channel) < 5.0  # the unbounded directory took 9 s; a busy VM ~1 s
-        assert set(ends) == {grpc.StatusCode.RESOURCE_EXHAUSTED} and len(ends) == 40
+        assert set(ends) == {grpc.StatusCode.RESOURCE_EXHAUSTED} and len(ends) == 40, ends
+        print(f"flood RSS MB: baseline {baseline / MB:.0f}, peak {peak / MB:.0f}")
         await asyncio.sleep(0.5)
         after = rss_bytes(process.process.pid)
         assert peak - baseline < 120 * MB, (baseline, peak)
@@ -97,13 +98,13 @@ def test_invalid_readiness_flood_ends_the_session_and_memory_stays_bounded(direc
     run(body(), timeout_s=120)
     rejected_lines = [line for line in process.lines if '"event rejected"' in line]
     assert len(rejected_lines) < 200  # rate-limited: the old directory wrote one line per event
-    for _ in range(50):  # the collector thread may still be reading the last lines
+    for _ in range(150):  # the collector thread may still be reading the last lines
         closes = [json.loads(line) for line in process.lines if '"prefill session closed"' in line]
         if len(closes) >= 40:
             break
         time.sleep(0.1)
     # Each session counted every refused event up to its end (the cap), though few were logged.
-    assert len(closes) == 40 and all(c["rejected_count"] >= 1024 for c in closes)
+    assert len(closes) == 40 and all(c["rejected_count"] >= 1024 for c in closes), closes
     assert all("cap on queued event rejections" in c["reason"] for c in closes)
 
 
