@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpush.services.directory.records import PREFILL, Effects, TransferObserver, TransferRecord
 from kvpush.v1 import types_pb2 as tpb
@@ -196,6 +196,16 @@ class _LiveCollector:
             streams.add_metric(["stream_prefill"], servicer.open_prefill_session_count())
             streams.add_metric(["watch_transfers"], servicer.open_watch_count())
             yield streams
+            # Refusals are logged rate-limited (servicer.ThrottledLog); every one is counted here.
+            refusals = CounterMetricFamily("kvpush_directory_refusals", "Refused calls and stream events by kind "
+                                           "(registration, renewal, plan, allocation, event, stream).",
+                                           labels=["kind"])
+            for kind, count in sorted(servicer.refusals.counts.items()):
+                refusals.add_metric([kind], count)
+            yield refusals
+            yield GaugeMetricFamily("kvpush_directory_queued_rejections",
+                                    "Event rejections queued for StreamPrefill sessions, not yet written "
+                                    "(capped per session and in all).", value=servicer.pending_rejection_count)
 
 
 def _method_name(full_method: str) -> str:

@@ -68,3 +68,22 @@ def test_causes_are_a_closed_set():
         assert failure_cause(record) in CAUSES
     record.failure_reason = "rank 0 write failed: x"
     assert failure_cause(record) == "write_failed"
+
+
+def test_refusals_and_queued_rejections_are_exported():
+    """The servicer's rate-limited refusal log counts every refusal by kind; the queued rejections are a gauge."""
+    from kvpush.services.directory.servicer import DirectoryServicer
+
+    clock = ManualClock()
+    metrics = DirectoryMetrics()
+    state = DirectoryState(Limits(), clock.clock(), metrics)
+    servicer = DirectoryServicer(state)
+    metrics.bind(state, servicer)
+    for _ in range(30):  # more than one window's worth of log lines: all counted
+        servicer.refusals.info("event", "event rejected", transfer_id="t")
+    servicer.refusals.info("plan", "plan refused")
+    servicer.pending_rejection_count = 7
+    samples = _samples(metrics)
+    assert samples[("kvpush_directory_refusals_total", (("kind", "event"),))] == 30
+    assert samples[("kvpush_directory_refusals_total", (("kind", "plan"),))] == 1
+    assert samples[("kvpush_directory_queued_rejections", ())] == 7
