@@ -345,7 +345,7 @@ class Load:
                     transfer.first_ready_sent = now
                     transfer.first_ready_sent_wall = time.time()
                 events.append(dpb.LayerReady(
-                    transfer_id=transfer.transfer_id, first_layer=layer, last_layer=layer,
+                    transfer_id=transfer.transfer_id, layer_start=layer, layer_end=layer + 1,
                     token_start=chunk * chunk_tokens, token_end=(chunk + 1) * chunk_tokens,
                     prompt_token_count=self.prompt))
                 if not transfer.events_left:

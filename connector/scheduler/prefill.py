@@ -35,7 +35,8 @@ _log = get_logger("connector.scheduler.prefill")
 
 # Keys of the push timeline the workers report (PushTiming.as_dict plus the transfer's state).
 _TIMELINE_KEYS = ("first_write_start_time", "last_write_end_time", "prefill_end_time", "post_duration_s",
-                  "write_count", "descriptor_count", "bytes_written", "layers_written_before_prefill_end_count",
+                  "write_count", "descriptor_count", "bytes_written", "writes_before_prefill_end_count",
+                  "layers_written_before_prefill_end_count",
                   "state", "reason")
 
 

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvpush.connector.config import ConnectorConfig
@@ -55,10 +56,9 @@ from kvpush.v1 import directory_pb2 as dpb
 
 _log = get_logger("connector.worker.prefill")
 
-# EventRejection codes (google.rpc.Code) that mean the directory no longer knows the transfer as live.
-_CODE_NOT_FOUND = 5
-_CODE_FAILED_PRECONDITION = 9
-_CODE_PERMISSION_DENIED = 7
+# EventRejection codes that mean the directory no longer knows the transfer as live.
+_TRANSFER_GONE_CODES = frozenset(code.value[0] for code in (
+    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED))
 # Remember finished transfers a while, so a late instruction for one is answered, not re-created.
 _FINISHED_MEMORY = 4096
 
@@ -135,11 +135,12 @@ class PrefillWorker:
 
     def on_rejection(self, rejection: dpb.EventRejection) -> None:
         """Directory client thread: a readiness event was refused; stop pushing a transfer the directory ended."""
-        _log.warning("directory refused an event", transfer_id=rejection.transfer_id, code=rejection.code,
-                     message=rejection.message)
-        if rejection.code in (_CODE_NOT_FOUND, _CODE_FAILED_PRECONDITION, _CODE_PERMISSION_DENIED):
+        status = rejection.status
+        _log.warning("directory refused an event", transfer_id=rejection.transfer_id, code=status.code,
+                     message=status.message)
+        if status.code in _TRANSFER_GONE_CODES:
             self._offer(lambda: self._apply_cancellation(
-                rejection.transfer_id, f"directory refused the transfer: {rejection.message}", failed=True))
+                rejection.transfer_id, f"directory refused the transfer: {status.message}", failed=True))
 
     def on_session_lost(self) -> None:
         """Directory client thread: the session broke, so the directory failed every dispatched transfer; stop them."""
@@ -204,7 +205,7 @@ class PrefillWorker:
             # This engine's prefix cache holds these tokens, never recomputed. They are pushed with each layer's
             # save_kv_layer of this step all the same (it marks [0, token_end) ready): vLLM shares blocks that
             # another request computes in this very step, so "cached" does not yet mean "written".
-            self._queue_ready(live, chunk.request_id, 0, chunk.cached_token_count, 0, self._layer_count - 1)
+            self._queue_ready(live, chunk.request_id, 0, chunk.cached_token_count, 0, self._layer_count)
             live.span.event("prefix_cache_ready", {"kvpush.token_end": chunk.cached_token_count})
         live.chunks.append((chunk.token_start, chunk.token_end))
         self._step_chunks.append(chunk)
@@ -270,7 +271,7 @@ class PrefillWorker:
             live = self._live.get(chunk.request_id)
             if live is not None and not live.push.terminal:
                 self._queue_ready(live, chunk.request_id, chunk.token_start, chunk.token_end, 0,
-                                  self._layer_count - 1)
+                                  self._layer_count)
         self._step_chunks = []
         self._flush_ready()
 
@@ -348,17 +349,18 @@ class PrefillWorker:
 
     def _send_ready_now(self, live: _Live, chunk: PrefillChunk, layer: int) -> None:
         live.sent_first_ready = True
-        self._queue_ready(live, chunk.request_id, chunk.token_start, chunk.token_end, 0, layer)
+        self._queue_ready(live, chunk.request_id, chunk.token_start, chunk.token_end, 0, layer + 1)
         self._flush_ready()
 
-    def _queue_ready(self, live: _Live, request_id: str, token_start: int, token_end: int, first_layer: int,
-                     last_layer: int) -> None:
+    def _queue_ready(self, live: _Live, request_id: str, token_start: int, token_end: int, layer_start: int,
+                     layer_end: int) -> None:
+        """Queue readiness of layers [layer_start, layer_end) for tokens [token_start, token_end)."""
         if token_end <= token_start:
             return
         live.sent_first_ready = True
         end_block = -(-token_end // self._block_size)
         self._pending_ready.append(dpb.LayerReady(
-            transfer_id=live.push.transfer_id, first_layer=first_layer, last_layer=last_layer,
+            transfer_id=live.push.transfer_id, layer_start=layer_start, layer_end=layer_end,
             token_start=token_start, token_end=token_end, source_block_ids=live.push.src_block_ids[:end_block],
             prompt_token_count=live.push.prompt_token_count))
 
@@ -412,7 +414,7 @@ class PrefillWorker:
                 live.sent_first_ready = False  # re-announce on the new session
                 for start, end in live.chunks:
                     if end <= min(live.push.tokens_ready):
-                        self._queue_ready(live, live.push.request_id, start, end, 0, self._layer_count - 1)
+                        self._queue_ready(live, live.push.request_id, start, end, 0, self._layer_count)
         self._flush_ready()
 
     def _apply_write_done(self, done: WriteDone) -> None:
@@ -425,7 +427,7 @@ class PrefillWorker:
         was_terminal = live.push.terminal
         self._timeline_dirty.add(request_id)
         live.push.write_finished(done.ok, done.error, done.end_time, done.post_duration_s, done.descriptor_count,
-                                 done.bytes_written)
+                                 done.bytes_written, layer=done.layer)
         if done.ok:
             ends = live.push.timing.layer_write_end_times
             ends[done.layer] = max(ends.get(done.layer, 0.0), done.end_time)
@@ -561,8 +563,10 @@ class PrefillWorker:
 def _timing_proto(timing: Any) -> Any:
     from kvpush.v1 import types_pb2 as tpb
 
-    proto = tpb.TransferTiming(write_count=timing.write_count, descriptor_count=timing.descriptor_count,
-                               layers_written_before_prefill_end_count=timing.writes_before_prefill_end_count)
+    proto = tpb.TransferTiming(
+        write_count=timing.write_count, descriptor_count=timing.descriptor_count, bytes_written=timing.bytes_written,
+        writes_before_prefill_end_count=timing.writes_before_prefill_end_count,
+        layers_written_before_prefill_end_count=timing.layers_written_before_prefill_end_count)
     for name in ("first_write_start_time", "last_write_end_time", "prefill_end_time"):
         value = getattr(timing, name)
         if value is not None:

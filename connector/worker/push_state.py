@@ -51,8 +51,10 @@ class PushTiming:
     write_count: int = 0
     descriptor_count: int = 0
     bytes_written: int = 0
-    # Layer writes (one layer of one chunk's blocks each) that landed before prefill ended.
+    # Writes (one layer of one chunk's blocks each) that landed before prefill ended.
     writes_before_prefill_end_count: int = 0
+    # Layers whose every write landed before prefill ended.
+    layers_written_before_prefill_end_count: int = 0
     write_end_times: list[float] = field(default_factory=list)
     # layer -> when its last successful write ended (for the directory's per-layer timeline).
     layer_write_end_times: dict[int, float] = field(default_factory=dict)
@@ -67,7 +69,8 @@ class PushTiming:
             "write_count": self.write_count,
             "descriptor_count": self.descriptor_count,
             "bytes_written": self.bytes_written,
-            "layers_written_before_prefill_end_count": self.writes_before_prefill_end_count,
+            "writes_before_prefill_end_count": self.writes_before_prefill_end_count,
+            "layers_written_before_prefill_end_count": self.layers_written_before_prefill_end_count,
         }
 
 
@@ -98,6 +101,8 @@ class PushTransfer:
         self.skip_tokens = 0
         self.notification = b""
         self._blocks_planned: list[int] = []  # per layer: blocks [0, n) are written or in flight
+        self._layer_writes_in_flight = [0] * layer_count
+        self._layer_last_end_time: list[float | None] = [None] * layer_count
         self._writes_planned = 0
         self._writes_landed = 0
         self._notify_planned = False
@@ -199,6 +204,8 @@ class PushTransfer:
             self._notify_planned = True
         self._writes_planned += len(writes)
         self.in_flight += len(writes)
+        for write in writes:
+            self._layer_writes_in_flight[write.layer] += 1
         return writes
 
     def _all_planned(self) -> bool:
@@ -224,12 +231,17 @@ class PushTransfer:
             self.timing.first_write_start_time = start_time
 
     def write_finished(self, ok: bool, error: str = "", end_time: float | None = None, post_duration_s: float = 0.0,
-                       descriptor_count: int = 0, bytes_written: int = 0) -> None:
-        """Count one planned write's outcome; the first failure makes the transfer FAILED."""
+                       descriptor_count: int = 0, bytes_written: int = 0, layer: int | None = None) -> None:
+        """Count one planned write's outcome (of `layer`, when known); the first failure makes the transfer FAILED."""
         end_time = time.time() if end_time is None else end_time
         self.in_flight -= 1
         if self.in_flight < 0:
             raise AssertionError(f"transfer {self.transfer_id}: more outcomes than writes")
+        if layer is not None and 0 <= layer < self.layer_count and self._layer_writes_in_flight[layer] > 0:
+            self._layer_writes_in_flight[layer] -= 1
+            if ok:
+                last = self._layer_last_end_time[layer]
+                self._layer_last_end_time[layer] = end_time if last is None else max(last, end_time)
         if not ok:
             self.stop(STATE_FAILED, error or "write failed")
             return
@@ -254,7 +266,15 @@ class PushTransfer:
         end = self.timing.prefill_end_time
         if end is not None:
             self.timing.writes_before_prefill_end_count = sum(1 for t in self.timing.write_end_times if t < end)
+            self.timing.layers_written_before_prefill_end_count = sum(
+                1 for layer in range(self.layer_count) if self._layer_written(layer)
+                and (self._layer_last_end_time[layer] or end) < end)
         return self.timing
+
+    def _layer_written(self, layer: int) -> bool:
+        """Every write this layer owes was planned and landed, and at least one was made."""
+        return (bool(self._blocks_planned) and self._blocks_planned[layer] >= self.total_blocks
+                and self._layer_writes_in_flight[layer] == 0 and self._layer_last_end_time[layer] is not None)
 
     def stop(self, state: str, reason: str) -> None:
         """End the push (FAILED / CANCELLED / DONE with nothing to write); later outcomes still count in_flight."""

@@ -1,6 +1,8 @@
 import datetime
 
+from google.api import field_behavior_pb2 as _field_behavior_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
+from google.rpc import status_pb2 as _status_pb2
 from kvpush.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -143,22 +145,22 @@ class ReportAllocationResponse(_message.Message):
     def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class LayerReady(_message.Message):
-    __slots__ = ("transfer_id", "first_layer", "last_layer", "token_start", "token_end", "source_block_ids", "prompt_token_count")
+    __slots__ = ("transfer_id", "layer_start", "layer_end", "token_start", "token_end", "source_block_ids", "prompt_token_count")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
-    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_END_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
-    first_layer: int
-    last_layer: int
+    layer_start: int
+    layer_end: int
     token_start: int
     token_end: int
     source_block_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_count: int
-    def __init__(self, transfer_id: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ...) -> None: ...
 
 class LayerReadyBatch(_message.Message):
     __slots__ = ("events",)
@@ -239,14 +241,12 @@ class Cancellation(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class EventRejection(_message.Message):
-    __slots__ = ("transfer_id", "code", "message")
+    __slots__ = ("transfer_id", "status")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
-    code: int
-    message: str
-    def __init__(self, transfer_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    status: _status_pb2.Status
+    def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("directory_incarnation_id",)
@@ -364,9 +364,9 @@ class GetEngineResponse(_message.Message):
     __slots__ = ("workers", "directory_incarnation_id")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
-    workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.Engine]
+    workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.EngineWorker]
     directory_incarnation_id: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.Engine, _Mapping]]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.EngineWorker, _Mapping]]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
     __slots__ = ("page_size", "page_token", "role")
@@ -383,7 +383,7 @@ class ListEnginesResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
-    workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.Engine]
+    workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.EngineWorker]
     next_page_token: str
     directory_incarnation_id: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.Engine, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.EngineWorker, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...

@@ -1,5 +1,6 @@
 import datetime
 
+from google.api import field_behavior_pb2 as _field_behavior_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
@@ -106,7 +107,7 @@ class EngineLoad(_message.Message):
     waiting_request_count: int
     def __init__(self, free_block_count: _Optional[int] = ..., running_request_count: _Optional[int] = ..., waiting_request_count: _Optional[int] = ...) -> None: ...
 
-class Engine(_message.Message):
+class EngineWorker(_message.Message):
     __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint", "lease_id", "lease_expire_time", "load", "active_transfer_count", "register_time", "model")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -201,7 +202,7 @@ class RankTiming(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., timing: _Optional[_Union[TransferTiming, _Mapping]] = ...) -> None: ...
 
 class TransferTiming(_message.Message):
-    __slots__ = ("first_write_start_time", "last_write_end_time", "prefill_end_time", "post_duration", "write_count", "descriptor_count", "layers_written_before_prefill_end_count", "layer_writes")
+    __slots__ = ("first_write_start_time", "last_write_end_time", "prefill_end_time", "post_duration", "write_count", "descriptor_count", "layers_written_before_prefill_end_count", "writes_before_prefill_end_count", "bytes_written", "layer_writes")
     FIRST_WRITE_START_TIME_FIELD_NUMBER: _ClassVar[int]
     LAST_WRITE_END_TIME_FIELD_NUMBER: _ClassVar[int]
     PREFILL_END_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +210,8 @@ class TransferTiming(_message.Message):
     WRITE_COUNT_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     LAYERS_WRITTEN_BEFORE_PREFILL_END_COUNT_FIELD_NUMBER: _ClassVar[int]
+    WRITES_BEFORE_PREFILL_END_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     LAYER_WRITES_FIELD_NUMBER: _ClassVar[int]
     first_write_start_time: _timestamp_pb2.Timestamp
     last_write_end_time: _timestamp_pb2.Timestamp
@@ -217,8 +220,10 @@ class TransferTiming(_message.Message):
     write_count: int
     descriptor_count: int
     layers_written_before_prefill_end_count: int
+    writes_before_prefill_end_count: int
+    bytes_written: int
     layer_writes: _containers.RepeatedCompositeFieldContainer[LayerWrite]
-    def __init__(self, first_write_start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_write_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., prefill_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., post_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., write_count: _Optional[int] = ..., descriptor_count: _Optional[int] = ..., layers_written_before_prefill_end_count: _Optional[int] = ..., layer_writes: _Optional[_Iterable[_Union[LayerWrite, _Mapping]]] = ...) -> None: ...
+    def __init__(self, first_write_start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_write_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., prefill_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., post_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., write_count: _Optional[int] = ..., descriptor_count: _Optional[int] = ..., layers_written_before_prefill_end_count: _Optional[int] = ..., writes_before_prefill_end_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., layer_writes: _Optional[_Iterable[_Union[LayerWrite, _Mapping]]] = ...) -> None: ...
 
 class LayerWrite(_message.Message):
     __slots__ = ("layer", "end_time")

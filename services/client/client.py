@@ -70,15 +70,15 @@ class DirectoryClient:
         await self._unary("DeregisterEngine", dpb.DeregisterEngineRequest(
             engine_id=engine_id, tp_rank=tp_rank, lease_id=lease_id), timeout_s)
 
-    async def get_engine(self, engine_id: str, timeout_s: float | None = None) -> list[tpb.Engine]:
+    async def get_engine(self, engine_id: str, timeout_s: float | None = None) -> list[tpb.EngineWorker]:
         """One engine's workers in rank order."""
         response = await self._unary("GetEngine", dpb.GetEngineRequest(engine_id=engine_id), timeout_s)
         return list(response.workers)
 
     async def list_engines(self, role: int = tpb.ENGINE_ROLE_UNSPECIFIED, page_size: int = 0,
-                           timeout_s: float | None = None) -> list[tpb.Engine]:
+                           timeout_s: float | None = None) -> list[tpb.EngineWorker]:
         """Every registered worker (all pages), ordered by engine id then rank."""
-        workers: list[tpb.Engine] = []
+        workers: list[tpb.EngineWorker] = []
         token = ""
         while True:
             response = await self._unary("ListEngines", dpb.ListEnginesRequest(

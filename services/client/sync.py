@@ -97,11 +97,11 @@ class SyncDirectoryClient:
         """Blocking `DirectoryClient.list_transfers` (same keyword arguments)."""
         return self.run(self.client.list_transfers(**kwargs))
 
-    def get_engine(self, engine_id: str) -> list[tpb.Engine]:
+    def get_engine(self, engine_id: str) -> list[tpb.EngineWorker]:
         """Blocking `DirectoryClient.get_engine`."""
         return self.run(self.client.get_engine(engine_id))
 
-    def list_engines(self, **kwargs) -> list[tpb.Engine]:
+    def list_engines(self, **kwargs) -> list[tpb.EngineWorker]:
         """Blocking `DirectoryClient.list_engines` (same keyword arguments)."""
         return self.run(self.client.list_engines(**kwargs))
 

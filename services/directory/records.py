@@ -315,9 +315,9 @@ class WatchLog:
         return newer
 
 
-def layer_mask(first: int, last: int) -> int:
-    """Bit mask of layers [first, last]."""
-    return ((1 << (last - first + 1)) - 1) << first
+def layer_mask(start: int, end: int) -> int:
+    """Bit mask of layers [start, end)."""
+    return ((1 << (end - start)) - 1) << start
 
 
 def copy_message(message):

@@ -32,6 +32,7 @@ from collections import Counter, deque
 
 import grpc
 from google.protobuf import duration_pb2
+from google.rpc import status_pb2
 from structlog.contextvars import bound_contextvars
 
 from kvpush.observability import get_logger
@@ -118,10 +119,10 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     return ttl
 
 
-def worker_to_proto(worker: Worker, active_transfer_count: int) -> tpb.Engine:
+def worker_to_proto(worker: Worker, active_transfer_count: int) -> tpb.EngineWorker:
     """The wire form of one registered worker."""
     # Never the lease id (a secret of the registrant) nor the NIXL metadata (only push instructions carry it).
-    engine = tpb.Engine(
+    engine = tpb.EngineWorker(
         engine_id=worker.engine_id, role=worker.role, tp_rank=worker.tp_rank, tp_size=worker.tp_size,
         agent_name=worker.agent_name, layout=worker.layout,
         endpoint=worker.endpoint, active_transfer_count=active_transfer_count,
@@ -669,7 +670,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             session.wake.set()
             return
         session.rejections.append(dpb.StreamPrefillResponse(rejection=dpb.EventRejection(
-            transfer_id=transfer_id[:self.limits.max_id_length], code=code.value[0], message=str(error)),
+            transfer_id=transfer_id[:self.limits.max_id_length],
+            status=status_pb2.Status(code=code.value[0], message=str(error))),
             directory_incarnation_id=self.incarnation_id))
         self.pending_rejection_count += 1
         session.wake.set()

@@ -310,8 +310,8 @@ class DirectoryState:
             raise PermissionDenied(f"engine {engine_id!r} is not the prefill engine of this transfer")
         if record.terminal:
             raise FailedPrecondition(f"transfer is {tpb.TransferState.Name(record.state)}")
-        if event.last_layer >= record.layer_count:
-            raise InvalidArgument(f"last_layer {event.last_layer} is out of range [0, {record.layer_count})")
+        if event.layer_end > record.layer_count:
+            raise InvalidArgument(f"layer_end {event.layer_end} is out of range (0, {record.layer_count}]")
         if record.ready_prompt_token_count and event.prompt_token_count != record.ready_prompt_token_count:
             raise InvalidArgument(
                 f"prompt_token_count {event.prompt_token_count} differs from {record.ready_prompt_token_count}")
@@ -323,7 +323,7 @@ class DirectoryState:
         if chunks is None:
             chunks = record.ready[tp_rank] = {}
         key = (event.token_start, event.token_end)
-        mask = layer_mask(event.first_layer, event.last_layer)
+        mask = layer_mask(event.layer_start, event.layer_end)
         seen = chunks.get(key)
         if seen is not None and seen | mask == seen:
             return  # already-ready range: idempotent no-op

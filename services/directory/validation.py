@@ -191,10 +191,10 @@ def check_allocation(request: dpb.ReportAllocationRequest, limits: Limits) -> No
 def check_layer_ready(event: dpb.LayerReady, limits: Limits) -> None:
     """One LayerReady event (its layer index against the engine's layer count is checked by state)."""
     require_id(event.transfer_id, "transfer_id", limits)
-    _non_negative(event.first_layer, "first_layer", MAX_LAYERS)
-    _non_negative(event.last_layer, "last_layer", MAX_LAYERS)
-    if event.last_layer < event.first_layer:
-        raise InvalidArgument(f"last_layer {event.last_layer} is before first_layer {event.first_layer}")
+    _non_negative(event.layer_start, "layer_start", MAX_LAYERS)
+    _non_negative(event.layer_end, "layer_end", MAX_LAYERS)
+    if event.layer_end <= event.layer_start:
+        raise InvalidArgument(f"layer_end {event.layer_end} is not after layer_start {event.layer_start}")
     _non_negative(event.token_start, "token_start")
     if event.token_end <= event.token_start:
         raise InvalidArgument(f"token_end {event.token_end} is not after token_start {event.token_start}")

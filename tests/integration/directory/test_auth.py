@@ -126,7 +126,7 @@ def test_an_impostor_with_valid_credentials_is_refused_every_call(source, pki, t
             prefill = c["p1"].StreamPrefill()
             await prefill.write(dpb.StreamPrefillRequest(hello=dpb.Hello(engine_id="p1", lease_id=p_lease)))
             await c["d1"].ReportAllocation(allocation(tid, engine_id="d1"))
-            await send_ready(prefill, ready(tid, 0, 3))
+            await send_ready(prefill, ready(tid, 0, 4))
             instruction = (await read(prefill)).instruction
             assert instruction.transfer_id == tid and instruction.decode_agent_metadata == b"nixl-md-d1-0"
             await prefill.write(dpb.StreamPrefillRequest(result=result(tid, dpb.WRITE_RESULT_STATUS_DONE, 4, 100)))

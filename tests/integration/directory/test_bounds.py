@@ -67,7 +67,7 @@ def test_invalid_readiness_flood_ends_the_session_and_memory_stays_bounded(direc
         await _health_latency_s(channel)
         baseline = rss_bytes(process.process.pid)
         batch = dpb.StreamPrefillRequest(ready=dpb.LayerReadyBatch(
-            events=[ready(f"unknown-{i}", 0, 0) for i in range(200)]))
+            events=[ready(f"unknown-{i}", 0, 1) for i in range(200)]))
         peak = baseline
         ends = []
         for session in range(40):  # 40 sessions x 1200 refused events, none of them read by the worker

@@ -86,7 +86,7 @@ async def _one_transfer(address: str, complete: bool) -> str:
         await session.start()
         tid = (await client.plan_transfer(request_id="req-1", trace_context=TRACEPARENT)).transfer.transfer_id
         await client.report_allocation(tid, "d1", [4, 5, 6], 40)
-        session.send_ready([ready(tid, 0, 3)])
+        session.send_ready([ready(tid, 0, 4)])
         await asyncio.wait_for(instructions.get(), 10)
         status = dpb.WRITE_RESULT_STATUS_DONE if complete else dpb.WRITE_RESULT_STATUS_FAILED
         session.send_result(result(tid, status, layers=4, bytes_written=2048, error="" if complete else "boom"))

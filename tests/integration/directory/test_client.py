@@ -126,7 +126,7 @@ def test_clients_recover_after_a_directory_restart():
             assert gaps == [1]
             await asyncio.sleep(0.3)  # let the watch re-subscribe
             tid = (await client.plan_transfer()).transfer.transfer_id
-            session.send_ready([ready(tid, 0, 3)])
+            session.send_ready([ready(tid, 0, 4)])
             await client.report_allocation(tid, "d1", [1, 2, 3], 40)
             instruction = await asyncio.wait_for(instructions.get(), 5)
             assert instruction.transfer_id == tid
@@ -154,9 +154,10 @@ def test_prefill_session_batches_readiness_and_gets_rejections():
                 session = PrefillSession(client, p_reg, on_rejection=rejections.put_nowait)
                 await session.start()
                 tid = (await client.plan_transfer()).transfer.transfer_id
-                session.send_ready([ready(tid, layer, layer) for layer in range(4)] + [ready(tid, 9, 9)])
+                session.send_ready([ready(tid, layer, layer + 1) for layer in range(4)] + [ready(tid, 9, 10)])
                 rejection = await asyncio.wait_for(rejections.get(), 5)
-                assert rejection.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "last_layer 9" in rejection.message
+                assert rejection.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert "layer_end 10" in rejection.status.message
                 record = directory.server.state.get_transfer(tid)
                 assert record.ready[0][(0, 40)] == 0b1111
                 await session.stop()

@@ -239,7 +239,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         if call is None:
             return
         self._write(call, dpb.StreamPrefillRequest(ready=dpb.LayerReadyBatch(events=[dpb.LayerReady(
-            transfer_id=transfer_id, first_layer=0, last_layer=3, token_start=0, token_end=prompt,
+            transfer_id=transfer_id, layer_start=0, layer_end=4, token_start=0, token_end=prompt,
             prompt_token_count=prompt)])))
         self._write(call, dpb.StreamPrefillRequest(result=dpb.WriteResult(
             transfer_id=transfer_id, status=status, layers_written_count=4, bytes_written=prompt * 1024)))
@@ -263,8 +263,8 @@ class DirectoryMachine(RuleBasedStateMachine):
             async def drain():
                 try:
                     async for message in call:
-                        if message.WhichOneof("message") == "rejection" and message.rejection.code in (2, 13):
-                            self.bad.append(f"rejection {message.rejection.code}: {message.rejection.message}")
+                        if message.WhichOneof("message") == "rejection" and message.rejection.status.code in (2, 13):
+                            self.bad.append(f"rejection {message.rejection.status.code}: {message.rejection.status.message}")
                 except grpc.aio.AioRpcError as error:
                     self._record("StreamPrefill", error.code())
             return call, asyncio.create_task(drain())
@@ -281,7 +281,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             return
         transfer_id = self._transfer(data)
         batch = dpb.LayerReadyBatch(events=[dpb.LayerReady(
-            transfer_id=transfer_id, first_layer=first, last_layer=last, token_start=start, token_end=end,
+            transfer_id=transfer_id, layer_start=first, layer_end=last, token_start=start, token_end=end,
             prompt_token_count=prompt) for _ in range(count)])
         self._write(call, dpb.StreamPrefillRequest(ready=batch))
 

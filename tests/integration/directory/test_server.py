@@ -60,13 +60,13 @@ def test_transfer_flows_end_to_end_and_metadata_is_sent_once():
             prefill = await open_prefill(s, "p1", p_lease)
             first = await _plan(s, request_id="r1")
             second = await _plan(s, request_id="r2")
-            await send_ready(prefill, ready(first, 0, 1))
+            await send_ready(prefill, ready(first, 0, 2))
             await s.ReportAllocation(allocation(first, block_ids=[1, 2, 3]))
             one = (await read(prefill)).instruction
             assert one.transfer_id == first and one.decode_agent_metadata == b"nixl-md-d1-0"
             assert one.HasField("decode_layout") and list(one.decode_block_ids) == [1, 2, 3]
             await s.ReportAllocation(allocation(second, block_ids=[4, 5, 6]))
-            await send_ready(prefill, ready(second, 0, 0), ready(first, 2, 3))
+            await send_ready(prefill, ready(second, 0, 1), ready(first, 2, 4))
             two = (await read(prefill)).instruction
             assert two.transfer_id == second and two.decode_agent_metadata == b""
             assert not two.HasField("decode_layout") and two.decode_agent_name == "d1-agent-0"
@@ -180,15 +180,15 @@ def test_bad_events_get_rejections_and_the_stream_goes_on():
             p_lease, _ = await _pair(s)
             tid = await _allocated(s)
             prefill = await open_prefill(s, "p1", p_lease)
-            await send_ready(prefill, ready(tid, 0, 7), ready("", 0, 0), ready("ghost", 0, 0))
+            await send_ready(prefill, ready(tid, 0, 8), ready("", 0, 1), ready("ghost", 0, 1))
             await prefill.write(dpb.StreamPrefillRequest(result=result(tid, DONE)))
-            codes = [(await read(prefill)).rejection.code for _ in range(4)]
+            codes = [(await read(prefill)).rejection.status.code for _ in range(4)]
             assert codes == [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 2 + [
                 grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0]]
-            await send_ready(prefill, ready(tid, 0, 0))
+            await send_ready(prefill, ready(tid, 0, 1))
             assert (await read(prefill)).instruction.transfer_id == tid
             await prefill.write(dpb.StreamPrefillRequest(hello=dpb.Hello(engine_id="p1", lease_id=p_lease)))
-            assert (await read(prefill)).rejection.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert (await read(prefill)).rejection.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             await prefill.done_writing()
             await channel.close()
     run(body())
@@ -201,12 +201,12 @@ def test_stream_level_errors_end_the_stream():
             channel, s = stub(directory.address)
             p_lease, d_lease = await _pair(s)
             call = s.StreamPrefill()
-            await send_ready(call, ready("t", 0, 0))
+            await send_ready(call, ready("t", 0, 1))
             assert await code_of(call.read()) == grpc.StatusCode.INVALID_ARGUMENT
             call = await open_prefill(s, "d1", d_lease)
             assert await code_of(call.read()) == grpc.StatusCode.FAILED_PRECONDITION
             call = await open_prefill(s, "p1", p_lease)
-            await send_ready(call, *[ready("t", 0, 0)] * 3)
+            await send_ready(call, *[ready("t", 0, 1)] * 3)
             assert await code_of(read(call)) == grpc.StatusCode.INVALID_ARGUMENT
             await channel.close()
     run(body())
@@ -221,7 +221,7 @@ def test_prefill_stream_break_fails_transfer_and_decode_learns():
             watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
             tid = await _plan(s)
             prefill = await open_prefill(s, "p1", p_lease)
-            await send_ready(prefill, ready(tid, 0, 0))
+            await send_ready(prefill, ready(tid, 0, 1))
             await s.ReportAllocation(allocation(tid))
             assert (await read(prefill)).instruction.transfer_id == tid
             prefill.cancel()
@@ -264,7 +264,7 @@ def test_killed_decode_engine_fails_its_transfers_within_the_lease():
                 assert line.strip() == "registered"
                 tid = await _plan(s)
                 prefill = await open_prefill(s, "p1", keeper.lease_id)
-                await send_ready(prefill, ready(tid, 0, 0))
+                await send_ready(prefill, ready(tid, 0, 1))
                 await s.ReportAllocation(allocation(tid))
                 assert (await read(prefill)).instruction.transfer_id == tid
                 await asyncio.sleep(1.0)  # the decode process is alive: the transfer lives on
@@ -299,7 +299,7 @@ def test_cancel_after_dispatch_reaches_decode_when_prefill_confirms():
             tid = await _plan(s)
             prefill = await open_prefill(s, "p1", p_lease)
             await s.ReportAllocation(allocation(tid))
-            await send_ready(prefill, ready(tid, 0, 0))
+            await send_ready(prefill, ready(tid, 0, 1))
             await read(prefill)
             pending = (await s.CancelTransfer(dpb.CancelTransferRequest(transfer_id=tid, reason="abort"))).transfer
             assert pending.state == tpb.TRANSFER_STATE_STREAMING
@@ -384,7 +384,7 @@ def test_graceful_stop_flushes_and_ends_streams_unavailable():
             assert (await read(renew)).lease_id == p_lease
             prefill = await open_prefill(s, "p1", p_lease)
             tid = await _allocated(s)
-            await send_ready(prefill, ready(tid, 0, 0))
+            await send_ready(prefill, ready(tid, 0, 1))
             assert (await read(prefill)).instruction.transfer_id == tid
             loop = asyncio.get_running_loop()
             started = loop.time()
@@ -458,7 +458,7 @@ def test_new_agent_metadata_is_sent_again_under_the_same_agent_name():
             for round_ in range(3):
                 tid = await _plan(s)
                 await s.ReportAllocation(allocation(tid, block_ids=[1, 2, 3]))
-                await send_ready(prefill, ready(tid, 0, 3))
+                await send_ready(prefill, ready(tid, 0, 4))
                 metadata.append((await read(prefill)).instruction.decode_agent_metadata)
                 await prefill.write(dpb.StreamPrefillRequest(result=result(tid, DONE)))
                 if round_ == 1:  # the decode process restarts: same agent name, new memory registrations

@@ -83,7 +83,7 @@ def test_two_ranks_with_huge_bytes_written_complete_without_overflow():
             tid = (await s.PlanTransfer(dpb.PlanTransferRequest())).transfer.transfer_id
             await s.ReportAllocation(allocation(tid))
             for session in sessions:
-                await send_ready(session, ready(tid, 0, 3))
+                await send_ready(session, ready(tid, 0, 4))
                 assert (await read(session)).instruction.transfer_id == tid
             for session in sessions:
                 await session.write(dpb.StreamPrefillRequest(
@@ -172,10 +172,10 @@ def test_meaningless_values_on_a_live_engine_are_refused():
             bad.timing.post_duration.seconds = -1
             await session.write(dpb.StreamPrefillRequest(result=bad))
             rejection = (await read(session)).rejection
-            assert rejection.code == INVALID.value[0] and "post_duration" in rejection.message
+            assert rejection.status.code == INVALID.value[0] and "post_duration" in rejection.status.message
             bad = result("t\n1", dpb.WRITE_RESULT_STATUS_DONE)
             await session.write(dpb.StreamPrefillRequest(result=bad))
-            assert (await read(session)).rejection.code == INVALID.value[0]
+            assert (await read(session)).rejection.status.code == INVALID.value[0]
             session.cancel()
             await channel.close()
     run(body())

@@ -123,6 +123,26 @@ def test_layers_written_before_prefill_end_counts_writes_that_landed_earlier():
     assert push.finalize_timing().writes_before_prefill_end_count == 1
 
 
+def test_layers_before_prefill_end_count_layers_not_writes():
+    """A layer counts once its every write landed before prefill ended: two chunks of two layers make four writes,
+    three of them early, and only the layer whose both writes were early counts."""
+    push = _push(512, layers=2)
+    _instruct(push)
+    for layer in (0, 1):
+        push.mark_ready(layer, 256)
+    early = push.next_writes()
+    for layer in (0, 1):
+        push.mark_ready(layer, 512)
+    late = push.next_writes()
+    assert [w.layer for w in early] == [0, 1] and [w.layer for w in late] == [0, 1]
+    for write, end in zip(early + late, (1.0, 1.0, 2.0, 9.0)):
+        push.write_submitted()
+        push.write_finished(True, end_time=end, layer=write.layer)
+    push.prefill_ended(5.0)
+    timing = push.finalize_timing()
+    assert (timing.writes_before_prefill_end_count, timing.layers_written_before_prefill_end_count) == (3, 1)
+
+
 def test_bad_instruction_is_refused():
     """A prompt length or block list that cannot fit is refused with a precise error and changes nothing."""
     push = _push(300)

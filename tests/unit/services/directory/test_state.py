@@ -63,8 +63,8 @@ class Directory:
     def events(self, after: int = 0) -> list[dpb.TransferEvent]:
         return self.state.watch_events("d1", after)
 
-    def ready(self, transfer_id: str, first: int, last: int, rank: int = 0, **kw):
-        effects, refused = self.state.report_ready("p1", rank, [ready(transfer_id, first, last, **kw)])
+    def ready(self, transfer_id: str, layer_start: int, layer_end: int, rank: int = 0, **kw):
+        effects, refused = self.state.report_ready("p1", rank, [ready(transfer_id, layer_start, layer_end, **kw)])
         return effects, refused
 
     def transfer(self, transfer_id: str):
@@ -77,7 +77,7 @@ def test_allocation_then_readiness_dispatches_one_instruction():
     tid = d.plan()
     record, effects = d.state.report_allocation(allocation(tid))
     assert record.state == S.TRANSFER_STATE_ALLOCATED and not effects.prefill_outboxes
-    effects, refused = d.ready(tid, 0, 0)
+    effects, refused = d.ready(tid, 0, 1)
     assert not refused and effects.prefill_outboxes == {("p1", 0)}
     messages = d.outbox()
     assert [m.WhichOneof("message") for m in messages] == ["instruction"]
@@ -86,7 +86,7 @@ def test_allocation_then_readiness_dispatches_one_instruction():
     assert instruction.notification == tid.encode() and instruction.decode_agent_metadata == b"nixl-md-d1-0"
     assert instruction.decode_layout.layer_count == 4 and instruction.prompt_token_count == 40
     assert d.transfer(tid).state == S.TRANSFER_STATE_STREAMING
-    d.ready(tid, 1, 3)
+    d.ready(tid, 1, 4)
     assert d.outbox() == []
 
 
@@ -94,7 +94,7 @@ def test_readiness_then_allocation_dispatches_on_allocation():
     """Readiness first stays PLANNED; the allocation then dispatches the instruction."""
     d = Directory()
     tid = d.plan()
-    effects, refused = d.ready(tid, 0, 1)
+    effects, refused = d.ready(tid, 0, 2)
     assert not refused and not effects and d.transfer(tid).state == S.TRANSFER_STATE_PLANNED
     assert d.transfer(tid).first_ready_wall is not None
     record, effects = d.state.report_allocation(allocation(tid, prefix=16))
@@ -109,7 +109,7 @@ def test_completion_tells_decode_with_sequence_numbers():
     first, second = d.plan(), d.plan()
     for tid, blocks in ((first, (1, 2, 3)), (second, (4, 5, 6))):
         d.state.report_allocation(allocation(tid, block_ids=blocks))
-        d.ready(tid, 0, 3)
+        d.ready(tid, 0, 4)
     d.state.report_result("p1", 0, result(first, PROGRESS, layers=2, bytes_written=10))
     assert d.transfer(first).state == S.TRANSFER_STATE_STREAMING
     effects = d.state.report_result("p1", 0, result(first, DONE, layers=4, bytes_written=99))
@@ -128,11 +128,11 @@ def test_duplicate_events_are_idempotent():
     """Repeated allocation, readiness and DONE change nothing and produce nothing."""
     d = Directory()
     tid = d.allocated()
-    d.ready(tid, 0, 3)
+    d.ready(tid, 0, 4)
     d.outbox()
     record, effects = d.state.report_allocation(allocation(tid))
     assert not effects and record.state == S.TRANSFER_STATE_STREAMING
-    effects, refused = d.ready(tid, 1, 2)
+    effects, refused = d.ready(tid, 1, 3)
     assert not effects and not refused and d.outbox() == []
     d.state.report_result("p1", 0, result(tid, DONE))
     assert not d.state.report_result("p1", 0, result(tid, DONE))
@@ -144,7 +144,7 @@ def test_readiness_after_terminal_is_rejected_failed_precondition():
     d = Directory()
     tid = d.plan()
     d.state.cancel(tid, "gateway timeout")
-    _, refused = d.ready(tid, 0, 0)
+    _, refused = d.ready(tid, 0, 1)
     assert isinstance(refused[0][1], FailedPrecondition)
     assert d.transfer(tid).state == S.TRANSFER_STATE_CANCELLED
 
@@ -154,12 +154,12 @@ def test_bad_events_are_refused_precisely_and_change_nothing():
     d = Directory()
     d.state.register(register_request("p2", PREFILL))
     tid = d.plan(prefill_engine_id="p1")
-    d.ready(tid, 0, 0, prompt=40)
+    d.ready(tid, 0, 1, prompt=40)
     before = d.transfer(tid).to_proto()
     _, refused = d.state.report_ready("p1", 0, [
-        ready("nope", 0, 0), ready(tid, 0, 4), ready(tid, 1, 1, prompt=41)])
+        ready("nope", 0, 1), ready(tid, 0, 5), ready(tid, 1, 2, prompt=41)])
     assert [type(e) for _, e in refused] == [NotFound, InvalidArgument, InvalidArgument]
-    _, refused = d.state.report_ready("p2", 0, [ready(tid, 1, 1)])
+    _, refused = d.state.report_ready("p2", 0, [ready(tid, 1, 2)])
     assert isinstance(refused[0][1], PermissionDenied)
     with pytest.raises(FailedPrecondition):  # no instruction yet
         d.state.report_result("p1", 0, result(tid, DONE))
@@ -228,7 +228,7 @@ def test_cancel_after_dispatch_waits_for_prefill():
     """After dispatch, cancel tells prefill and CANCELLED reaches decode only once prefill confirms."""
     d = Directory()
     tid = d.allocated()
-    d.ready(tid, 0, 0)
+    d.ready(tid, 0, 1)
     d.outbox()
     record, effects = d.state.cancel(tid, "abort")
     assert record.state == S.TRANSFER_STATE_STREAMING and not effects.watch_engines
@@ -244,7 +244,7 @@ def test_cancel_pending_becomes_cancelled_when_prefill_lease_lapses():
     """A pending cancellation ends CANCELLED when the prefill engine's lease lapses."""
     d = Directory()
     tid = d.allocated()
-    d.ready(tid, 0, 0)
+    d.ready(tid, 0, 1)
     d.state.cancel(tid, "abort")
     d.time.advance(5)
     d.state.renew(d.leases[("d1", 0)], None)
@@ -257,7 +257,7 @@ def test_tp2_completes_only_when_every_rank_is_done():
     """With TP=2 each rank gets its own instruction (decode rank = prefill rank); COMPLETE needs both DONE."""
     d = Directory(tp_size=2)
     tid = d.allocated()
-    effects, _ = d.ready(tid, 0, 0, rank=1)
+    effects, _ = d.ready(tid, 0, 1, rank=1)
     assert effects.prefill_outboxes == {("p1", 0), ("p1", 1)}
     assert [m.instruction.decode_tp_rank for m in d.outbox(0) + d.outbox(1)] == [0, 1]
     assert d.outbox(1) == []
@@ -271,7 +271,7 @@ def test_tp2_failure_waits_for_the_other_rank_to_stop():
     """One rank FAILED: the other is told to stop; FAILED reaches decode when it confirms."""
     d = Directory(tp_size=2)
     tid = d.allocated()
-    d.ready(tid, 0, 0)
+    d.ready(tid, 0, 1)
     d.outbox(0), d.outbox(1)
     d.state.report_result("p1", 0, result(tid, FAILED, error="post failed"))
     assert [m.cancellation.transfer_id for m in d.outbox(1)] == [tid] and d.outbox(0) == []
@@ -284,7 +284,7 @@ def test_lease_lapse_fails_transfers_and_tells_both_sides():
     """A decode engine whose lease lapses is removed; its transfers fail; prefill gets a cancellation."""
     d = Directory()
     tid = d.allocated()
-    d.ready(tid, 0, 0)
+    d.ready(tid, 0, 1)
     d.outbox()
     d.time.advance(6)
     d.state.renew(d.leases[("p1", 0)], tpb.EngineLoad(free_block_count=3))
@@ -305,7 +305,7 @@ def test_transfer_deadline_expires_and_tells_both_sides():
     """A transfer past its deadline becomes EXPIRED; decode gets the event, prefill a cancellation."""
     d = Directory(Limits(lease_ttl_s=100, transfer_ttl_s=5))
     tid = d.allocated()
-    d.ready(tid, 0, 0)
+    d.ready(tid, 0, 1)
     d.outbox()
     d.time.advance(4)
     assert not d.state.reap()
@@ -321,7 +321,7 @@ def test_stream_close_fails_begun_transfers_only():
     """Closing the current prefill session fails the transfers it began; untouched plans survive."""
     d = Directory()
     begun, untouched = d.plan(), d.plan()
-    d.ready(begun, 0, 0)
+    d.ready(begun, 0, 1)
     d.state.close_session("p1", 0, d.sessions[0], "prefill stream broken")
     assert d.transfer(begun).state == S.TRANSFER_STATE_FAILED
     assert d.transfer(untouched).state == S.TRANSFER_STATE_PLANNED
@@ -332,7 +332,7 @@ def test_stale_session_close_changes_nothing():
     """A replaced session's end does not fail the worker's transfers."""
     d = Directory()
     tid = d.plan()
-    d.ready(tid, 0, 0)
+    d.ready(tid, 0, 1)
     new_session, _ = d.state.open_session("p1", 0, d.leases[("p1", 0)])
     assert not d.state.close_session("p1", 0, d.sessions[0], "old stream")
     assert d.transfer(tid).state == S.TRANSFER_STATE_PLANNED

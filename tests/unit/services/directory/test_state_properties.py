@@ -78,7 +78,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.transfers)
     @rule(data=st.data(), engine=st.sampled_from(["p1", "p2"]), first=st.integers(0, 3), span=st.integers(0, 3))
     def layer_ready(self, data, engine, first, span) -> None:
-        self.state.report_ready(engine, self._rank(data), [ready(self._pick(data), first, min(3, first + span))])
+        self.state.report_ready(engine, self._rank(data), [ready(self._pick(data), first, min(4, first + span + 1))])
 
     @precondition(lambda self: self.transfers)
     @rule(data=st.data(), engine=st.sampled_from(["p1", "p2"]), status=st.sampled_from(STATUSES),
@@ -108,7 +108,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     @rule(data=st.data(), first=st.integers(0, 3))
     def ready_own(self, data, first) -> None:
         record = self.state.get_transfer(self._pick(data))
-        self.state.report_ready(record.prefill_engine_id, self._rank(data), [ready(record.transfer_id, first, 3)])
+        self.state.report_ready(record.prefill_engine_id, self._rank(data), [ready(record.transfer_id, first, 4)])
 
     @precondition(lambda self: self.transfers)
     @rule(data=st.data(), status=st.sampled_from(STATUSES + (dpb.WRITE_RESULT_STATUS_DONE,) * 3))
@@ -133,7 +133,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                     self.state.report_allocation(allocation(record.transfer_id, engine_id=record.decode_engine_id,
                                                             block_ids=[start, start + 1, start + 2]))
                 elif kind == "ready":
-                    self.state.report_ready(record.prefill_engine_id, rank, [ready(record.transfer_id, 0, 3)])
+                    self.state.report_ready(record.prefill_engine_id, rank, [ready(record.transfer_id, 0, 4)])
                 else:
                     self.state.report_result(record.prefill_engine_id, rank, result(
                         record.transfer_id, dpb.WRITE_RESULT_STATUS_DONE, layers=4, bytes_written=400))
@@ -243,7 +243,7 @@ def test_any_order_of_allocation_and_readiness_dispatches_exactly_once(order):
             state.report_allocation(allocation(tid))
         else:
             layer = int(step[1])
-            _, refused = state.report_ready("p1", 0, [ready(tid, layer, layer)])
+            _, refused = state.report_ready("p1", 0, [ready(tid, layer, layer + 1)])
             assert refused == []
         instructions += sum(m.WhichOneof("message") == "instruction" for m in state.drain_outbox("p1", 0, session))
     assert instructions == 1
