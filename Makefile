@@ -10,9 +10,11 @@ setup:
 protos: setup
 	@PATH=$(CURDIR)/.venv/bin:$$PATH scripts/gen_protos.sh
 
-# Proto lint and "generated code is current" check.
+# Proto lint, no breaking change against main (scripts/buf_breaking.sh says which commit), and
+# "generated code is current" check.
 lint: setup
 	@cd protos && ../node_modules/.bin/buf lint
+	@scripts/buf_breaking.sh
 	@PATH=$(CURDIR)/.venv/bin:$$PATH scripts/gen_protos.sh && git diff --exit-code -- kvpush/v1 \
 		|| { echo "kvpush/v1 is stale: run 'make protos' and commit"; exit 1; }
 
