@@ -94,24 +94,9 @@ def setup_imports() -> None:
     """Make `kvpush.*` importable from the checkout and, only where vLLM is absent, stand in for vLLM's two bases."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    import kvpush
+    from kvpush.checkout import use_checkout
 
-    # pyproject maps kvpush.services -> services/ and kvpush.connector -> connector/; without an install, map them here.
-    for sub in ("services", "connector"):
-        name = f"kvpush.{sub}"
-        if name in sys.modules:
-            continue
-        try:
-            importlib.import_module(name)
-            continue
-        except ModuleNotFoundError:
-            pass
-        spec = importlib.util.spec_from_file_location(name, REPO / sub / "__init__.py",
-                                                      submodule_search_locations=[str(REPO / sub)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        setattr(kvpush, sub, module)
+    use_checkout(REPO)  # pyproject's package mapping, where the checkout is not installed
     if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
         install_vllm_base_stand_in()
 
@@ -239,31 +224,24 @@ def decode_main(args: argparse.Namespace) -> int:
     setup_imports()
     import torch
 
-    from kvpush.connector.dataplane.listener import NotificationListener
     from kvpush.connector.directory_link import DirectoryLink
+    from kvpush.connector.halves import build_worker_half
     from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
-    from kvpush.connector.worker.decode import DecodeWorker
-    from kvpush.connector.worker.transport import create_agent
-    from kvpush.v1 import types_pb2 as tpb
 
     device = "cuda:0" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(0)
     config = connector_config("decode", DECODE_ENGINE, args)
     kv_caches = make_kv_caches(args, device, "zeros")
-    # As KVPushConnector.register_kv_caches wires a decode worker:
-    agent = create_agent(config, kv_caches, args.block_size, args.heads, args.head_size, f"{DECODE_ENGINE}-tp0-bench")
-    link = DirectoryLink(config, "kvpush-worker0-directory")
-    worker = DecodeWorker(config, link, args.block_size)
     notified: dict[str, float] = {}
 
-    def on_notification(agent_name: str, message: bytes) -> None:  # tap: stamp arrival, then the real callback
+    def on_notification(agent_name: str, message: bytes) -> None:  # tap: stamp arrival (the worker's runs next)
         notified.setdefault(message.decode("utf-8", "replace"), time.time())
-        worker.on_notification(agent_name, message)
 
-    NotificationListener(agent, on_notification)
-    link.register(tpb.ENGINE_ROLE_DECODE, 0, 1, agent.agent_name, agent.agent_metadata(), agent.layout.to_proto())
-    link.watch(worker.on_event, worker.on_gap)
+    # Wired by the connector's own builder, as KVPushConnector.register_kv_caches wires a decode worker.
+    parts = build_worker_half(config, kv_caches, args.block_size, args.heads, args.head_size, 0, 1,
+                              f"{DECODE_ENGINE}-tp0-bench", tap_notification=on_notification)
+    worker, agent = parts.half, parts.agent
     # The decode scheduler process's own link (DecodeScheduler reports allocations through it).
     scheduler_link = DirectoryLink(config, "kvpush-scheduler-directory")
     pool = BlockPool(1, args.num_blocks)  # block 0 is vLLM's null block
@@ -329,9 +307,8 @@ def decode_main(args: argparse.Namespace) -> int:
                                "block_count": len(requests[r]["blocks"]), "first_block": requests[r]["blocks"][0]}
                                         for r in rids}})
                 del batches[batch]
-    link.close()
+    parts.shutdown()
     scheduler_link.close()
-    agent.stop()
     return 0
 
 
@@ -375,11 +352,9 @@ def prefill_main(args: argparse.Namespace) -> int:
     setup_imports()
     import torch
 
-    from kvpush.connector.directory_link import DirectoryLink
-    from kvpush.connector.metadata import KVPushMetadata, PrefillChunk
-    from kvpush.connector.worker.prefill import PrefillWorker
-    from kvpush.connector.worker.transport import PushTransport, create_agent
-    from kvpush.v1 import types_pb2 as tpb
+    from kvpush.connector.halves import build_worker_half
+    from kvpush.connector.metadata import KVPushMetadata, PrefillChunk, combine_rank_timelines
+    from kvpush.connector.outcome import PushOutcome
 
     on_gpu = args.device == "cuda"
     device = "cuda:0" if on_gpu else "cpu"
@@ -389,30 +364,25 @@ def prefill_main(args: argparse.Namespace) -> int:
     kv_caches = make_kv_caches(args, device, "noise")
     layer_names = list(kv_caches)
     model = TinyModel(args, device)
-    # As KVPushConnector.register_kv_caches wires a prefill worker (the write/instruction callbacks are tapped
-    # to stamp times, then call the worker's own):
-    agent = create_agent(config, kv_caches, args.block_size, args.heads, args.head_size, f"{PREFILL_ENGINE}-tp0-bench")
-    link = DirectoryLink(config, "kvpush-worker0-directory")
-    worker = PrefillWorker(config, link, layer_names, args.block_size, on_gpu=on_gpu)
     writes: list[dict[str, Any]] = []
     instructions: dict[str, float] = {}
     tap_lock = threading.Lock()
 
-    def on_write_done(done: Any) -> None:
+    def on_write_done(done: Any) -> None:  # tap: record each write (the worker's callback runs next)
         with tap_lock:
-            writes.append({"transfer_id": done.transfer_id, "ok": done.ok, "error": done.error, "layer": done.layer,
-                           "start": done.start_time, "end": done.end_time, "bytes": done.bytes_written,
-                           "descriptors": done.descriptor_count, "post_s": done.post_duration_s})
-        worker.on_write_done(done)
+            writes.append({"transfer_id": done.transfer_id, "ok": done.outcome is PushOutcome.DONE,
+                           "error": done.error, "layer": done.layer, "start": done.start_time, "end": done.end_time,
+                           "bytes": done.bytes_written, "descriptors": done.descriptor_count,
+                           "post_s": done.post_duration_s})
 
-    def on_instruction(instruction: Any) -> None:
+    def on_instruction(instruction: Any) -> None:  # tap: stamp arrival
         instructions.setdefault(instruction.transfer_id, time.time())
-        worker.on_instruction(instruction)
 
-    worker.attach_transport(PushTransport(agent, on_write_done, worker.on_writer_quiet))
-    link.register(tpb.ENGINE_ROLE_PREFILL, 0, 1, agent.agent_name, agent.agent_metadata(), agent.layout.to_proto(),
-                  on_lease_lost=lambda lease, reason: worker.on_session_lost())
-    link.open_prefill_session(on_instruction, worker.on_cancellation, worker.on_rejection, worker.on_session_lost)
+    # Wired by the connector's own builder, as KVPushConnector.register_kv_caches wires a prefill worker.
+    parts = build_worker_half(config, kv_caches, args.block_size, args.heads, args.head_size, 0, 1,
+                              f"{PREFILL_ENGINE}-tp0-bench", tap_write_done=on_write_done,
+                              tap_instruction=on_instruction)
+    worker, agent = parts.half, parts.agent
     pool = BlockPool(1, args.num_blocks)
     requests: dict[str, dict[str, Any]] = {}
     conn = Client(tuple(args.control), authkey=bytes.fromhex(args.authkey))
@@ -439,8 +409,8 @@ def prefill_main(args: argparse.Namespace) -> int:
             done_at[rid] = time.time()
         meta_out = worker.build_worker_meta()
         if meta_out is not None:
-            for rid, tl in meta_out.timelines.items():
-                timelines.setdefault(rid, {}).update(tl)
+            for rid, by_rank in meta_out.timelines.items():
+                timelines.setdefault(rid, {}).update(combine_rank_timelines(by_rank))
 
     def run_batch(msg: dict[str, Any]) -> dict[str, Any]:
         mode = msg["mode"]
@@ -603,8 +573,7 @@ def prefill_main(args: argparse.Namespace) -> int:
             conn.send({"op": "hashes", "hashes": out})
         elif msg["op"] == "stop":
             break
-    link.close()
-    agent.stop()
+    parts.shutdown()
     return 0
 
 

@@ -74,8 +74,8 @@ class KVPushConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler: Any = None
         self._worker: Any = None
-        self._link: Any = None
-        self._agent: Any = None
+        self._link: Any = None    # the decode scheduler's DirectoryLink
+        self._parts: Any = None   # a worker process's WorkerParts (halves.build_worker_half)
         self._load_errors: set[int] = set()
         self._metrics: Any = None
         # Load as the scheduler last saw it (worker side, from the step's metadata); requests it holds (scheduler).
@@ -109,60 +109,31 @@ class KVPushConnector(KVConnectorBase_V1):
         """Worker start-up: register KV memory with NIXL and this worker with the directory (blocking, bounded)."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-        from kvpush.connector.directory_link import DirectoryLink
-        from kvpush.connector.worker.transport import create_agent
-        from kvpush.v1 import types_pb2 as tpb
+        from kvpush.connector.halves import build_worker_half
 
         tp_rank = get_tensor_model_parallel_rank()
         tp_size = get_tensor_model_parallel_world_size()
         model_config = self._vllm_config.model_config
         num_kv_heads = model_config.get_num_kv_heads(self._vllm_config.parallel_config)
-        head_size = model_config.get_head_size()
-        layer_names = list(kv_caches)
         agent_name = f"{self.config.engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:8]}"
-        self._agent = create_agent(self.config, kv_caches, self._block_size, num_kv_heads, head_size, agent_name)
-        self._link = DirectoryLink(self.config, f"kvpush-worker{tp_rank}-directory")
-        on_gpu = next(iter(kv_caches.values())).device.type == "cuda"
-        layout = self._agent.layout.to_proto()
-        layout.compatibility_hash = self._compatibility_hash(num_kv_heads, head_size, len(layer_names))
-        model = str(getattr(model_config, "served_model_name", None) or model_config.model)
-        role = tpb.ENGINE_ROLE_PREFILL if self.config.is_prefill else tpb.ENGINE_ROLE_DECODE
+        head_size = model_config.get_head_size()
         from kvpush.connector import metrics
 
         self._metrics = metrics.WorkerMetrics(self.config.engine_id, self.config.role, tp_rank)
         if self.config.metrics_port:
             metrics.serve(self.config.metrics_port + tp_rank)
-        observed = self._metrics
-        if self.config.is_prefill:
-            from kvpush.connector.worker.prefill import PrefillWorker
-            from kvpush.connector.worker.transport import PushTransport
-
-            worker = PrefillWorker(self.config, self._link, layer_names, self._block_size, on_gpu=on_gpu)
-            worker.attach_transport(PushTransport(
-                self._agent, lambda done: (observed.on_write_done(done), worker.on_write_done(done)),
-                lambda quiet: (observed.on_writer_quiet(quiet), worker.on_writer_quiet(quiet))))
-            self._link.register(role, tp_rank, tp_size, self._agent.agent_name, self._agent.agent_metadata(), layout,
-                                on_lease_lost=lambda lease, reason: (observed.on_lease_lost(), worker.on_session_lost()),
-                                model=model, load_callback=self._load)
-            session = self._link.open_prefill_session(worker.on_instruction, worker.on_cancellation,
-                                                      worker.on_rejection, worker.on_session_lost)
-            observed.watch_backlog(lambda: session.queued_message_count)
-        else:
-            from kvpush.connector.dataplane.listener import NotificationListener
-            from kvpush.connector.worker.decode import DecodeWorker
-
-            worker = DecodeWorker(self.config, self._link, self._block_size)
-            NotificationListener(self._agent, worker.on_notification)
-            self._link.register(role, tp_rank, tp_size, self._agent.agent_name, self._agent.agent_metadata(), layout,
-                                on_lease_lost=lambda lease, reason: observed.on_lease_lost(), model=model,
-                                load_callback=self._load)
-            self._link.watch(worker.on_event, worker.on_gap)
-        self._worker = worker
+        self._parts = build_worker_half(
+            self.config, kv_caches, self._block_size, num_kv_heads, head_size, tp_rank, tp_size, agent_name,
+            model=str(getattr(model_config, "served_model_name", None) or model_config.model),
+            compatibility_hash=lambda agent: self._compatibility_hash(agent, num_kv_heads, head_size, len(kv_caches)),
+            load_callback=self._load, metrics=self._metrics)
+        self._worker = self._parts.half
+        agent = self._parts.agent
         _log.info("kvpush connector worker ready", engine_id=self.config.engine_id, role=self.config.role,
-                  tp_rank=tp_rank, tp_size=tp_size, agent=self._agent.agent_name, layers=len(layer_names),
-                  layout=self._agent.layout.layout_name, blocks=self._agent.layout.block_count)
+                  tp_rank=tp_rank, tp_size=tp_size, agent=agent.agent_name, layers=len(kv_caches),
+                  layout=agent.layout.layout_name, blocks=agent.layout.block_count)
 
-    def _compatibility_hash(self, num_kv_heads: int, head_size: int, layer_count: int) -> str:
+    def _compatibility_hash(self, agent: Any, num_kv_heads: int, head_size: int, layer_count: int) -> str:
         import vllm
 
         from kvpush.connector.metadata import compatibility_hash
@@ -170,7 +141,7 @@ class KVPushConnector(KVConnectorBase_V1):
         model_config, cache_config = self._vllm_config.model_config, self._vllm_config.cache_config
         return compatibility_hash(
             model=str(model_config.model), dtype=str(model_config.dtype), cache_dtype=str(cache_config.cache_dtype),
-            kv_layout=self._agent.layout.layout_name, num_kv_heads=num_kv_heads, head_size=head_size,
+            kv_layout=agent.layout.layout_name, num_kv_heads=num_kv_heads, head_size=head_size,
             block_size=self._block_size, layer_count=layer_count, vllm_version=str(vllm.__version__))
 
     def _load(self) -> Any:
@@ -245,18 +216,20 @@ class KVPushConnector(KVConnectorBase_V1):
         if self.config.is_prefill and self._worker is not None:
             meta = self._worker.build_worker_meta()
             if meta is not None:
-                self._metrics.on_timelines(meta.timelines)
+                # This rank's own timelines (a worker process sees only its rank).
+                self._metrics.on_timelines({request_id: timeline for request_id, by_rank in meta.timelines.items()
+                                            for timeline in by_rank.values()})
             return meta
         return None
 
     def shutdown(self) -> None:
         """Stop streams and the data plane (bounded)."""
-        if self._link is not None:
+        if self._parts is not None:  # worker process: streams, notifications, data plane
+            self._parts.shutdown()
+            self._parts = None
+        if self._link is not None:  # decode scheduler process
             self._link.close()
             self._link = None
-        if self._agent is not None:
-            self._agent.stop()
-            self._agent = None
 
     # ================================================================ scheduler side
 

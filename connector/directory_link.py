@@ -35,7 +35,9 @@ class DirectoryLink:
 
     def __init__(self, config: ConnectorConfig, thread_name: str = "kvpush-connector-directory") -> None:
         self._config = config
-        self.client = SyncDirectoryClient(ChannelConfig.from_dict(config.channel_config_dict()), thread_name)
+        # The client's loop thread, and the async client whose calls it runs.
+        self._loop = SyncDirectoryClient(ChannelConfig.from_dict(config.channel_config_dict()), thread_name)
+        self._calls = self._loop.client
         self.registration: EngineRegistration | None = None
         self.session: PrefillSession | None = None
         self._watch: concurrent.futures.Future | None = None
@@ -45,7 +47,7 @@ class DirectoryLink:
     def report_allocation(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
                           prefix_hit_token_count: int, on_refused: Callable[[str], None]) -> None:
         """Submit ReportAllocation for this engine; on_refused(reason) runs on the client thread on failure."""
-        future = self.client.submit(self.client.client.report_allocation(
+        future = self._loop.submit(self._calls.report_allocation(
             transfer_id, self._config.engine_id, block_ids, prompt_token_count, prefix_hit_token_count))
 
         def done(f: concurrent.futures.Future) -> None:
@@ -59,7 +61,7 @@ class DirectoryLink:
     def cancel_transfer(self, transfer_id: str, reason: str,
                         on_done: Callable[[tpb.Transfer | None, str], None] | None = None) -> None:
         """Submit CancelTransfer; on_done(transfer or None, error) runs on the client thread when it returns."""
-        future = self.client.submit(self.client.client.cancel_transfer(transfer_id, reason))
+        future = self._loop.submit(self._calls.cancel_transfer(transfer_id, reason))
 
         def done(f: concurrent.futures.Future) -> None:
             error = f.exception()
@@ -72,7 +74,7 @@ class DirectoryLink:
 
     def get_transfer(self, transfer_id: str, on_done: Callable[[tpb.Transfer | None, str], None]) -> None:
         """Submit GetTransfer; on_done(transfer or None, error) runs on the client thread."""
-        future = self.client.submit(self.client.client.get_transfer(transfer_id))
+        future = self._loop.submit(self._calls.get_transfer(transfer_id))
         future.add_done_callback(
             lambda f: on_done(None, str(f.exception())) if f.exception() else on_done(f.result(), ""))
 
@@ -89,8 +91,8 @@ class DirectoryLink:
             engine_id=self._config.engine_id, role=role, tp_rank=tp_rank, tp_size=tp_size, agent_name=agent_name,
             agent_metadata=agent_metadata, layout=layout, endpoint=self._config.engine_endpoint, model=model)
         try:
-            self.registration = self.client.start_registration(request, on_lease_lost=on_lease_lost,
-                                                               load_callback=load_callback)
+            self.registration = self._loop.start_registration(request, on_lease_lost=on_lease_lost,
+                                                              load_callback=load_callback)
         except (DirectoryCallError, TimeoutError) as exc:
             raise RuntimeError(
                 f"kvpush: cannot register engine {self._config.engine_id!r} rank {tp_rank} with the directory at "
@@ -100,17 +102,21 @@ class DirectoryLink:
     def open_prefill_session(self, on_instruction: Callable[[dpb.PushInstruction], None],
                              on_cancellation: Callable[[dpb.Cancellation], None],
                              on_rejection: Callable[[dpb.EventRejection], None],
-                             on_reconnect: Callable[[], None]) -> PrefillSession:
-        """Open the StreamPrefill session of this (registered) prefill worker."""
+                             on_session_reset: Callable[[], None]) -> PrefillSession:
+        """Open the StreamPrefill session of this (registered) prefill worker.
+
+        on_session_reset runs when the stream reconnected: the directory failed the transfers this worker had
+        begun on the old stream (the session's on_reconnect).
+        """
         assert self.registration is not None, "register() first"
-        self.session = self.client.open_prefill_session(
+        self.session = self._loop.open_prefill_session(
             self.registration, on_instruction=on_instruction, on_cancellation=on_cancellation,
-            on_rejection=on_rejection, on_reconnect=on_reconnect)
+            on_rejection=on_rejection, on_reconnect=on_session_reset)
         return self.session
 
     def watch(self, on_event: Callable[[dpb.TransferEvent], None], on_gap: Callable[[int], None]) -> None:
         """Follow this decode engine's terminal transfer events (callbacks on the client thread)."""
-        self._watch = self.client.watch(self._config.engine_id, on_event, on_gap=on_gap)
+        self._watch = self._loop.watch(self._config.engine_id, on_event, on_gap=on_gap)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop streams, deregister and stop the client thread (each step bounded)."""
@@ -118,10 +124,10 @@ class DirectoryLink:
             self._watch.cancel()
         try:
             if self.session is not None:
-                self.client.run(self.session.stop(timeout_s), timeout_s + 1)
+                self._loop.run(self.session.stop(timeout_s), timeout_s + 1)
             if self.registration is not None:
-                self.client.run(self.registration.stop(), timeout_s + 1)
+                self._loop.run(self.registration.stop(), timeout_s + 1)
         except Exception as exc:  # shutdown is best effort: the lease lapses on its own
             _log.info("directory link shutdown incomplete", error=str(exc))
         finally:
-            self.client.close(timeout_s)
+            self._loop.close(timeout_s)

@@ -4,8 +4,8 @@ Life cycle, once per engine step:
   1. The scheduler half builds a `KVPushMetadata` in `build_connector_meta` (scheduler process).
   2. vLLM ships it to every worker process (pickled by the executor) and binds it before the forward.
   3. The worker half reads it in `start_load_kv` / `save_kv_layer` / `get_transfer_results`.
-  4. After the step the worker may return a `KVPushWorkerMetadata` (push timings); vLLM aggregates
-     the ranks' objects and hands the result to the scheduler half's `update_connector_output`.
+  4. After the step the worker may return a `KVPushWorkerMetadata` (push timelines, by rank); vLLM
+     aggregates the ranks' objects and hands the result to the scheduler half's `update_connector_output`.
 
 Everything here is plain data (dataclasses of str/int/float/lists), so any executor can move it.
 `WIRE_VERSION` changes whenever a field changes meaning; a worker refuses metadata of another version
@@ -24,7 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 # Wire version history:
 #   1: prefill chunks, decode receives, decode cancellations, prefill holds, preemptions; worker timings.
-WIRE_VERSION = 1
+#   2: worker timelines keyed by request, then TP rank (PushTimeline fields), combined by the scheduler.
+WIRE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -115,36 +116,67 @@ class KVPushMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVPushWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker → scheduler data for one step: push timelines of prefill requests, by request id.
+    """Worker → scheduler data for one step: the push timelines that changed, by request id, then TP rank.
 
-    Each timeline is a dict of plain values (unix seconds and counts), merged across ranks by taking the
-    earliest start and the latest end, so the scheduler can return it in the response's kv_transfer_params.
+    A timeline is `PushTimeline.as_dict()` (a snapshot: a later one of the same rank supersedes it key by
+    key; None means "not known yet"). `aggregate` only unions the ranks' entries; what the ranks mean
+    together is `combine_rank_timelines`.
     """
 
-    timelines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    timelines: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Merge another rank's timelines into this one (earliest starts, latest ends, summed counts)."""
+        """Add another rank's timelines to these (each rank's entry kept as it is)."""
         if not isinstance(other, KVPushWorkerMetadata):
             return self
-        for request_id, timeline in other.timelines.items():
+        for request_id, by_rank in other.timelines.items():
             mine = self.timelines.setdefault(request_id, {})
-            merge_timeline(mine, timeline)
+            for rank, timeline in by_rank.items():
+                update_snapshot(mine.setdefault(rank, {}), timeline)
         return self
 
 
-def merge_timeline(into: dict[str, Any], other: dict[str, Any]) -> None:
-    """Merge one push timeline into another in place (see KVPushWorkerMetadata)."""
-    for key, value in other.items():
-        if value is None:
-            continue
-        if key not in into or into[key] is None:
+def update_snapshot(into: dict[str, Any], newer: dict[str, Any]) -> None:
+    """One rank's timeline: a newer snapshot's known values replace the older ones (None keeps the old)."""
+    for key, value in newer.items():
+        if value is not None or key not in into:
             into[key] = value
-        elif key.endswith("_start_time"):
-            into[key] = min(into[key], value)
-        elif key.endswith("_end_time"):
-            into[key] = max(into[key], value)
-        elif key.endswith("_count"):
-            into[key] = max(into[key], value)
-        else:
-            into[key] = value
+
+
+# How one transfer's ranks combine (each rank writes its own heads of every block):
+_EARLIEST = ("first_write_start_time",)
+_LATEST = ("last_write_end_time", "prefill_end_time")
+_SUMMED = ("post_duration_s", "write_count", "descriptor_count", "bytes_written", "writes_before_prefill_end_count")
+# A layer is written once every rank wrote its share of it.
+_FEWEST = ("layers_written_before_prefill_end_count",)
+
+
+def combine_rank_timelines(by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The transfer's push timeline from its ranks' timelines: earliest start, latest ends, summed counts and
+    bytes, the fewest layers written before prefill end, settled once every rank is, and the worst state (with
+    its reason)."""
+    ranks = [by_rank[rank] for rank in sorted(by_rank)]
+    combined: dict[str, Any] = {}
+    for keys, pick in ((_EARLIEST, min), (_LATEST, max), (_SUMMED, sum), (_FEWEST, min)):
+        for key in keys:
+            values = [rank[key] for rank in ranks if rank.get(key) is not None]
+            if values:
+                combined[key] = pick(values)
+    settled = [rank["settled"] for rank in ranks if rank.get("settled") is not None]
+    if settled:
+        combined["settled"] = all(settled)  # the push ended everywhere only once every rank settled it
+    states = [rank for rank in ranks if rank.get("state")]
+    if states:
+        worst = max(states, key=lambda rank: _state_severity(rank["state"]))
+        combined["state"] = worst["state"]
+        combined["reason"] = worst.get("reason", "")
+    return combined
+
+
+def _state_severity(state: str) -> int:
+    from kvpush.connector.outcome import PushOutcome
+
+    try:
+        return PushOutcome(state).severity
+    except ValueError:  # "active": not ended yet
+        return 0

@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvpush.connector.outcome import PushOutcome
 from kvpush.observability import get_logger
 
 _log = get_logger("connector.metrics")
@@ -137,7 +138,7 @@ class WorkerMetrics:
 
     def on_write_done(self, done: Any) -> None:
         """A WRITE settled (WriteDone; data-plane I/O thread)."""
-        if not done.ok:
+        if done.outcome is not PushOutcome.DONE:
             self._writes_failed.inc()
         else:
             self._writes_ok.inc()
@@ -159,8 +160,8 @@ class WorkerMetrics:
     def on_timelines(self, timelines: dict[str, dict]) -> None:
         """Push timelines reported this step; a final one (it carries the end reason) counts the push."""
         for timeline in timelines.values():
-            if "reason" not in timeline or timeline.get("state") not in self._pushes:
-                continue  # a snapshot of a push still going; its final timeline follows
+            if not timeline.get("settled") or timeline.get("state") not in self._pushes:
+                continue  # a snapshot of a push still going; its settled timeline follows, once
             self._pushes[timeline["state"]].inc()
             if timeline["state"] != "done":
                 continue

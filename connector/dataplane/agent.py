@@ -199,6 +199,15 @@ class TransferAgent:
 
         self._call(do)
 
+    def remove_notification_callback(self, callback: Callable[[str, bytes], None]) -> None:
+        """Stop delivering notifications to `callback` (no-op when it is not registered, or the agent stopped)."""
+
+        def do() -> None:
+            if callback in self._notif_callbacks:
+                self._notif_callbacks.remove(callback)
+
+        self._call(do)
+
     def _bind_cuda_device(self) -> None:
         """Make the registered GPU current on the I/O thread (CUDA's current device is per thread).
 

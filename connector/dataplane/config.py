@@ -18,6 +18,8 @@ from typing import Any
 
 BACKEND_UCX = "UCX"
 BACKEND_LIBFABRIC = "LIBFABRIC"
+# The in-memory stand-in for tests (dataplane/inmemory.py): every agent in this process, bytes moved with memmove.
+BACKEND_INMEMORY = "INMEMORY"
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,10 @@ def _nixl_modules() -> tuple[Any, Any]:
 
 def create_nixl_agent(name: str, config: NixlConfig) -> Any:
     """Create a NIXL agent named `name` as `config` says (imports NIXL here, not at module load)."""
+    if config.backends == (BACKEND_INMEMORY,):
+        from kvpush.connector.dataplane.inmemory import InMemoryNixlAgent, fabric
+
+        return InMemoryNixlAgent(name, fabric(config.backend_params.get(BACKEND_INMEMORY, {}).get("fabric", "default")))
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # vLLM sets it too: a UCX leak
     api, bind = _nixl_modules()
     nixl_agent = api.nixl_agent

@@ -32,6 +32,10 @@ class NotificationListener:
         """Messages delivered so far."""
         return self._received
 
+    def stop(self) -> None:
+        """Stop delivering (a message the I/O thread is delivering now may still arrive)."""
+        self._agent.remove_notification_callback(self._deliver)
+
     def _deliver(self, agent_name: str, message: bytes) -> None:
         self._received += 1
         self._callback(agent_name, message)

@@ -45,6 +45,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from kvpush.connector.dataplane.agent import TransferAgent
 from kvpush.connector.dataplane.plan import LayerPlanCache, WritePlan, WriteRequestError
+from kvpush.connector.outcome import PushOutcome
 from kvpush.observability import get_logger, get_tracer
 
 _log = get_logger("kvpush.dataplane.writer")
@@ -91,7 +92,9 @@ class WriteOutcome:
     bytes / descriptor_count: moved (descriptors after merging; NIXL's count when telemetry is on).
     post_seconds: time spent in make_prepped_xfer + transfer(); summed over writes for a transfer.
     transfer_seconds: first post to observed completion.
-    error: why it failed (None when ok).
+    outcome: DONE (landed; for a transfer: every write landed and the notification, if any, went out),
+        CANCELLED (dropped or ended by `cancel`), FAILED (anything else).
+    error: why it did not land (None when DONE).
     write_count: 1 for a write; for a transfer, every write it accepted (failed and dropped ones
         included), so 0 only when a cancelled transfer never had a write.
     handle_write_count: writes that shared this write's NIXL handle (they share post time and
@@ -99,7 +102,7 @@ class WriteOutcome:
     """
 
     transfer_id: str
-    ok: bool
+    outcome: PushOutcome
     bytes: int
     descriptor_count: int
     post_seconds: float
@@ -111,6 +114,19 @@ class WriteOutcome:
     notified: bool = False
     telemetry: dict[str, float] | None = None
     handle_write_count: int = 1
+
+    @property
+    def ok(self) -> bool:
+        """True when the write (or transfer) landed."""
+        return self.outcome is PushOutcome.DONE
+
+
+_CANCELLED = "cancelled"
+
+
+def _failure_outcome(reason: str) -> PushOutcome:
+    """CANCELLED for what `cancel` ended (its reason, and the writes it dropped), FAILED otherwise."""
+    return PushOutcome.CANCELLED if reason in (_CANCELLED, f"dropped: {_CANCELLED}") else PushOutcome.FAILED
 
 
 @dataclass
@@ -237,11 +253,12 @@ class PushWriter:
         def do() -> None:
             transfer = self._transfers.get(transfer_id)
             if transfer is None:
-                self._remember_ended(transfer_id, "cancelled")
-                future.set_result(WriteOutcome(transfer_id, False, 0, 0, 0.0, 0.0, "cancelled", write_count=0))
+                self._remember_ended(transfer_id, _CANCELLED)
+                future.set_result(WriteOutcome(transfer_id, PushOutcome.CANCELLED, 0, 0, 0.0, 0.0, _CANCELLED,
+                                               write_count=0))
                 return
             transfer.waiters.append(future)
-            self._fail_transfer(transfer, "cancelled")
+            self._fail_transfer(transfer, _CANCELLED)
 
         self._agent.call_soon(do)
         return future
@@ -547,7 +564,7 @@ class PushWriter:
             if req.closes_transfer:
                 transfer.closing = write  # the handle that carried (or will send) the notification
             outcome = WriteOutcome(
-                req.transfer_id, True, member.plan.total_bytes, descriptors, write.post_seconds,
+                req.transfer_id, PushOutcome.DONE, member.plan.total_bytes, descriptors, write.post_seconds,
                 now - write.posted_at, None, req.peer_agent, 1, tuple(int(x) for x in req.layers),
                 write.notif_attached and req.notify is not None, write.telemetry, len(write.members),
             )
@@ -564,7 +581,7 @@ class PushWriter:
             member.error = reason
             req = member.request
             outcome = WriteOutcome(
-                req.transfer_id, False, 0, 0, write.post_seconds, elapsed, reason, req.peer_agent, 1,
+                req.transfer_id, _failure_outcome(reason), 0, 0, write.post_seconds, elapsed, reason, req.peer_agent, 1,
                 tuple(int(x) for x in req.layers),
             )
             _log.warning("write_failed", transfer_id=req.transfer_id, peer=req.peer_agent, error=reason)
@@ -607,7 +624,7 @@ class PushWriter:
                     error = f"send_notif failed: {exc!r}"
         outcome = WriteOutcome(
             transfer.transfer_id,
-            error is None,
+            PushOutcome.DONE if error is None else _failure_outcome(error),
             transfer.bytes,
             transfer.descriptors,
             transfer.post_seconds,

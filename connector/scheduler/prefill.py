@@ -17,13 +17,21 @@ keep reporting) after its last request finished. Nothing here touches the networ
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, PrefillChunk, merge_timeline
+from kvpush.connector.metadata import (
+    KVPushMetadata,
+    KVPushWorkerMetadata,
+    PrefillChunk,
+    combine_rank_timelines,
+    update_snapshot,
+)
 from kvpush.connector.params import TransferParamsError, parse_transfer_params
+from kvpush.connector.worker.push_state import PushTimeline
 from kvpush.observability import get_logger
 
 if TYPE_CHECKING:
@@ -33,11 +41,8 @@ if TYPE_CHECKING:
 
 _log = get_logger("connector.scheduler.prefill")
 
-# Keys of the push timeline the workers report (PushTiming.as_dict plus the transfer's state).
-_TIMELINE_KEYS = ("first_write_start_time", "last_write_end_time", "prefill_end_time", "post_duration_s",
-                  "write_count", "descriptor_count", "bytes_written", "writes_before_prefill_end_count",
-                  "layers_written_before_prefill_end_count",
-                  "state", "reason")
+# Keys of the push timeline the workers report (PushTimeline.as_dict, combined over ranks).
+_TIMELINE_KEYS = tuple(PushTimeline().as_dict())
 
 
 @dataclass
@@ -66,6 +71,8 @@ class PrefillScheduler:
         # after update_from_output returns, so timelines the workers report in that same step still land.
         self._response_params: dict[str, dict[str, Any]] = {}
         self._newly_held: list[str] = []
+        # Each rank's latest push timeline of a request, until its blocks are released.
+        self._rank_timelines: dict[str, dict[int, dict[str, Any]]] = {}
 
     def on_new_request(self, request: "Request") -> None:
         """Track a prefill-leg request by its transfer id."""
@@ -175,18 +182,25 @@ class PrefillScheduler:
         """Release holds the workers reported done; merge their push timelines into tracked requests."""
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, KVPushWorkerMetadata):
-            for request_id, timeline in worker_meta.timelines.items():
+            for request_id, by_rank in worker_meta.timelines.items():
+                if request_id not in self._tracked and request_id not in self._held:
+                    continue  # released already: a late snapshot changes no response
+                ranks = self._rank_timelines.setdefault(request_id, {})
+                for rank, timeline in by_rank.items():
+                    update_snapshot(ranks.setdefault(rank, {}), timeline)
+                combined = combine_rank_timelines(ranks)
                 tracked = self._tracked.get(request_id)
                 if tracked is not None:
-                    merge_timeline(tracked.timeline, timeline)
+                    tracked.timeline.update(combined)
                 params = self._response_params.get(request_id)
                 if params is not None:
-                    merge_timeline(params["push_timeline"], timeline)
+                    params["push_timeline"].update(combined)
         # Only the step that finished a request can still change its response; later timelines are logged.
         self._response_params.clear()
         for request_id in connector_output.finished_sending or ():
             _log.debug("blocks released", request_id=request_id)
             self._held.pop(request_id, None)
+            self._rank_timelines.pop(request_id, None)
 
     def has_pending_push_work(self) -> bool:
         """True while any finished request's blocks are held for pushes."""

@@ -33,6 +33,7 @@ from typing import Any
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.worker.inbox import run_queued_actions, wait_for_actions
 from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
+from kvpush.connector.outcome import ReceiveOutcome
 from kvpush.connector.tracing import TransferSpan
 from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
@@ -42,19 +43,13 @@ _log = get_logger("connector.worker.decode")
 
 _EXPIRY_GRACE_S = 10.0
 
-_TERMINAL_STATES = {
-    tpb.TRANSFER_STATE_COMPLETE: "complete",
-    tpb.TRANSFER_STATE_FAILED: "failed",
-    tpb.TRANSFER_STATE_CANCELLED: "cancelled",
-    tpb.TRANSFER_STATE_EXPIRED: "expired",
-}
 
 
 @dataclass
 class _Signal:
     """A completion signal for a transfer: a notification (complete) or a directory terminal state."""
 
-    outcome: str          # "complete" | "failed" | "cancelled" | "expired"
+    outcome: ReceiveOutcome
     reason: str
     source: str           # "notification" | "event" | "lookup" | "allocation" | "timeout"
     received_at: float
@@ -94,11 +89,11 @@ class DecodeWorker:
     def on_notification(self, agent_name: str, message: bytes) -> None:
         """NIXL I/O thread: prefill finished every write of the transfer named by the message."""
         transfer_id = message.decode("utf-8", errors="replace")
-        self._inbox.put(lambda: self._signal(transfer_id, _Signal("complete", "", "notification", time.monotonic())))
+        self._inbox.put(lambda: self._signal(transfer_id, _Signal(ReceiveOutcome.COMPLETE, "", "notification", time.monotonic())))
 
     def on_event(self, event: dpb.TransferEvent) -> None:
         """Directory client thread: a transfer of this engine reached a terminal state."""
-        outcome = _TERMINAL_STATES.get(event.state)
+        outcome = ReceiveOutcome.from_transfer_state(event.state)
         if outcome is None:
             return
         signal = _Signal(outcome, event.reason, "event", time.monotonic())
@@ -121,7 +116,7 @@ class DecodeWorker:
             receive = self._receives.get(request_id)
             if receive is not None:
                 self._signal(receive.start.transfer_id,
-                             _Signal("failed", f"allocation refused: {reason}", "allocation", now))
+                             _Signal(ReceiveOutcome.FAILED, f"allocation refused: {reason}", "allocation", now))
         for request_id in meta.cancelled_receives:
             receive = self._receives.get(request_id)
             if receive is not None and not receive.aborted:
@@ -200,34 +195,34 @@ class DecodeWorker:
                   "blocks released unconfirmed")
         _log.warning("releasing a receive's blocks on the local bound", transfer_id=transfer_id,
                      request_id=receive.start.request_id, aborted=receive.aborted)
-        self._early[transfer_id] = _Signal("expired", reason, "timeout", now)
+        self._early[transfer_id] = _Signal(ReceiveOutcome.EXPIRED, reason, "timeout", now)
 
     def _end_receive(self, receive: _Receive, signal: _Signal) -> None:
         start = receive.start
         self._receives.pop(start.request_id, None)
         self._by_transfer.pop(start.transfer_id, None)
         waited = time.monotonic() - receive.started_at
-        receive.span.set_attributes({"kvpush.outcome": signal.outcome, "kvpush.signal": signal.source,
+        receive.span.set_attributes({"kvpush.outcome": signal.outcome.value, "kvpush.signal": signal.source,
                                      "kvpush.wait_s": round(waited, 6), "kvpush.aborted": receive.aborted})
         if receive.aborted:
-            receive.span.end(ok=False, reason=f"aborted; transfer {signal.outcome}")
+            receive.span.end(ok=False, reason=f"aborted; transfer {signal.outcome.value}")
             _log.info("aborted receive released", transfer_id=start.transfer_id, request_id=start.request_id,
-                      outcome=signal.outcome)
+                      outcome=signal.outcome.value)
             return
-        if signal.outcome == "complete":
+        if signal.outcome is ReceiveOutcome.COMPLETE:
             self.completed_count += 1
             receive.span.end(ok=True)
             _log.info("receive complete", transfer_id=start.transfer_id, request_id=start.request_id,
                       signal=signal.source, wait_s=round(waited, 4))
             return
-        if receive.expiring and signal.outcome != "complete":
-            signal = _Signal("expired", f"timed out; transfer then {signal.outcome}: {signal.reason}", signal.source,
+        if receive.expiring:
+            signal = _Signal(ReceiveOutcome.EXPIRED, f"timed out; transfer then {signal.outcome.value}: {signal.reason}", signal.source,
                              signal.received_at)
         self.failed_count += 1
         self._load_errors.update(start.pushed_block_ids(self._block_size))
-        receive.span.end(ok=False, reason=f"{signal.outcome}: {signal.reason}")
+        receive.span.end(ok=False, reason=f"{signal.outcome.value}: {signal.reason}")
         _log.warning("receive failed; blocks reported as load errors", transfer_id=start.transfer_id,
-                     request_id=start.request_id, outcome=signal.outcome, reason=signal.reason,
+                     request_id=start.request_id, outcome=signal.outcome.value, reason=signal.reason,
                      signal=signal.source)
 
     def _prune_early(self, now: float) -> None:
@@ -243,11 +238,11 @@ class DecodeWorker:
                 if transfer is None:
                     if "NOT_FOUND" in error.split(": ")[1:2]:  # DirectoryCallError "GetTransfer: NOT_FOUND: ..."
                         # The directory forgot it (it restarted): no event will ever come; fail it now.
-                        signal = _Signal("failed", f"directory no longer knows the transfer: {error}", "lookup",
-                                         time.monotonic())
+                        signal = _Signal(ReceiveOutcome.FAILED, f"directory no longer knows the transfer: {error}",
+                                         "lookup", time.monotonic())
                         self._inbox.put(lambda: self._signal(transfer_id, signal))
                     return  # other errors: the deadline still bounds the wait
-                outcome = _TERMINAL_STATES.get(transfer.state)
+                outcome = ReceiveOutcome.from_transfer_state(transfer.state)
                 if outcome is not None:
                     signal = _Signal(outcome, transfer.failure_reason, "lookup", time.monotonic())
                     self._inbox.put(lambda: self._signal(transfer_id, signal))

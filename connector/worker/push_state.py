@@ -11,21 +11,22 @@ per transfer, driven by the prefill worker on the engine thread:
      block once the whole prompt is computed. A block of a layer is therefore written exactly once
      (a chunk ending mid-block leaves that block to a later chunk), and nothing before decode's
      prefix hit is written. The write that completes every layer carries the notification.
-  4. Outcomes: `write_submitted()` after the data plane accepted a write, `write_finished(ok, ...)` per
-     outcome, `writer_is_quiet()` once the data plane holds no handle of the transfer; the transfer is DONE when every planned
-     write landed, FAILED on the first failure; `stop(...)` (cancellation, abort, timeout) stops new
-     writes. `quiescent` is true once nothing is in flight: only then may the blocks be released.
+  4. Outcomes: `write_submitted()` after the data plane accepted a write, `write_finished(outcome, ...)`
+     per write, `writer_is_quiet()` once the data plane holds no handle of the transfer; the push is DONE
+     when every planned write landed, FAILED on the first failure; `stop(...)` (cancellation, abort,
+     timeout) stops new writes. `quiescent` is true once nothing is in flight: only then may the blocks
+     be released.
+  5. `finalize_timeline()`: the `PushTimeline` (what was measured, with the derived counts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-STATE_ACTIVE = "active"
-STATE_DONE = "done"
-STATE_FAILED = "failed"
-STATE_CANCELLED = "cancelled"
+from kvpush.connector.outcome import PUSH_ACTIVE, PushOutcome
 
 
 @dataclass(frozen=True)
@@ -41,37 +42,42 @@ class PlannedWrite:
 
 
 @dataclass
-class PushTiming:
-    """What the worker measured for one transfer (unix seconds); becomes a TransferTiming."""
+class PushTimeline:
+    """What one prefill worker (one TP rank) measured for one transfer; times are unix seconds.
 
-    first_write_start_time: float | None = None
-    last_write_end_time: float | None = None
-    prefill_end_time: float | None = None
-    post_duration_s: float = 0.0
+    One write is one layer's blocks of one chunk, so a prompt prefilled in N chunks makes up to N writes
+    per layer. Every count is of landed writes; sums are over them. It becomes the rank's TransferTiming
+    (`prefill.timing_proto`) and the response's push timeline (`as_dict`, combined over ranks by
+    `metadata.combine_rank_timelines`).
+    """
+
+    first_write_start_time: float | None = None   # earliest post of a landed write
+    last_write_end_time: float | None = None      # latest completion
+    prefill_end_time: float | None = None         # last layer of the last chunk computed (GPU: its kernel)
+    post_duration_s: float = 0.0                  # time spent posting, summed
     write_count: int = 0
-    descriptor_count: int = 0
-    bytes_written: int = 0
-    # Writes (one layer of one chunk's blocks each) that landed before prefill ended.
-    writes_before_prefill_end_count: int = 0
-    # Layers whose every write landed before prefill ended.
-    layers_written_before_prefill_end_count: int = 0
-    write_end_times: list[float] = field(default_factory=list)
-    # layer -> when its last successful write ended (for the directory's per-layer timeline).
-    layer_write_end_times: dict[int, float] = field(default_factory=dict)
+    descriptor_count: int = 0                     # NIXL descriptors after merging, summed
+    bytes_written: int = 0                        # summed
+    writes_before_prefill_end_count: int = 0      # writes that landed before prefill_end_time
+    layers_written_before_prefill_end_count: int = 0  # layers whose every write landed before it
+    state: str = PUSH_ACTIVE                      # PushOutcome value once ended
+    reason: str = ""                              # why it did not end DONE
+    write_end_times: list[float] = field(default_factory=list, repr=False)
+    # layer -> when its last write ended (the directory's per-layer timeline: TransferTiming.layer_writes).
+    layer_write_end_times: dict[int, float] = field(default_factory=dict, repr=False)
+    settled: bool = False                         # True in the one timeline published when the push was settled
 
-    def as_dict(self) -> dict[str, float | int | None]:
-        """Plain values for kv_transfer_params / worker metadata."""
-        return {
-            "first_write_start_time": self.first_write_start_time,
-            "last_write_end_time": self.last_write_end_time,
-            "prefill_end_time": self.prefill_end_time,
-            "post_duration_s": self.post_duration_s,
-            "write_count": self.write_count,
-            "descriptor_count": self.descriptor_count,
-            "bytes_written": self.bytes_written,
-            "writes_before_prefill_end_count": self.writes_before_prefill_end_count,
-            "layers_written_before_prefill_end_count": self.layers_written_before_prefill_end_count,
-        }
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values for worker metadata and the response's kv_transfer_params (no per-write list)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _PER_WRITE}
+
+    def snapshot(self) -> PushTimeline:
+        """A copy to hand to another thread (the per-write list left out)."""
+        return dataclasses.replace(self, write_end_times=[], layer_write_end_times=dict(self.layer_write_end_times))
+
+
+# Per-write and per-layer detail: in the rank's TransferTiming, not in the response's push timeline.
+_PER_WRITE = ("write_end_times", "layer_write_end_times")
 
 
 class PushTransfer:
@@ -88,13 +94,13 @@ class PushTransfer:
         self.block_size = block_size_tokens
         self.src_block_ids: tuple[int, ...] = ()
         self.tokens_ready = [0] * layer_count
-        self.state = STATE_ACTIVE
+        self.outcome: PushOutcome | None = None  # None while the push runs
         self.reason = ""
         self.in_flight = 0
         # The data plane's own view: once it reported the transfer quiet, none of its handles is in flight.
         self.writes_submitted = 0
         self.writer_quiet = False
-        self.timing = PushTiming()
+        self.timeline = PushTimeline()
         # Set by the instruction.
         self.peer_agent = ""
         self.dst_block_ids: tuple[int, ...] = ()
@@ -132,7 +138,7 @@ class PushTransfer:
     @property
     def terminal(self) -> bool:
         """True once DONE, FAILED or CANCELLED."""
-        return self.state != STATE_ACTIVE
+        return self.outcome is not None
 
     def set_source_blocks(self, block_ids: tuple[int, ...]) -> None:
         """Record this engine's blocks for tokens [0, n) (each chunk extends the list; earlier ids never change)."""
@@ -227,60 +233,79 @@ class PushTransfer:
 
     def write_started(self, start_time: float) -> None:
         """Record a post (the earliest one is the first write start)."""
-        if self.timing.first_write_start_time is None or start_time < self.timing.first_write_start_time:
-            self.timing.first_write_start_time = start_time
+        if self.timeline.first_write_start_time is None or start_time < self.timeline.first_write_start_time:
+            self.timeline.first_write_start_time = start_time
 
-    def write_finished(self, ok: bool, error: str = "", end_time: float | None = None, post_duration_s: float = 0.0,
-                       descriptor_count: int = 0, bytes_written: int = 0, layer: int | None = None) -> None:
+    def write_finished(self, outcome: PushOutcome, error: str = "", end_time: float | None = None,
+                       post_duration_s: float = 0.0, descriptor_count: int = 0, bytes_written: int = 0,
+                       layer: int | None = None) -> None:
         """Count one planned write's outcome (of `layer`, when known); the first failure makes the transfer FAILED."""
         end_time = time.time() if end_time is None else end_time
         self.in_flight -= 1
         if self.in_flight < 0:
             raise AssertionError(f"transfer {self.transfer_id}: more outcomes than writes")
+        ok = outcome is PushOutcome.DONE
         if layer is not None and 0 <= layer < self.layer_count and self._layer_writes_in_flight[layer] > 0:
             self._layer_writes_in_flight[layer] -= 1
             if ok:
                 last = self._layer_last_end_time[layer]
                 self._layer_last_end_time[layer] = end_time if last is None else max(last, end_time)
         if not ok:
-            self.stop(STATE_FAILED, error or "write failed")
+            self.stop(PushOutcome.FAILED, error or "write failed")
             return
         self._writes_landed += 1
-        self.timing.write_count += 1
-        self.timing.post_duration_s += post_duration_s
-        self.timing.descriptor_count += descriptor_count
-        self.timing.bytes_written += bytes_written
-        self.timing.write_end_times.append(end_time)
-        if self.timing.last_write_end_time is None or end_time > self.timing.last_write_end_time:
-            self.timing.last_write_end_time = end_time
-        if self.state == STATE_ACTIVE and self._notify_planned and self._writes_landed == self._writes_planned:
-            self.state = STATE_DONE
+        timeline = self.timeline
+        timeline.write_count += 1
+        timeline.post_duration_s += post_duration_s
+        timeline.descriptor_count += descriptor_count
+        timeline.bytes_written += bytes_written
+        timeline.write_end_times.append(end_time)
+        if timeline.last_write_end_time is None or end_time > timeline.last_write_end_time:
+            timeline.last_write_end_time = end_time
+        if self.outcome is None and self._notify_planned and self._writes_landed == self._writes_planned:
+            self._end(PushOutcome.DONE, "")
 
     def prefill_ended(self, end_time: float) -> None:
         """Record when the last layer of the last chunk was computed."""
-        if self.timing.prefill_end_time is None:
-            self.timing.prefill_end_time = end_time
+        if self.timeline.prefill_end_time is None:
+            self.timeline.prefill_end_time = end_time
 
-    def finalize_timing(self) -> PushTiming:
-        """Fill the derived counts and return the timing."""
-        end = self.timing.prefill_end_time
+    def finalize_timeline(self) -> PushTimeline:
+        """Fill the derived counts and the state, and return the timeline (owned by this object)."""
+        timeline = self.timeline
+        end = timeline.prefill_end_time
         if end is not None:
-            self.timing.writes_before_prefill_end_count = sum(1 for t in self.timing.write_end_times if t < end)
-            self.timing.layers_written_before_prefill_end_count = sum(
+            timeline.writes_before_prefill_end_count = sum(1 for t in timeline.write_end_times if t < end)
+            timeline.layers_written_before_prefill_end_count = sum(
                 1 for layer in range(self.layer_count) if self._layer_written(layer)
                 and (self._layer_last_end_time[layer] or end) < end)
-        return self.timing
+        timeline.layer_write_end_times = {layer: end for layer, end in enumerate(self._layer_last_end_time)
+                                          if end is not None}
+        timeline.state = PUSH_ACTIVE if self.outcome is None else self.outcome.value
+        timeline.reason = self.reason
+        return timeline
 
     def _layer_written(self, layer: int) -> bool:
         """Every write this layer owes was planned and landed, and at least one was made."""
         return (bool(self._blocks_planned) and self._blocks_planned[layer] >= self.total_blocks
                 and self._layer_writes_in_flight[layer] == 0 and self._layer_last_end_time[layer] is not None)
 
-    def stop(self, state: str, reason: str) -> None:
+    def stop(self, outcome: PushOutcome, reason: str) -> None:
         """End the push (FAILED / CANCELLED / DONE with nothing to write); later outcomes still count in_flight."""
-        if self.state == STATE_ACTIVE:
-            self.state = state
-            self.reason = reason
+        if self.outcome is None:
+            self._end(outcome, reason)
+
+    def _end(self, outcome: PushOutcome, reason: str) -> None:
+        self.outcome = outcome
+        self.reason = reason
+
+    def abandon_in_flight(self) -> None:
+        """Give up on writes the data plane never reported (past every bound): count them as failed, now quiet."""
+        if self.in_flight:
+            self.stop(PushOutcome.FAILED, f"{self.in_flight} writes never reported by the data plane")
+        self.in_flight = 0
+        self._layer_writes_in_flight = [0] * self.layer_count
+        self.writer_quiet = True
 
     def layers_written(self) -> int:
         """Layers fully written for every token owed (for progress reports)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.dataplane import KVLayoutSpec, NixlConfig
+from kvpush.connector.outcome import PushOutcome
 from kvpush.connector.worker.push_state import PlannedWrite
 from kvpush.observability import get_logger
 
@@ -27,7 +28,7 @@ class WriteDone:
     """One write's outcome, as the prefill worker consumes it (times are unix seconds)."""
 
     transfer_id: str
-    ok: bool
+    outcome: PushOutcome
     error: str
     layer: int
     start_time: float | None
@@ -42,7 +43,7 @@ class WriterQuiet:
     """The data plane holds no handle of this transfer any more: its source blocks may be reused."""
 
     transfer_id: str
-    ok: bool
+    outcome: PushOutcome
     error: str
 
 
@@ -113,18 +114,18 @@ class PushTransport:
         def done(f: Any) -> None:
             outcome = f.result()
             if outcome.write_count == 0:  # the writer never had it: no on_transfer_done will come
-                self._on_writer_quiet(WriterQuiet(transfer_id, False, outcome.error or "cancelled"))
+                self._on_writer_quiet(WriterQuiet(transfer_id, outcome.outcome, outcome.error or "cancelled"))
 
         future.add_done_callback(done)
 
     def _request_done(self, outcome: Any) -> None:
         now = time.time()
         self._on_write_done(WriteDone(
-            transfer_id=outcome.transfer_id, ok=outcome.ok, error=outcome.error or "",
+            transfer_id=outcome.transfer_id, outcome=outcome.outcome, error=outcome.error or "",
             layer=outcome.layers[0] if outcome.layers else -1,
             start_time=now - outcome.transfer_seconds if outcome.ok else None, end_time=now,
             post_duration_s=outcome.post_seconds, descriptor_count=outcome.descriptor_count,
             bytes_written=outcome.bytes))
 
     def _transfer_done(self, outcome: Any) -> None:
-        self._on_writer_quiet(WriterQuiet(outcome.transfer_id, outcome.ok, outcome.error or ""))
+        self._on_writer_quiet(WriterQuiet(outcome.transfer_id, outcome.outcome, outcome.error or ""))

@@ -1,18 +1,25 @@
-"""The prefill worker half: when an instruction is applied, and which CUDA event each write waits for.
+"""The prefill worker half: hooks only post, the owner applies; when an instruction is applied, which CUDA
+event each write waits for, how a transfer is settled and released.
 
 The worker runs with a recording transport and directory session (the data plane and the directory have
-their own integration tests); events are plain objects standing in for CUDA events, one per save_kv_layer.
+their own tests); its owner loop is run by hand, or is a real TransferAgent's I/O thread on the in-memory
+NIXL; events are plain objects standing in for CUDA events, one per save_kv_layer.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.dataplane.agent import TransferAgent
 from kvpush.connector.metadata import KVPushMetadata, PrefillChunk
+from kvpush.connector.outcome import PushOutcome
 from kvpush.connector.worker.prefill import PrefillWorker
+from kvpush.connector.worker.transport import WriteDone, WriterQuiet
 from kvpush.v1 import directory_pb2 as dpb
+from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
 
 LAYERS = ["model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.2.self_attn"]
 BLOCK = 16
@@ -41,6 +48,7 @@ class _Transport:
     def __init__(self) -> None:
         self.writes: list[tuple[int, int, int, object, str]] = []
         self.watched: list[tuple[object, object]] = []
+        self.cancelled: list[str] = []
 
     def ensure_peer(self, agent_name, metadata, layout) -> None:
         pass
@@ -53,7 +61,27 @@ class _Transport:
         self.watched.append((event, callback))
 
     def cancel(self, transfer_id) -> None:
-        pass
+        self.cancelled.append(transfer_id)
+
+
+class _ManualLoop:
+    """The owner thread, run by hand: posts queue up until `run()` (which also polls the participants)."""
+
+    def __init__(self) -> None:
+        self.posted: list = []
+        self.participants: list = []
+
+    def call_soon(self, fn) -> None:
+        self.posted.append(fn)
+
+    def attach(self, participant) -> None:
+        self.participants.append(participant)
+
+    def run(self, now: float | None = None) -> None:
+        while self.posted:
+            self.posted.pop(0)()
+        for participant in self.participants:
+            participant.poll(time.monotonic() if now is None else now)
 
 
 class _GpuWorker(PrefillWorker):
@@ -65,13 +93,14 @@ class _GpuWorker(PrefillWorker):
         return f"event-{next(self._numbers)}"
 
 
-def _worker() -> tuple[_GpuWorker, _Transport, _Directory]:
-    config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1"}, role="prefill", engine_id="p")
+def _worker(loop=None, **extra) -> tuple[_GpuWorker, _Transport, _Directory, _ManualLoop]:
+    config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1", **extra}, role="prefill",
+                                               engine_id="p")
     directory = _Directory()
-    worker = _GpuWorker(config, directory, LAYERS, BLOCK, on_gpu=True)
     transport = _Transport()
-    worker.attach_transport(transport)
-    return worker, transport, directory
+    loop = loop or _ManualLoop()
+    worker = _GpuWorker(config, directory, LAYERS, BLOCK, loop, transport, on_gpu=True)
+    return worker, transport, directory, loop
 
 
 def _instruction(prompt: int) -> dpb.PushInstruction:
@@ -94,49 +123,99 @@ def _on_other_thread(fn) -> None:
 
 
 def test_instruction_between_hooks_is_applied_at_once_each_write_behind_its_own_layer():
-    """The host enqueued the whole forward; an instruction arriving before the next hook writes every layer
-    from the directory thread at once, each write waiting for its own layer's event (not the last one)."""
-    worker, transport, _ = _worker()
+    """The host enqueued the whole forward; an instruction arriving before the next hook wakes the owner (the
+    NIXL I/O thread), which writes every layer at once, each write waiting for its own layer's event."""
+    name, _ = new_fabric()
+    agent = TransferAgent("prefill-owner", nixl_config(name)).start()
+    try:
+        worker, transport, _, _ = _worker(loop=agent)
+        worker.begin_step(_step(40))
+        for layer in LAYERS:
+            worker.save_kv_layer(layer)
+        worker.wait_for_save()
+        agent.call_soon(lambda: None).result(5)  # the owner has seen every hook's message
+        assert transport.writes == []  # no instruction yet
+        _on_other_thread(lambda: worker.on_instruction(_instruction(40)))
+        agent.call_soon(lambda: None).result(5)
+        assert [(layer, start, end) for layer, start, end, _, _ in transport.writes] == [
+            (0, 0, 40), (1, 0, 40), (2, 0, 40)]
+        events = [event for _, _, _, event, _ in transport.writes]
+        assert len(set(events)) == 3, f"each layer waits for its own event, got {events}"
+        assert {thread for *_, thread in transport.writes} == {"kvpush-nixl-io"}
+    finally:
+        agent.stop()
+
+
+def test_hooks_only_post_the_owner_applies():
+    """No hook and no directory callback touches push state: until the owner runs, nothing is planned or sent."""
+    worker, transport, directory, loop = _worker()
     worker.begin_step(_step(40))
-    for name in LAYERS:
-        worker.save_kv_layer(name)
-    worker.wait_for_save()
-    assert transport.writes == []  # no instruction yet
-    _on_other_thread(lambda: worker.on_instruction(_instruction(40)))
-    assert [(layer, start, end) for layer, start, end, _, _ in transport.writes] == [(0, 0, 40), (1, 0, 40), (2, 0, 40)]
-    events = [event for _, _, _, event, _ in transport.writes]
-    assert len(set(events)) == 3, f"each layer waits for its own event, got {events}"
-    assert {thread for *_, thread in transport.writes} == {"directory-client"}
-
-
-def test_instruction_during_a_hook_waits_for_the_hook_then_runs():
-    """While a hook owns the state the callback only queues; the hook's end runs it (not the next hook)."""
-    worker, transport, _ = _worker()
-    worker.begin_step(_step(40))
-    arrived = threading.Event()
-    original = worker._record_ready_event
-
-    def record_while_instruction_arrives():
-        # The first save_kv_layer is running (the hook owns the state) when the instruction arrives.
-        if not arrived.is_set():
-            _on_other_thread(lambda: worker.on_instruction(_instruction(40)))
-            arrived.set()
-            assert transport.writes == [], "applied while a hook owned the worker state"
-        return original()
-
-    worker._record_ready_event = record_while_instruction_arrives
     worker.save_kv_layer(LAYERS[0])
+    _on_other_thread(lambda: worker.on_instruction(_instruction(40)))
+    assert transport.writes == [] and directory.session.ready == []
+    assert worker.get_finished_sending({"r1"}) == set() and worker.build_worker_meta() is None
+    loop.run()
     assert [(layer, start, end) for layer, start, end, *_ in transport.writes] == [(0, 0, 40)]
+    assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1)]
+
+
+def test_a_transfer_is_settled_once_and_released_once_after_vllm_finished_it():
+    """Every write landed: one DONE WriteResult with the timeline; the held request is reported finished once,
+    and only once vLLM passed it in finished_req_ids."""
+    worker, transport, directory, loop = _worker()
+    worker.begin_step(_step(40))
+    for layer in LAYERS:
+        worker.save_kv_layer(layer)
+    worker.wait_for_save()
+    worker.on_instruction(_instruction(40))
+    loop.run()
+    for layer, *_ in transport.writes:
+        worker.on_write_done(WriteDone("t1", PushOutcome.DONE, "", layer, 10.0, 11.0 + layer, 0.001, 2, 100))
+    worker.on_writer_quiet(WriterQuiet("t1", PushOutcome.DONE, ""))
+    worker.begin_step(KVPushMetadata(held_prefills=["r1"]))
+    loop.run()
+    assert [r.status for r in directory.session.results] == [dpb.WRITE_RESULT_STATUS_DONE]
+    (result,) = directory.session.results
+    assert (result.timing.write_count, result.timing.bytes_written, result.bytes_written) == (3, 300, 300)
+    assert worker.get_finished_sending(set()) == set()
+    assert worker.get_finished_sending({"r1"}) == {"r1"}
+    assert worker.get_finished_sending({"r1"}) == set()
+    meta = worker.build_worker_meta()
+    assert meta is not None and meta.timelines["r1"][0]["state"] == "done"
+    assert not worker.has_live_transfers()
+
+
+def test_a_held_push_past_its_bound_is_cancelled_failed_and_released():
+    """A held push that does not finish within push_timeout_s: writes cancelled, FAILED sent, blocks released."""
+    worker, transport, directory, loop = _worker(push_timeout_s=1.0)
+    worker.begin_step(_step(40))
+    for layer in LAYERS:
+        worker.save_kv_layer(layer)
+    worker.on_instruction(_instruction(40))
+    worker.begin_step(KVPushMetadata(held_prefills=["r1"]))
+    loop.run()
+    assert len(transport.writes) == 3 and transport.cancelled == []
+    loop.run(now=time.monotonic() + 1.5)
+    assert transport.cancelled == ["t1"] and directory.session.results == []  # writes still in flight
+    for layer, *_ in transport.writes:
+        worker.on_write_done(WriteDone("t1", PushOutcome.CANCELLED, "cancelled", layer, None, 12.0, 0.0, 0, 0))
+    worker.on_writer_quiet(WriterQuiet("t1", PushOutcome.CANCELLED, "cancelled"))
+    loop.run()
+    (result,) = directory.session.results
+    assert result.status == dpb.WRITE_RESULT_STATUS_FAILED and "push_timeout_s" in result.error_message
+    assert worker.get_finished_sending({"r1"}) == {"r1"}
 
 
 def test_prefix_cached_tokens_wait_for_this_steps_layer():
     """Tokens from the prefix cache go out with the layer's save in this step (vLLM may be computing those
     blocks for another request in the same forward), never before the layer's event exists."""
-    worker, transport, _ = _worker()
+    worker, transport, _, loop = _worker()
     worker.begin_step(_step(40, cached=32))
     _on_other_thread(lambda: worker.on_instruction(_instruction(40)))
+    loop.run()
     assert transport.writes == []
     worker.save_kv_layer(LAYERS[0])
+    loop.run()
     assert [(layer, start, end) for layer, start, end, *_ in transport.writes] == [(0, 0, 40)]
     assert transport.writes[0][3] is not None
 
@@ -144,27 +223,32 @@ def test_prefix_cached_tokens_wait_for_this_steps_layer():
 def test_gpu_prefill_end_is_when_the_last_layers_event_completes():
     """On GPU the host's save_kv_layer is not the end of prefill: the end is the time the data plane reports for
     the last layer's event, and the step's timeline carries that time."""
-    worker, transport, _ = _worker()
+    worker, transport, _, loop = _worker()
     worker.begin_step(_step(40))
     for name in LAYERS:
         worker.save_kv_layer(name)
+    loop.run()
     ((event, report),) = transport.watched
-    assert event == worker._layer_events[len(LAYERS) - 1]
+    assert event == worker.owner._layer_events[len(LAYERS) - 1]
     worker.wait_for_save()
+    loop.run()
     report(1234.5)  # the NIXL I/O thread saw the event complete
     meta = worker.build_worker_meta()
-    assert meta is not None and meta.timelines["r1"]["prefill_end_time"] == 1234.5
+    assert meta is not None and meta.timelines["r1"][0]["prefill_end_time"] == 1234.5
 
 
 def test_layers_whose_hook_did_not_run_are_saved_at_wait_for_save():
     """A full CUDA graph replays without the attention hooks: wait_for_save saves the missing layers in order,
     behind one event recorded after the whole forward, so their writes still go out (and prefill still ends)."""
-    worker, transport, _ = _worker()
+    worker, transport, _, loop = _worker()
     worker.begin_step(_step(40))
     _on_other_thread(lambda: worker.on_instruction(_instruction(40)))
     worker.save_kv_layer(LAYERS[0])  # the only hook vLLM ran
     worker.wait_for_save()
+    loop.run()
     assert [(layer, start, end) for layer, start, end, *_ in transport.writes] == [(0, 0, 40), (1, 0, 40), (2, 0, 40)]
+    events = [event for _, _, _, event, _ in transport.writes]
+    assert events[1] == events[2] != events[0], "the missing layers share the one event recorded at wait_for_save"
     assert len(transport.watched) == 1, "the last layer's event must be watched for prefill's end"
     # The next step starts with no layer saved.
     worker.begin_step(_step(40))
@@ -172,7 +256,9 @@ def test_layers_whose_hook_did_not_run_are_saved_at_wait_for_save():
 
 
 def test_a_step_without_chunks_saves_nothing_at_wait_for_save():
-    worker, transport, _ = _worker()
+    """No chunk this step: wait_for_save posts nothing, so nothing is written or watched."""
+    worker, transport, _, loop = _worker()
     worker.begin_step(KVPushMetadata())
     worker.wait_for_save()
+    loop.run()
     assert transport.writes == [] and transport.watched == []

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.connector.worker.push_state import STATE_CANCELLED, STATE_DONE, STATE_FAILED, PushTransfer
+from kvpush.connector.outcome import PushOutcome
+from kvpush.connector.worker.push_state import PushTransfer
 
 BS = 128
 
@@ -24,7 +25,7 @@ def _land(push: PushTransfer, writes) -> None:
     for _ in writes:
         push.write_submitted()
     for _ in writes:
-        push.write_finished(True, end_time=1.0)
+        push.write_finished(PushOutcome.DONE, end_time=1.0)
     push.writer_is_quiet()
 
 
@@ -85,10 +86,10 @@ def test_done_only_after_every_write_landed_and_the_writer_is_quiet():
     assert writes[-1].notify and not writes[0].notify
     for _ in writes:
         push.write_submitted()
-    push.write_finished(True, end_time=1.0)
+    push.write_finished(PushOutcome.DONE, end_time=1.0)
     assert not push.terminal
-    push.write_finished(True, end_time=2.0)
-    assert push.state == STATE_DONE
+    push.write_finished(PushOutcome.DONE, end_time=2.0)
+    assert push.outcome == PushOutcome.DONE
     assert not push.quiescent
     push.writer_is_quiet()
     assert push.quiescent
@@ -101,8 +102,8 @@ def test_a_failed_write_fails_the_transfer_and_stops_planning():
     push.mark_ready(0, 256)
     writes = push.next_writes()
     push.write_submitted()
-    push.write_finished(False, "ERR")
-    assert push.state == STATE_FAILED and push.reason == "ERR"
+    push.write_finished(PushOutcome.FAILED, "ERR")
+    assert push.outcome == PushOutcome.FAILED and push.reason == "ERR"
     push.mark_ready(0, 512)
     assert push.next_writes() == [] and writes
 
@@ -119,8 +120,8 @@ def test_layers_written_before_prefill_end_counts_writes_that_landed_earlier():
     second = push.next_writes()
     for _ in second:
         push.write_submitted()
-        push.write_finished(True, end_time=9.0)
-    assert push.finalize_timing().writes_before_prefill_end_count == 1
+        push.write_finished(PushOutcome.DONE, end_time=9.0)
+    assert push.finalize_timeline().writes_before_prefill_end_count == 1
 
 
 def test_layers_before_prefill_end_count_layers_not_writes():
@@ -137,9 +138,9 @@ def test_layers_before_prefill_end_count_layers_not_writes():
     assert [w.layer for w in early] == [0, 1] and [w.layer for w in late] == [0, 1]
     for write, end in zip(early + late, (1.0, 1.0, 2.0, 9.0)):
         push.write_submitted()
-        push.write_finished(True, end_time=end, layer=write.layer)
+        push.write_finished(PushOutcome.DONE, end_time=end, layer=write.layer)
     push.prefill_ended(5.0)
-    timing = push.finalize_timing()
+    timing = push.finalize_timeline()
     assert (timing.writes_before_prefill_end_count, timing.layers_written_before_prefill_end_count) == (3, 1)
 
 
@@ -156,6 +157,6 @@ def test_bad_instruction_is_refused():
 def test_stop_keeps_the_first_reason():
     """A cancellation after a failure does not overwrite the failure."""
     push = _push(300)
-    push.stop(STATE_FAILED, "first")
-    push.stop(STATE_CANCELLED, "second")
-    assert (push.state, push.reason) == (STATE_FAILED, "first")
+    push.stop(PushOutcome.FAILED, "first")
+    push.stop(PushOutcome.CANCELLED, "second")
+    assert (push.outcome, push.reason) == (PushOutcome.FAILED, "first")

@@ -1,0 +1,194 @@
+"""PushWriter on the in-memory NIXL stand-in: bytes, grouping, notification order, cancel and failure paths.
+
+Real NIXL runs the same writer in tests/integration/dataplane; here the fabric lets a test hold transfers
+in flight, complete them in any order and fail them, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvpush.connector.dataplane.writer import PushWriter, WriteRequest
+from kvpush.connector.outcome import PushOutcome
+from tests.integration.dataplane.kvbuffers import block_bytes, make_kv
+from tests.unit.connector.inmemory_helpers import new_fabric, started_agent
+
+LAYERS, BLOCKS, BS, HEADS, HEAD = 4, 16, 16, 2, 16
+BOUND_S = 5.0
+
+
+class _Outcomes:
+    def __init__(self) -> None:
+        self.requests, self.transfers = [], []
+        self._cv = threading.Condition()
+
+    def on_request(self, outcome) -> None:
+        with self._cv:
+            self.requests.append(outcome)
+            self._cv.notify_all()
+
+    def on_transfer(self, outcome) -> None:
+        with self._cv:
+            self.transfers.append(outcome)
+            self._cv.notify_all()
+
+    def wait(self, predicate) -> bool:
+        with self._cv:
+            return self._cv.wait_for(predicate, BOUND_S)
+
+
+def _pair(**kw):
+    name, fab = new_fabric()
+    p_layout, p_arrays, p_caches = make_kv(LAYERS, BLOCKS, BS, HEADS, HEAD, seed=1)
+    d_layout, d_arrays, d_caches = make_kv(LAYERS, BLOCKS, BS, HEADS, HEAD, seed=None)
+    prefill = started_agent(name, p_caches, BS, HEADS, HEAD, **kw)
+    decode = started_agent(name, d_caches, BS, HEADS, HEAD)
+    prefill.add_peer(decode.agent_name, decode.agent_metadata(), decode.layout).result(BOUND_S)
+    out = _Outcomes()
+    writer = PushWriter(prefill, out.on_request, out.on_transfer)
+    return fab, prefill, decode, writer, out, (p_layout, p_arrays), (d_layout, d_arrays)
+
+
+def _notifs(decode, count: int) -> list:
+    got: list = []
+    done = threading.Event()
+
+    def on(agent, message) -> None:
+        got.append(message)
+        if len(got) >= count:
+            done.set()
+
+    decode.add_notification_callback(on)
+    done.wait(BOUND_S)
+    return got
+
+
+def _request(peer, layer, notify=None, src=(3, 5), dst=(7, 2), tokens=2 * BS, ready_event=None):
+    return WriteRequest("t1", peer, (layer,), src, dst, 0, tokens, notify=notify, ready_event=ready_event)
+
+
+def test_every_layer_arrives_byte_exact_and_the_notification_after_the_last_write():
+    """Scattered blocks of every layer land byte-exact; the transfer outcome is DONE with every write counted."""
+    fab, prefill, decode, writer, out, (pl, pa), (dl, da) = _pair()
+    try:
+        for layer in range(LAYERS):
+            writer.submit(_request(decode.agent_name, layer, notify=b"t1" if layer == LAYERS - 1 else None))
+        assert out.wait(lambda: out.transfers)
+        (final,) = out.transfers
+        assert final.outcome is PushOutcome.DONE and final.write_count == LAYERS and final.notified
+        assert _notifs(decode, 1) == [b"t1"]
+        for layer in range(LAYERS):
+            for s, d in ((3, 7), (5, 2)):
+                assert block_bytes(dl, da, layer, d) == block_bytes(pl, pa, layer, s)
+        assert not da[0][0].any(), "an untouched block was written"
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_notification_waits_for_every_handle_even_when_the_closing_one_lands_first():
+    """NIXL does not order handles: with the closing write's handle done first, decode hears nothing until the
+    earlier handle is done too, and then exactly once."""
+    fab, prefill, decode, writer, out, *_ = _pair(max_group_writes=1)
+    fab.hold = True
+    received: list = []
+    decode.add_notification_callback(lambda agent, message: received.append(message))
+    try:
+        writer.submit(_request(decode.agent_name, 0))
+        writer.submit(_request(decode.agent_name, 1, notify=b"t1"))
+        deadline = time.monotonic() + BOUND_S
+        while len(fab.held()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        first, closing = fab.held()
+        assert closing.notification == b"", "the notification rode on a handle while another was in flight"
+        fab.complete(closing)
+        time.sleep(0.05)
+        assert received == [] and not out.transfers
+        fab.complete(first)
+        assert out.wait(lambda: out.transfers)
+        time.sleep(0.02)
+        assert received == [b"t1"] and out.transfers[0].notified
+    finally:
+        fab.hold = False
+        prefill.stop()
+        decode.stop()
+
+
+def test_writes_ready_together_share_one_handle():
+    """A writer that fell behind posts the transfer's queued, ready writes on one handle."""
+    gate = _Gate()
+    fab, prefill, decode, writer, out, *_ = _pair()
+    try:
+        writer.submit(_request(decode.agent_name, 0, ready_event=gate))
+        for layer in range(1, LAYERS):
+            writer.submit(_request(decode.agent_name, layer, notify=b"t1" if layer == LAYERS - 1 else None))
+        time.sleep(0.02)
+        gate.set()
+        assert out.wait(lambda: out.transfers)
+        assert len(fab.posted) == 1 and out.requests[0].handle_write_count == LAYERS
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_failed_transfer_fails_its_queued_writes_and_is_not_notified():
+    """ERR on one handle fails the transfer: the write behind it is dropped, no notification goes out."""
+    gate = _Gate()
+    fab, prefill, decode, writer, out, *_ = _pair(max_group_writes=1)
+    fab.fail_next_transfers(1)
+    received: list = []
+    decode.add_notification_callback(lambda agent, message: received.append(message))
+    try:
+        writer.submit(_request(decode.agent_name, 0))
+        writer.submit(_request(decode.agent_name, 1, notify=b"t1", ready_event=gate))
+        assert out.wait(lambda: out.transfers)
+        gate.set()
+        (final,) = out.transfers
+        assert final.outcome is PushOutcome.FAILED and not final.notified
+        assert [o.outcome for o in out.requests] == [PushOutcome.FAILED, PushOutcome.FAILED]
+        assert "dropped" in out.requests[1].error
+        time.sleep(0.02)
+        assert received == []
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_cancel_drops_queued_writes_waits_for_in_flight_and_refuses_later_ones():
+    """cancel: queued writes end CANCELLED at once, the transfer's outcome waits for the handle in flight."""
+    gate = _Gate()
+    fab, prefill, decode, writer, out, *_ = _pair(max_group_writes=1)
+    fab.hold = True
+    try:
+        writer.submit(_request(decode.agent_name, 0))
+        writer.submit(_request(decode.agent_name, 1, ready_event=gate))
+        deadline = time.monotonic() + BOUND_S
+        while not fab.held() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        cancelled = writer.cancel("t1")
+        assert out.wait(lambda: out.requests)
+        assert out.requests[0].outcome is PushOutcome.CANCELLED and not cancelled.done()
+        fab.complete()
+        final = cancelled.result(BOUND_S)
+        assert final.outcome is PushOutcome.CANCELLED and final.write_count == 2
+        writer.submit(_request(decode.agent_name, 2))
+        assert out.wait(lambda: len(out.requests) == 3)
+        assert out.requests[2].outcome is PushOutcome.FAILED and "already ended" in out.requests[2].error
+    finally:
+        fab.hold = False
+        prefill.stop()
+        decode.stop()
+
+
+class _Gate:
+    """A ready_event the test opens by hand (the writer polls query())."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def query(self) -> bool:
+        return self._event.is_set()

@@ -1,0 +1,33 @@
+"""Shared helpers for the unit tests on the in-memory NIXL stand-in (connector/dataplane/inmemory.py)."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+
+from kvpush.connector.dataplane.agent import TransferAgent
+from kvpush.connector.dataplane.config import BACKEND_INMEMORY, NixlConfig
+from kvpush.connector.dataplane.inmemory import InMemoryFabric, fabric
+
+_names = itertools.count()
+
+
+def new_fabric() -> tuple[str, InMemoryFabric]:
+    """A fabric of its own for one test (name, fabric)."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    return name, fabric(name)
+
+
+def nixl_config(fabric_name: str, **kw) -> NixlConfig:
+    """NixlConfig for an in-memory agent on `fabric_name` (short bounds: tests wait on them)."""
+    values = {"post_timeout_s": 2.0, "transfer_timeout_s": 2.0, **kw}
+    return NixlConfig(backends=(BACKEND_INMEMORY,), backend_params={BACKEND_INMEMORY: {"fabric": fabric_name}},
+                      **values).validate()
+
+
+def started_agent(fabric_name: str, caches, block_size: int, heads: int, head_size: int, hint: str = "cpu_attn",
+                  **kw) -> TransferAgent:
+    """A started TransferAgent on the fabric with `caches` registered."""
+    agent = TransferAgent(f"agent-{next(_names)}", nixl_config(fabric_name, **kw))
+    agent.register(caches, block_size, heads, head_size, hint)
+    return agent.start()

@@ -1,0 +1,168 @@
+"""Both worker halves, wired by `halves.build_worker_half`, against a real directory on loopback and the
+in-memory NIXL: DirectoryLink, PushTransport, PrefillWorker's owner on the I/O thread and DecodeWorker, in one
+process. A push lands byte-exact and decode reports the request finished; a cancelled push confirms."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+
+import torch
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.dataplane.agent import TransferAgent
+from kvpush.connector.halves import PrefillWorkerHalf, DecodeWorkerHalf, build_worker_half
+from kvpush.connector.metadata import KVPushMetadata, PrefillChunk, ReceiveStart
+from kvpush.services.client.config import ChannelConfig
+from kvpush.services.client.sync import SyncDirectoryClient
+from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.directory import running_directory
+from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
+
+LAYERS, BLOCKS, BS, HEADS, HEAD = 3, 16, 16, 2, 16
+BOUND_S = 10.0
+
+
+@contextlib.contextmanager
+def directory_on_loopback():
+    """A real directory server on 127.0.0.1 in a thread of its own; yields its address."""
+    started, stop = threading.Event(), None
+    box: dict = {}
+
+    async def serve() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        async with running_directory() as directory:
+            box["address"] = directory.address
+            started.set()
+            await stop.wait()
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(BOUND_S)
+    try:
+        yield box["address"]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(BOUND_S)
+
+
+def _caches(fill: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return {f"model.layers.{i}.self_attn": (torch.randint(-1000, 1000, (BLOCKS, HEADS, BS, 2 * HEAD), generator=gen)
+                                            .to(torch.bfloat16) if fill else
+                                            torch.zeros((BLOCKS, HEADS, BS, 2 * HEAD), dtype=torch.bfloat16))
+            for i in range(LAYERS)}
+
+
+def _in_memory_agent(fabric_name: str):
+    def create(config, kv_caches, block_size, heads, head_size, agent_name):
+        agent = TransferAgent(agent_name, nixl_config(fabric_name))
+        agent.register(kv_caches, block_size, heads, head_size)
+        return agent.start()
+
+    return create
+
+
+def _config(address: str, role: str, engine_id: str) -> ConnectorConfig:
+    return ConnectorConfig.from_extra_config({"directory_address": address, "push_timeout_s": 5.0,
+                                              "transfer_timeout_s": 5.0}, role=role, engine_id=engine_id)
+
+
+def _until(predicate, what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_push_lands_byte_exact_and_decode_finishes_receiving():
+    """Prefill computes three layers, the directory dispatches, the owner writes, decode hears and finishes."""
+    fabric_name, _ = new_fabric()
+    with directory_on_loopback() as address:
+        p_caches, d_caches = _caches(True), _caches(False)
+        prefill = build_worker_half(_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1, "p-agent",
+                                    create_agent=_in_memory_agent(fabric_name))
+        decode = build_worker_half(_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
+                                   create_agent=_in_memory_agent(fabric_name))
+        client = SyncDirectoryClient(ChannelConfig(address=address))
+        try:
+            assert isinstance(prefill.half, PrefillWorkerHalf) and isinstance(decode.half, DecodeWorkerHalf)
+            prompt, src, dst = 40, (4, 9, 2), (11, 3, 7)
+            transfer_id = client.plan_transfer(prompt_token_count=prompt).transfer.transfer_id
+            refused: list[str] = []
+            decode.link.report_allocation(transfer_id, list(dst), prompt, 0, refused.append)
+            decode.half.begin_step(KVPushMetadata(receives=[ReceiveStart("rd", transfer_id, dst, prompt, 0)]))
+            prefill.half.begin_step(KVPushMetadata(prefill_chunks=[
+                PrefillChunk("rp", transfer_id, 0, prompt, prompt, src)]))
+            for name in p_caches:
+                prefill.half.save_kv_layer(name)
+            prefill.half.wait_for_save()
+            prefill.half.begin_step(KVPushMetadata(held_prefills=["rp"]))
+            finished: set[str] = set()
+            released: set[str] = set()
+
+            def step() -> bool:
+                finished.update(decode.half.collect()[0])
+                released.update(prefill.half.get_finished_sending({"rp"}))
+                return "rd" in finished and "rp" in released
+
+            _until(step, "decode to finish receiving and prefill to release")
+            assert refused == []
+            for name in p_caches:
+                for s, d in zip(src, dst):
+                    assert torch.equal(d_caches[name][d], p_caches[name][s]), (name, s, d)
+            assert not d_caches[next(iter(d_caches))][0].any(), "an unassigned block was written"
+            transfer = client.get_transfer(transfer_id)
+            assert transfer.state == tpb.TRANSFER_STATE_COMPLETE and transfer.bytes_written > 0
+            (rank,) = transfer.rank_timings
+            assert rank.timing.write_count == LAYERS and rank.timing.bytes_written == transfer.bytes_written
+        finally:
+            client.close()
+            prefill.shutdown()
+            decode.shutdown()
+
+
+def test_cancelled_before_dispatch_is_confirmed_and_released():
+    """A cancellation of a transfer prefill holds but was never dispatched: prefill confirms CANCELLED, decode
+    hears the terminal state and reports the request finished with its blocks as load errors."""
+    fabric_name, _ = new_fabric()
+    with directory_on_loopback() as address:
+        p_caches, d_caches = _caches(True), _caches(False)
+        prefill = build_worker_half(_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1, "p-agent",
+                                    create_agent=_in_memory_agent(fabric_name))
+        decode = build_worker_half(_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
+                                   create_agent=_in_memory_agent(fabric_name))
+        client = SyncDirectoryClient(ChannelConfig(address=address))
+        try:
+            prompt = 40
+            transfer_id = client.plan_transfer(prompt_token_count=prompt).transfer.transfer_id
+            prefill.half.begin_step(KVPushMetadata(prefill_chunks=[
+                PrefillChunk("rp", transfer_id, 0, prompt, prompt, (1, 2, 3))]))
+            for name in p_caches:
+                prefill.half.save_kv_layer(name)
+            prefill.half.wait_for_save()
+            prefill.half.begin_step(KVPushMetadata(held_prefills=["rp"]))
+            decode.half.begin_step(KVPushMetadata(receives=[ReceiveStart("rd", transfer_id, (5, 6, 7), prompt, 0)]))
+            client.cancel_transfer(transfer_id, "gateway gave up")
+            released: set[str] = set()
+            results: list = []
+
+            def step() -> bool:
+                released.update(prefill.half.get_finished_sending({"rp"}))
+                finished, errors = decode.half.collect()
+                if finished:
+                    results.append((finished, errors))
+                return "rp" in released and bool(results)
+
+            _until(step, "prefill to release and decode to finish")
+            assert results == [({"rd"}, {5, 6, 7})]
+            assert client.get_transfer(transfer_id).state == tpb.TRANSFER_STATE_CANCELLED
+            assert not any(c.any() for c in d_caches.values()), "a cancelled push wrote into decode's blocks"
+        finally:
+            client.close()
+            prefill.shutdown()
+            decode.shutdown()
