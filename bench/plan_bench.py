@@ -8,8 +8,16 @@ K/V-first layout with 16-token blocks (many blocks per request), the same with a
 (explicit token-exact rows), and a 16 -> 128 block-size mismatch (chunk tables). No NIXL, no memory
 touched: the tensors are described by address only.
 
-Usage:  python bench/plan_bench.py [--reps 30]
-Prints JSON and writes bench/results/plan_bench.json.
+`save_kv_layer` case: what the prefill worker's hook costs on the forward thread for a 32-layer, 4096-token
+transfer whose instruction already arrived (every save makes one write possible), with a transport that
+plans each write as `PushWriter.submit` does (`LayerPlanCache`) and queues it. "forward" is the median time
+inside save_kv_layer per layer; "until_submitted" the time from the first save until every write of the
+transfer was planned and queued (on whichever thread the worker plans them). It runs against whichever
+worker the imported package has (before and after the one-owner change), so
+bench/plan_bench_compare.py can time two commits side by side.
+
+Usage:  python bench/plan_bench.py [--reps 30] [--out NAME]
+Prints JSON and writes bench/results/NAME (plan_bench.json by default).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import json
 import platform
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,17 +121,110 @@ def run_case(case: Case, reps: int) -> dict:
             "forward_thread_ms_per_transfer_cached": round(moved_us * case.layers / 1e3, 2)}
 
 
+class _PlanningTransport:
+    """A PushTransport stand-in: plans each write as PushWriter.submit does and queues it; nothing is posted."""
+
+    def __init__(self, src: KVLayoutSpec, dst: KVLayoutSpec) -> None:
+        self.src, self.dst, self.cache, self.queued = src, dst, LayerPlanCache(), 0
+        self.all_queued = threading.Event()
+        self.expected = 0
+
+    def ensure_peer(self, agent_name, metadata, layout) -> None:
+        pass
+
+    def submit(self, transfer_id, peer_agent, write, notification, ready_event, trace_context) -> None:
+        self.cache.plan(self.src, self.dst, peer_agent, [write.layer], write.src_block_ids, write.dst_block_ids,
+                        write.token_start, write.token_end)
+        self.queued += 1
+        if self.queued == self.expected:
+            self.all_queued.set()
+
+    def when_computed(self, event, callback) -> None:
+        pass
+
+    def cancel(self, transfer_id) -> None:
+        pass
+
+
+class _Session:
+    def send_ready(self, events) -> None:
+        pass
+
+    def send_result(self, result) -> None:
+        pass
+
+
+class _Directory:
+    session = _Session()
+
+
+def run_save_kv_layer_case(reps: int) -> dict:
+    """Time the prefill worker's save_kv_layer (see the module docstring), old or new worker API."""
+    import inspect
+
+    from kvpush.connector.config import ConnectorConfig
+    from kvpush.connector.metadata import KVPushMetadata, PrefillChunk
+    from kvpush.connector.worker.prefill import PrefillWorker
+    from kvpush.v1 import directory_pb2 as dpb
+
+    layers, tokens, bs = 32, 4096, 16
+    src = layout(layers, 4 * tokens // bs, bs, 8, 128, "kv_first", 1 << 32)
+    dst = layout(layers, 4 * tokens // bs, bs, 8, 128, "kv_first", 1 << 40)
+    names = [f"model.layers.{i}.self_attn" for i in range(layers)]
+    config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1"}, role="prefill", engine_id="p")
+    one_owner = "loop" in inspect.signature(PrefillWorker.__init__).parameters
+    forward, until_submitted = [], []
+    for rep in range(reps):
+        transport = _PlanningTransport(src, dst)
+        transport.expected = layers
+        agent = None
+        if one_owner:
+            from kvpush.connector.dataplane.agent import TransferAgent
+            from kvpush.connector.dataplane.config import BACKEND_INMEMORY, NixlConfig
+
+            agent = TransferAgent(f"bench-{rep}", NixlConfig(backends=(BACKEND_INMEMORY,),
+                                                              backend_params={BACKEND_INMEMORY: {"fabric": "bench"}}))
+            agent.start()
+            worker = PrefillWorker(config, _Directory(), names, bs, agent, transport)
+        else:
+            worker = PrefillWorker(config, _Directory(), names, bs)
+            worker.attach_transport(transport)
+        transfer = f"t{rep}"
+        chunk = PrefillChunk("r", transfer, 0, tokens, tokens, tuple(range(1, 2 * tokens // bs, 2)))
+        worker.begin_step(KVPushMetadata(prefill_chunks=[chunk]))
+        worker.on_instruction(dpb.PushInstruction(
+            transfer_id=transfer, decode_engine_id="d", decode_agent_name="peer",
+            decode_block_ids=list(range(2, 2 * tokens // bs + 1, 2)), prompt_token_count=tokens, notification=b"x"))
+        if agent is not None:
+            agent.call_soon(lambda: None).result(5)  # the instruction is applied before the forward starts
+        per_layer = []
+        first = time.perf_counter()
+        for name in names:
+            start = time.perf_counter()
+            worker.save_kv_layer(name)
+            per_layer.append(time.perf_counter() - start)
+        transport.all_queued.wait(10)
+        until_submitted.append(time.perf_counter() - first)
+        forward.append(statistics.median(per_layer))
+        if agent is not None:
+            agent.stop()
+    return {"case": "save_kv_layer_32layers_4096tok_block16", "one_owner_worker": one_owner,
+            "forward_us_per_layer": round(statistics.median(forward) * 1e6, 1),
+            "until_submitted_ms": round(statistics.median(until_submitted) * 1e3, 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30, help="repetitions per case (median reported)")
+    parser.add_argument("--out", default="plan_bench.json", help="file name under bench/results/")
     args = parser.parse_args()
     results = {"bench": "plan", "host": platform.node(), "python": platform.python_version(),
                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reps": args.reps,
-               "cases": [run_case(case, args.reps) for case in CASES]}
+               "cases": [run_case(case, args.reps) for case in CASES], "hook": run_save_kv_layer_case(args.reps)}
     text = json.dumps(results, indent=2)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "plan_bench.json").write_text(text + "\n")
+    (RESULTS / args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""The worker halves' inbox: callbacks from the directory loop and the NIXL I/O thread are queued here
-and run at the next hook, so worker state is touched by one thread at a time. (The prefill worker also
-runs its inbox from the directory thread while no hook is running: `PrefillWorker._offer`.)
+"""The decode worker's inbox: callbacks from the directory loop and the NIXL I/O thread are queued here
+and run at the next hook, so decode state is touched by the engine thread only. (The prefill worker has an
+owner of its own instead: `worker/prefill.py`'s `PushOwner` on the I/O thread.)
 
 On a step that schedules no tokens (vLLM still runs the connector hooks while requests only wait for
 KV or hold blocks for pushes) a worker may wait on its inbox for a few milliseconds instead of

@@ -1,0 +1,100 @@
+"""bench/plan_bench.py against two commits of the package, alternately, in one run: the ratios of their figures.
+
+The newer plan_bench.py (this checkout's) drives both: for the other commit it runs with that commit's
+`kvpush.*` packages mapped in from a temporary git worktree (pyproject's package-dir, as
+kvpush/checkout.py applies it), so both sides run the same measurement code on the same machine, rounds
+interleaved (old, new, old, new, ...) so that machine load falls on both.
+
+Usage:  python bench/plan_bench_compare.py --old REF [--rounds 3] [--reps 30]
+Prints JSON and writes bench/results/plan_bench_compare.json (medians over rounds; ratio = new / old,
+below 1 is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+# Runs plan_bench.main with the kvpush packages of the tree at argv[1] (see kvpush/checkout.py).
+_RUNNER = """
+import importlib.util, runpy, sys, tomllib
+from pathlib import Path
+tree, bench, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+sys.path.insert(0, str(tree))
+import kvpush
+assert Path(kvpush.__file__).resolve().parent == (tree / "kvpush").resolve(), kvpush.__file__
+for name, folder in tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items():
+    if name == "kvpush":
+        continue
+    spec = importlib.util.spec_from_file_location(name, tree / folder / "__init__.py",
+                                                  submodule_search_locations=[str(tree / folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    setattr(kvpush, name.rsplit(".", 1)[1], module)
+sys.argv = [bench] + sys.argv[4:] + ["--out", out]
+runpy.run_path(bench, run_name="__main__")
+"""
+
+
+def _run(tree: Path, out: Path, reps: int) -> dict:
+    subprocess.run([sys.executable, "-c", _RUNNER, str(tree), str(REPO / "bench" / "plan_bench.py"), str(out),
+                    "--reps", str(reps)], check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def _figures(result: dict) -> dict[str, float]:
+    figures = {f"{c['case']}.cached_us_per_write": c["cached_us_per_write"] for c in result["cases"]}
+    figures |= {f"{c['case']}.full_plan_us_per_write": c["full_plan_us_per_write"] for c in result["cases"]}
+    hook = result["hook"]
+    figures[f"{hook['case']}.forward_us_per_layer"] = hook["forward_us_per_layer"]
+    figures[f"{hook['case']}.until_submitted_ms"] = hook["until_submitted_ms"]
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", required=True, help="the commit to compare this checkout with")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    old_sha = subprocess.run(["git", "rev-parse", args.old], cwd=REPO, check=True, capture_output=True,
+                             text=True).stdout.strip()
+    new_sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, check=True, capture_output=True,
+                             text=True).stdout.strip()
+    runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        old_tree = Path(tmp) / "old"
+        subprocess.run(["git", "worktree", "add", "--detach", str(old_tree), old_sha], cwd=REPO, check=True,
+                       capture_output=True)
+        try:
+            for round_ in range(args.rounds):
+                for side, tree in (("old", old_tree), ("new", REPO)):
+                    runs[side].append(_figures(_run(tree, Path(tmp) / f"{side}{round_}.json", args.reps)))
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=REPO, check=True)
+    figures = {}
+    for key in runs["new"][0]:
+        old = statistics.median(r[key] for r in runs["old"])
+        new = statistics.median(r[key] for r in runs["new"])
+        figures[key] = {"old": old, "new": new, "ratio_new_over_old": round(new / old, 3) if old else None}
+    result = {"bench": "plan_compare", "host": platform.node(), "python": platform.python_version(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "old": old_sha, "new": new_sha,
+              "rounds": args.rounds, "reps": args.reps, "figures": figures}
+    text = json.dumps(result, indent=2)
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "plan_bench_compare.json").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
