@@ -90,6 +90,9 @@ class PrefillScheduler:
         """A prefill engine never loads external KV."""
         return 0, False
 
+    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+        """Nothing to do: a prefill engine loads no external KV (its chunks' blocks come with each step)."""
+
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPushMetadata:
         """Describe this step's prefill chunks, new holds and preemptions for the workers."""
         meta = KVPushMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0)
