@@ -7,7 +7,7 @@ Life cycle (one `DirectoryLink` per process that needs the directory):
   3. Worker process: `register` (blocking, bounded; engine start-up only) returns the registration
      whose lease the client renews; prefill workers then `open_prefill_session`, decode workers
      `watch` their transfer events. Callbacks run on the client thread and must never wait (the
-     prefill worker's may apply an instruction there when no engine hook is running).
+     prefill worker's post to its push owner on the NIXL I/O thread).
   4. `close()` stops streams and the loop thread (bounded), deregistering the worker.
 No engine thread ever waits on the network here except at start-up and shutdown.
 """

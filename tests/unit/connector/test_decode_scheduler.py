@@ -19,8 +19,8 @@ from kvpush.connector.scheduler.decode import DecodeScheduler
 from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
-from tests.fixtures.directory import DECODE, PREFILL, register_request
-from tests.unit.connector.test_workers_inmemory import _config, directory_on_loopback
+from tests.fixtures.directory import DECODE, PREFILL, directory_on_loopback, register_request
+from tests.unit.connector.test_workers_inmemory import _config
 
 BS = 16
 BOUND_S = 10.0

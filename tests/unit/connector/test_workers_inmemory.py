@@ -4,9 +4,6 @@ process. A push lands byte-exact and decode reports the request finished; a canc
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
 import time
 
 import torch
@@ -18,36 +15,11 @@ from kvpush.connector.metadata import KVPushMetadata, PrefillChunk, ReceiveStart
 from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
-from tests.fixtures.directory import running_directory
+from tests.fixtures.directory import directory_on_loopback
 from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
 
 LAYERS, BLOCKS, BS, HEADS, HEAD = 3, 16, 16, 2, 16
 BOUND_S = 10.0
-
-
-@contextlib.contextmanager
-def directory_on_loopback():
-    """A real directory server on 127.0.0.1 in a thread of its own; yields its address."""
-    started, stop = threading.Event(), None
-    box: dict = {}
-
-    async def serve() -> None:
-        nonlocal stop
-        stop = asyncio.Event()
-        async with running_directory() as directory:
-            box["address"] = directory.address
-            started.set()
-            await stop.wait()
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert started.wait(BOUND_S)
-    try:
-        yield box["address"]
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(BOUND_S)
 
 
 def _caches(fill: bool) -> dict[str, torch.Tensor]:

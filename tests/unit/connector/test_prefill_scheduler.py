@@ -1,0 +1,77 @@
+"""The prefill scheduler half with vLLM's own Request / SchedulerOutput objects: chunks and their block ids
+over a chunked prefill, the hold at request_finished, worker timelines reaching the response's params, and
+the release."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KVPushWorkerMetadata
+from kvpush.connector.scheduler.prefill import PrefillScheduler
+from kvpush.connector.worker.push_state import PushTimeline
+
+BS = 16
+
+
+def _scheduler() -> PrefillScheduler:
+    config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1"}, role="prefill", engine_id="p")
+    return PrefillScheduler(config, BS)
+
+
+def _request(prompt: int = 40) -> Request:
+    params = {"transfer_id": "t1", "do_remote_decode": True}
+    return Request(request_id="r1", prompt_token_ids=list(range(prompt)), pooling_params=None,
+                   sampling_params=SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
+
+
+def _output(tokens: int, new: Request | None = None, new_blocks: list[int] | None = None,
+            cached_blocks: list[int] | None = None) -> SchedulerOutput:
+    output = SchedulerOutput.make_empty()
+    scheduled_new = [NewRequestData.from_request(new, (new_blocks,))] if new is not None else []
+    cached = CachedRequestData.make_empty()
+    if cached_blocks is not None:
+        cached = dataclasses.replace(cached, req_ids=["r1"], new_block_ids=[(cached_blocks,)],
+                                     new_token_ids=[[]], all_token_ids={}, num_computed_tokens=[32],
+                                     num_output_tokens=[0])
+    return dataclasses.replace(output, scheduled_new_reqs=scheduled_new, scheduled_cached_reqs=cached,
+                               num_scheduled_tokens={"r1": tokens}, total_num_scheduled_tokens=tokens)
+
+
+def test_chunked_prefill_is_held_then_released_with_the_workers_timeline():
+    """Two chunks (32 + 8 tokens) name the blocks holding tokens [0, token_end); the finished request is held and
+    announced to the workers; a timeline reported in the finishing step lands in the response's params, combined
+    over ranks; finished_sending releases the hold."""
+    scheduler, request = _scheduler(), _request()
+    scheduler.on_new_request(request)
+    first = scheduler.build_connector_meta(_output(32, new=request, new_blocks=[7, 3]))
+    ((chunk,),) = [first.prefill_chunks]
+    assert (chunk.token_start, chunk.token_end, chunk.block_ids, chunk.cached_token_count) == (0, 32, (7, 3), 0)
+    request.num_computed_tokens = 32
+    second = scheduler.build_connector_meta(_output(8, cached_blocks=[9]))
+    ((chunk,),) = [second.prefill_chunks]
+    assert (chunk.token_start, chunk.token_end, chunk.block_ids, chunk.is_last) == (32, 40, (7, 3, 9), True)
+    held, params = scheduler.request_finished(request, [7, 3, 9])
+    assert held and params["transfer_id"] == "t1" and params["push_timeline"]["chunk_count"] == 2
+    timelines = {"r1": {0: PushTimeline(write_count=3, bytes_written=30, prefill_end_time=5.0, state="done").as_dict(),
+                        1: PushTimeline(write_count=3, bytes_written=30, prefill_end_time=6.0, state="done").as_dict()}}
+    scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVPushWorkerMetadata(timelines)))
+    assert (params["push_timeline"]["write_count"], params["push_timeline"]["bytes_written"],
+            params["push_timeline"]["prefill_end_time"]) == (6, 60, 6.0)
+    assert scheduler.has_pending_push_work()
+    assert scheduler.build_connector_meta(_output(0)).held_prefills == ["r1"]
+    scheduler.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
+    assert not scheduler.has_pending_push_work() and scheduler.held_request_count() == 0
+
+
+def test_a_request_that_never_reached_the_workers_is_not_held():
+    """Finished before any chunk was scheduled: nothing can read its blocks, so they are not held."""
+    scheduler, request = _scheduler(), _request()
+    scheduler.on_new_request(request)
+    held, params = scheduler.request_finished(request, [])
+    assert not held and params["transfer_id"] == "t1" and not scheduler.has_pending_push_work()
