@@ -262,3 +262,52 @@ def test_a_step_without_chunks_saves_nothing_at_wait_for_save():
     worker.wait_for_save()
     loop.run()
     assert transport.writes == [] and transport.watched == []
+
+
+def test_a_session_reset_fails_dispatched_pushes_and_re_announces_the_others():
+    """The directory dropped the session: a transfer it had dispatched fails here too (FAILED result on the new
+    session, writes cancelled); one still waiting for its instruction has its readiness sent again."""
+    worker, transport, directory, loop = _worker()
+    two_chunks = KVPushMetadata(prefill_chunks=[
+        PrefillChunk("r1", "t1", 0, 40, 40, (10, 11, 12)), PrefillChunk("r2", "t2", 0, 40, 40, (20, 21, 22))])
+    worker.begin_step(two_chunks)
+    for layer in LAYERS:
+        worker.save_kv_layer(layer)
+    worker.wait_for_save()
+    worker.on_instruction(_instruction(40))  # t1 only
+    loop.run()
+    directory.session.ready.clear()
+    worker.on_session_reset()
+    loop.run()
+    assert transport.cancelled == ["t1"] and directory.session.results == []  # its writes are still in flight
+    for layer, *_ in transport.writes:
+        worker.on_write_done(WriteDone("t1", PushOutcome.CANCELLED, "cancelled", layer, None, 12.0, 0.0, 0, 0))
+    worker.on_writer_quiet(WriterQuiet("t1", PushOutcome.CANCELLED, "cancelled"))
+    loop.run()
+    (result,) = directory.session.results
+    assert result.transfer_id == "t1" and result.status == dpb.WRITE_RESULT_STATUS_FAILED
+    assert "session was lost" in result.error_message
+    assert {(e.transfer_id, e.layer_start, e.layer_end) for e in directory.session.ready} == {("t2", 0, len(LAYERS))}
+
+
+def test_a_rejection_that_says_the_transfer_is_gone_stops_it():
+    """NOT_FOUND for an event: the directory no longer knows the transfer, so the push fails here; an
+    INVALID_ARGUMENT (a bad event of a live transfer) leaves it alone."""
+    from google.rpc import status_pb2
+
+    worker, transport, directory, loop = _worker()
+    worker.begin_step(_step(40))
+    worker.save_kv_layer(LAYERS[0])
+    worker.on_rejection(dpb.EventRejection(transfer_id="t1", status=status_pb2.Status(code=3, message="bad")))
+    loop.run()
+    worker.on_instruction(_instruction(40))
+    loop.run()
+    assert len(transport.writes) == 1 and directory.session.results == []
+    worker.on_rejection(dpb.EventRejection(transfer_id="t1", status=status_pb2.Status(code=5, message="gone")))
+    loop.run()
+    assert transport.cancelled == ["t1"]
+    worker.on_write_done(WriteDone("t1", PushOutcome.CANCELLED, "cancelled", 0, None, 12.0, 0.0, 0, 0))
+    worker.on_writer_quiet(WriterQuiet("t1", PushOutcome.CANCELLED, "cancelled"))
+    loop.run()
+    (result,) = directory.session.results
+    assert result.status == dpb.WRITE_RESULT_STATUS_FAILED and "gone" in result.error_message

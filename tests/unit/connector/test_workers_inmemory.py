@@ -15,7 +15,7 @@ from kvpush.connector.metadata import KVPushMetadata, PrefillChunk, ReceiveStart
 from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
-from tests.fixtures.directory import directory_on_loopback
+from tests.fixtures.directory import PREFILL, directory_on_loopback, register_request
 from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
 
 LAYERS, BLOCKS, BS, HEADS, HEAD = 3, 16, 16, 2, 16
@@ -137,4 +137,40 @@ def test_cancelled_before_dispatch_is_confirmed_and_released():
         finally:
             client.close()
             prefill.shutdown()
+            decode.shutdown()
+
+
+def test_a_receive_past_its_bound_is_cancelled_then_released_as_load_errors():
+    """No prefill ever pushes: past transfer_timeout_s decode cancels the transfer at the directory, and once
+    the directory confirms the terminal state the request finishes with its pushed blocks as load errors."""
+    fabric_name, _ = new_fabric()
+    with directory_on_loopback() as address:
+        config = ConnectorConfig.from_extra_config({"directory_address": address, "transfer_timeout_s": 0.3},
+                                                   role="decode", engine_id="d")
+        decode = build_worker_half(config, _caches(False), BS, HEADS, HEAD, 0, 1, "d-agent",
+                                   create_agent=_in_memory_agent(fabric_name))
+        client = SyncDirectoryClient(ChannelConfig(address=address))
+        try:
+            # A prefill engine that never pushes (registered only, with decode's layout so they are paired).
+            client.register_engine(register_request("p", PREFILL, layout=decode.agent.layout.to_proto()))
+            prompt = 40
+            transfer_id = client.plan_transfer(prompt_token_count=prompt).transfer.transfer_id
+            decode.link.report_allocation(transfer_id, [4, 5, 6], prompt, 16, lambda reason: None)
+            decode.half.begin_step(KVPushMetadata(receives=[ReceiveStart("rd", transfer_id, (4, 5, 6), prompt, 16)]))
+            results: list = []
+
+            def step() -> bool:
+                finished, errors = decode.half.collect()
+                if finished:
+                    results.append((finished, errors))
+                return bool(results)
+
+            started = time.monotonic()
+            _until(step, "decode to give up")
+            assert time.monotonic() - started >= 0.3
+            assert results == [({"rd"}, {5, 6})]  # block 4 holds decode's own 16-token prefix hit
+            assert client.get_transfer(transfer_id).state == tpb.TRANSFER_STATE_CANCELLED
+            assert decode.half.failed_count == 1 and decode.half.completed_count == 0
+        finally:
+            client.close()
             decode.shutdown()
