@@ -5,7 +5,7 @@
 `PrefillWorker`, or `DecodeWorkerHalf`: `DecodeWorker`). Every method below says who calls it
 (Caller), whether and how long it may wait (Blocks) and what happens when something goes wrong
 (Failure), as vLLM's `KVConnectorBase_V1` documents its hooks. The halves implement these protocols
-structurally (nothing inherits from them); tests/unit/connector/test_halves.py checks that they do.
+structurally (nothing inherits from them); the unit tests of each half check `isinstance` against its protocol.
 
 `build_worker_half` is the only place a worker half is wired: the NIXL agent and its I/O thread, the
 directory link, the half itself, its data-plane adapter (PushTransport or NotificationListener), the
