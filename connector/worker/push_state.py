@@ -1,7 +1,7 @@
 """The per-transfer push state machine of a prefill worker: what may be written, and when it is done.
 
 Pure bookkeeping (no NIXL, no gRPC, no threads), so it is unit-tested on its own. One `PushTransfer`
-per transfer, driven by the prefill worker on the engine thread:
+per transfer, driven by the prefill worker's `PushOwner` on the NIXL I/O thread:
 
   1. Readiness: `mark_ready(layer, tokens_ready)` records that prompt tokens [0, tokens_ready) of a
      layer are computed (a chunk's forward, or this engine's prefix cache at once for every layer).

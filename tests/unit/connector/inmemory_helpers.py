@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import uuid
 
+from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.dataplane.agent import TransferAgent
 from kvpush.connector.dataplane.config import BACKEND_INMEMORY, NixlConfig
 from kvpush.connector.dataplane.inmemory import InMemoryFabric, fabric
@@ -31,3 +32,9 @@ def started_agent(fabric_name: str, caches, block_size: int, heads: int, head_si
     agent = TransferAgent(f"agent-{next(_names)}", nixl_config(fabric_name, **kw))
     agent.register(caches, block_size, heads, head_size, hint)
     return agent.start()
+
+
+def connector_config(address: str, role: str, engine_id: str, **extra) -> ConnectorConfig:
+    """A connector config for an engine of `role` talking to the directory at `address` (5 s bounds)."""
+    return ConnectorConfig.from_extra_config({"directory_address": address, "push_timeout_s": 5.0,
+                                              "transfer_timeout_s": 5.0, **extra}, role=role, engine_id=engine_id)

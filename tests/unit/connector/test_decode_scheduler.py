@@ -20,7 +20,7 @@ from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, directory_on_loopback, register_request
-from tests.unit.connector.test_workers_inmemory import _config
+from tests.unit.connector.inmemory_helpers import connector_config
 
 BS = 16
 BOUND_S = 10.0
@@ -49,12 +49,12 @@ def test_allocation_is_reported_and_the_receive_handed_to_the_workers():
     next step's metadata starts the receive; a second update_state_after_alloc changes nothing."""
     with directory_on_loopback() as address:
         client = SyncDirectoryClient(ChannelConfig(address=address))
-        link = DirectoryLink(_config(address, "decode", "d"))
+        link = DirectoryLink(connector_config(address, "decode", "d"))
         try:
             client.register_engine(register_request("p", PREFILL))
             client.register_engine(register_request("d", DECODE))
             transfer_id = client.plan_transfer(prompt_token_count=40).transfer.transfer_id
-            scheduler = DecodeScheduler(_config(address, "decode", "d"), BS, link)
+            scheduler = DecodeScheduler(connector_config(address, "decode", "d"), BS, link)
             assert isinstance(scheduler, SchedulerHalf)
             request = _request("r1", transfer_id)
             scheduler.on_new_request(request)
@@ -78,11 +78,11 @@ def test_a_refused_report_fails_the_receive_and_an_abort_cancels_the_transfer():
     waiting request cancels its transfer at the directory and keeps the blocks until the workers confirm."""
     with directory_on_loopback() as address:
         client = SyncDirectoryClient(ChannelConfig(address=address))
-        link = DirectoryLink(_config(address, "decode", "d"))
+        link = DirectoryLink(connector_config(address, "decode", "d"))
         try:
             client.register_engine(register_request("p", PREFILL))
             client.register_engine(register_request("d", DECODE))
-            scheduler = DecodeScheduler(_config(address, "decode", "d"), BS, link)
+            scheduler = DecodeScheduler(connector_config(address, "decode", "d"), BS, link)
             ghost = _request("r-ghost", "no-such-transfer")
             scheduler.on_new_request(ghost)
             scheduler.update_state_after_alloc(ghost, _blocks(1, 2, 3), 40)

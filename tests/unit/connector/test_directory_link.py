@@ -54,6 +54,9 @@ def test_registered_worker_reports_an_allocation_and_cancels_and_close_deregiste
             refused: list[str] = []
             link.report_allocation(transfer_id, [1, 2, 3], 40, 0, refused.append)
             link.report_allocation("no-such-transfer", [1, 2, 3], 40, 0, refused.append)
+            deadline = time.monotonic() + 5  # submitted, not awaited: the directory has it a moment later
+            while not helper.get_transfer(transfer_id).decode_block_ids and time.monotonic() < deadline:
+                time.sleep(0.01)
             done = threading.Event()
             seen: list = []
             link.cancel_transfer(transfer_id, "test", lambda transfer, error: (seen.append((transfer, error)),

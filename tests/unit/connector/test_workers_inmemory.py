@@ -16,7 +16,7 @@ from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import PREFILL, directory_on_loopback, register_request
-from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
+from tests.unit.connector.inmemory_helpers import connector_config, new_fabric, nixl_config
 
 LAYERS, BLOCKS, BS, HEADS, HEAD = 3, 16, 16, 2, 16
 BOUND_S = 10.0
@@ -39,11 +39,6 @@ def _in_memory_agent(fabric_name: str):
     return create
 
 
-def _config(address: str, role: str, engine_id: str) -> ConnectorConfig:
-    return ConnectorConfig.from_extra_config({"directory_address": address, "push_timeout_s": 5.0,
-                                              "transfer_timeout_s": 5.0}, role=role, engine_id=engine_id)
-
-
 def _until(predicate, what: str) -> None:
     deadline = time.monotonic() + BOUND_S
     while not predicate():
@@ -56,9 +51,9 @@ def test_push_lands_byte_exact_and_decode_finishes_receiving():
     fabric_name, _ = new_fabric()
     with directory_on_loopback() as address:
         p_caches, d_caches = _caches(True), _caches(False)
-        prefill = build_worker_half(_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1, "p-agent",
+        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1, "p-agent",
                                     create_agent=_in_memory_agent(fabric_name))
-        decode = build_worker_half(_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
+        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
                                    create_agent=_in_memory_agent(fabric_name))
         client = SyncDirectoryClient(ChannelConfig(address=address))
         try:
@@ -104,9 +99,9 @@ def test_cancelled_before_dispatch_is_confirmed_and_released():
     fabric_name, _ = new_fabric()
     with directory_on_loopback() as address:
         p_caches, d_caches = _caches(True), _caches(False)
-        prefill = build_worker_half(_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1, "p-agent",
+        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1, "p-agent",
                                     create_agent=_in_memory_agent(fabric_name))
-        decode = build_worker_half(_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
+        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
                                    create_agent=_in_memory_agent(fabric_name))
         client = SyncDirectoryClient(ChannelConfig(address=address))
         try:
