@@ -4,9 +4,11 @@ vLLM loads it with `kv_connector="KVPushConnector"` and `kv_connector_module_pat
 This package imports without vLLM: `KVPushConnector` is resolved lazily (vLLM's factory does
 `getattr(module, "KVPushConnector")`), so tools and the data plane can be used on machines without it.
 
-Modules: `connector` (the facade), `config` (extra-config parsing), `params` (kv_transfer_params),
-`metadata` (scheduler <-> worker data), `scheduler/` and `worker/` (one half per role each),
-`directory_link` (the only gRPC), `tracing` (spans per transfer), `dataplane/` (NIXL).
+Modules: `connector` (the facade), `halves` (each half's contract, and the builder that wires a worker
+half), `config` (extra-config parsing), `params` (kv_transfer_params), `metadata` (scheduler <-> worker
+data), `outcome` (how a transfer ends, per side), `scheduler/` and `worker/` (one half per role each),
+`directory_link` (the only gRPC), `tracing` (spans per transfer), `dataplane/` (NIXL). The request walk
+through them: docs/architecture.md.
 """
 
 from typing import Any
