@@ -74,7 +74,8 @@ class TransferAgent:
         self._peers: dict[str, Peer] = {}  # I/O thread only
         self._peer_layouts: dict[str, KVLayoutSpec] = {}  # guarded by _lock, read by submitters
         self._lock = threading.Lock()
-        self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        # SimpleQueue: a C queue, a few times cheaper per put than queue.Queue (the prefill hooks post through it).
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._participants: list[LoopParticipant] = []
         self._notif_callbacks: list[Callable[[str, bytes], None]] = []
         self._notif_buffer: deque[tuple[str, bytes]] = deque(maxlen=_NOTIF_BUFFER_MAX)
