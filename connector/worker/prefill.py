@@ -37,6 +37,7 @@ Life cycle of one transfer on a prefill worker:
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 from collections.abc import Callable
@@ -131,7 +132,8 @@ class PrefillWorker:
         self._outbox: queue.SimpleQueue[Released | TimelineChanged] = queue.SimpleQueue()
         self.owner = PushOwner(config, directory, len(layer_names), block_size_tokens, transport,
                                self._outbox.put)
-        self._post = loop.call_soon
+        call_soon = loop.call_soon
+        self._post: Callable[[Callable[[], None]], Any] = lambda action: call_soon(functools.partial(_logged, action))
         loop.attach(self.owner)
         # Engine thread only: what the hooks saw.
         self._last_layer = len(layer_names) - 1
@@ -685,6 +687,14 @@ class PushOwner:
                            transfer_id=live.push.transfer_id, in_flight=live.push.in_flight)
                 live.push.abandon_in_flight()
                 self._settle_if_ended(live)
+
+
+def _logged(action: Callable[[], None]) -> None:
+    """Run one posted action on the owner thread; one that raises is logged (its Future is never read)."""
+    try:
+        action()
+    except Exception:  # one bad message must not go unnoticed, nor stop the owner's thread
+        _log.exception("prefill push owner action failed")
 
 
 def timing_proto(timeline: PushTimeline) -> tpb.TransferTiming:
