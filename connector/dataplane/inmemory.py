@@ -118,8 +118,8 @@ class InMemoryNixlAgent:
         self._notifs: dict[str, list[bytes]] = defaultdict(list)
         self._lock = threading.Lock()
         with self.fabric._lock:
-            if name in self.fabric.agents:
-                raise ValueError(f"in-memory agent {name!r} already exists")
+            # A new agent of an earlier one's name replaces it (a restarted worker): peers that load the
+            # name from now on reach the new one, as they would a re-registered NIXL agent.
             self.fabric.agents[name] = self
 
     # ---- memory and peers ---------------------------------------------------------------------
