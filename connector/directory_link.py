@@ -105,13 +105,14 @@ class DirectoryLink:
                              on_session_reset: Callable[[], None]) -> PrefillSession:
         """Open the StreamPrefill session of this (registered) prefill worker.
 
-        on_session_reset runs when the stream reconnected: the directory failed the transfers this worker had
-        begun on the old stream (the session's on_reconnect).
+        on_session_reset runs when the directory dropped the transfers this worker had begun: the stream
+        reconnected (the directory failed them), or the directory restarted (a new incarnation forgot them).
         """
         assert self.registration is not None, "register() first"
         self.session = self._loop.open_prefill_session(
             self.registration, on_instruction=on_instruction, on_cancellation=on_cancellation,
-            on_rejection=on_rejection, on_reconnect=on_session_reset)
+            on_rejection=on_rejection, on_reconnect=on_session_reset,
+            on_directory_restart=lambda incarnation_id: on_session_reset())
         return self.session
 
     def watch(self, on_event: Callable[[dpb.TransferEvent], None], on_gap: Callable[[int], None]) -> None:
