@@ -333,7 +333,7 @@ class DirectoryState:
             record.chunk_count += 1
             seen = 0
         chunks[key] = seen | mask
-        for layer in range(event.first_layer, event.last_layer + 1):
+        for layer in range(event.layer_start, event.layer_end):
             record.layer_ready_walls.setdefault(layer, self.clock.wall())
         record.ready_prompt_token_count = event.prompt_token_count
         if record.first_ready_wall is None:

@@ -24,7 +24,7 @@ def test_ranks_combine_earliest_start_latest_end_summed_counts_fewest_layers_wor
     assert combined == {"first_write_start_time": 1.0, "last_write_end_time": 9.0, "prefill_end_time": 8.5,
                         "post_duration_s": 0.75, "write_count": 8, "descriptor_count": 80, "bytes_written": 800,
                         "writes_before_prefill_end_count": 7, "layers_written_before_prefill_end_count": 2,
-                        "state": "failed", "reason": "post failed"}
+                        "settled": False, "state": "failed", "reason": "post failed"}
 
 
 def test_a_newer_snapshot_of_a_rank_replaces_known_values_only():
