@@ -70,10 +70,10 @@ async def _drive(address: str, suffix: str, finish: str) -> str:
             await client.cancel_transfer(tid, "client went away")
         else:
             await client.report_allocation(tid, f"d-{suffix}", [4, 5, 6], 40)
-            session.send_ready([ready(tid, 0, 0)])
+            session.send_ready([ready(tid, 0, 1)])
             await asyncio.wait_for(instructions.get(), 10)
             await asyncio.sleep(0.02)
-            session.send_ready([ready(tid, 1, 1)])
+            session.send_ready([ready(tid, 1, 2)])
             now = time.time()
             timing = tpb.TransferTiming(first_write_start_time=_stamp(now), prefill_end_time=_stamp(now + 0.010),
                                         last_write_end_time=_stamp(now + 0.012), write_count=2, descriptor_count=6,
