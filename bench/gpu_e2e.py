@@ -255,11 +255,13 @@ def push_timing(record: dict, layer_count: int) -> dict[str, Any]:
     prefill_end = ts(timing.get("prefill_end_time"))
     first_write = ts(timing.get("first_write_start_time"))
     last_write = ts(timing.get("last_write_end_time"))
-    before = timing.get("layers_written_before_prefill_end_count",
-                        timing.get("layers_written_before_prefill_end", 0))
+    # Until the typed timeline (docs/architecture.md) the layer field counted writes (a chunked prefill makes
+    # one per layer and chunk); since then layers and writes have a field each.
     return {
         "state": record.get("state"), "bytes_written": int(record.get("bytes_written", 0)),
-        "layers_before_prefill_end": int(before or 0), "layer_count": layer_count,
+        "layers_before_prefill_end": int(timing.get("layers_written_before_prefill_end_count", 0) or 0),
+        "writes_before_prefill_end": int(timing.get("writes_before_prefill_end_count", 0) or 0),
+        "layer_count": layer_count,
         "write_count": int(timing.get("write_count", 0) or 0),
         "exposed_tail_ms": None if prefill_end is None or last_write is None else (last_write - prefill_end) * 1e3,
         "write_span_ms": None if first_write is None or last_write is None else (last_write - first_write) * 1e3,
