@@ -4,6 +4,9 @@
     curl -s localhost:8090/v1/completions -H 'Content-Type: application/json' \
          -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 8}'
 
+The directory's token and TLS files come from the client library's usual variables (KVPUSH_DIRECTORY_TOKEN,
+KVPUSH_DIRECTORY_TLS_ROOT_CERT, KVPUSH_DIRECTORY_TLS_CLIENT_CERT, KVPUSH_DIRECTORY_TLS_CLIENT_KEY).
+
 What every kvpush gateway does (the reference one, `kvpush.services.gateway`, adds streaming, chat,
 SageMaker routes, validation, metrics and tracing):
   1. `PlanTransfer` at the directory: it picks a prefill and a decode engine and mints a transfer id.
