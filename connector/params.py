@@ -1,7 +1,10 @@
 """The `kv_transfer_params` a request carries into kvpush engines, parsed strictly.
 
 Prefill leg: {"transfer_id": T, "do_remote_decode": true, "traceparent": "00-..."} (max_tokens=1).
-Decode leg:  {"transfer_id": T, "do_remote_prefill": true, "traceparent": "00-..."}.
+Decode leg:  {"transfer_id": T, "do_remote_prefill": true, "traceparent": "00-...", "first_token_id": 17}.
+`first_token_id` (decode leg, optional): the token the prefill leg produced and the client already has;
+the decode engine's `ForcePrefillFirstToken` logits processor (connector/first_token.py) makes it the
+request's first sampled token.
 Both legs carry the same transfer id, minted by the directory's PlanTransfer. A request without these
 params is an ordinary local request and the connector leaves it alone.
 """
@@ -28,6 +31,7 @@ class TransferParams:
     transfer_id: str
     is_prefill_leg: bool
     traceparent: str = ""
+    first_token_id: int | None = None  # decode leg: the token its first step must sample (None: sample freely)
 
 
 def parse_transfer_params(params: Any) -> TransferParams | None:
@@ -48,4 +52,12 @@ def parse_transfer_params(params: Any) -> TransferParams | None:
     traceparent = params.get("traceparent") or ""
     if not isinstance(traceparent, str) or (traceparent and not _TRACEPARENT.match(traceparent)):
         traceparent = ""  # tracing is best effort: a bad traceparent starts a new trace, it fails nothing
-    return TransferParams(transfer_id=transfer_id, is_prefill_leg=prefill_leg, traceparent=traceparent)
+    first_token_id = params.get("first_token_id")
+    if first_token_id is not None:
+        if prefill_leg:
+            raise TransferParamsError("kv_transfer_params.first_token_id belongs on the decode leg only")
+        if isinstance(first_token_id, bool) or not isinstance(first_token_id, int) or first_token_id < 0:
+            raise TransferParamsError(
+                f"kv_transfer_params.first_token_id must be a non-negative token id, got {str(first_token_id)[:32]!r}")
+    return TransferParams(transfer_id=transfer_id, is_prefill_leg=prefill_leg, traceparent=traceparent,
+                          first_token_id=first_token_id)

@@ -32,7 +32,7 @@ from kvpush.localstack.processes import (
     start_directory,
     start_gateway,
 )
-from kvpush.localstack.stack import DIRECTORY_ARGS, kv_transfer_config
+from kvpush.localstack.stack import DECODE_ENGINE_ARGS, DIRECTORY_ARGS, kv_transfer_config
 from tests.fixtures.otlp import OTLPReceiver
 
 ENGINE_READY_TIMEOUT_S = 480.0
@@ -128,7 +128,8 @@ def _kvpush_engine_spec(role: str, model_dir: Path, directory: DirectoryHandle, 
     return EngineSpec(name=f"kvpush-{role}", model_dir=model_dir, port=port, env=otlp.env(f"kvpush-{role}"),
                       kv_transfer_config=kv_transfer_config("kvpush", role, engine_id=engine_id,
                                                             directory_address=directory.address,
-                                                            engine_endpoint=f"http://127.0.0.1:{port}"))
+                                                            engine_endpoint=f"http://127.0.0.1:{port}"),
+                      extra_args=DECODE_ENGINE_ARGS if role == "decode" else ())
 
 
 class _EngineCache:

@@ -41,6 +41,9 @@ from kvpush.localstack.processes import (
 DIRECTORY_ARGS = ("--lease-ttl-s", "30")
 PREFILL_ENGINE_ID = "prefill-0"
 DECODE_ENGINE_ID = "decode-0"
+# What a kvpush decode engine loads so the gateway's first token from prefill holds (docs/gateway.md).
+FIRST_TOKEN_PROCESSOR = "kvpush.connector.first_token:ForcePrefillFirstToken"
+DECODE_ENGINE_ARGS = ("--logits-processors", FIRST_TOKEN_PROCESSOR)
 NIXL_PREFILL_SIDE_CHANNEL_PORT = 5611
 NIXL_DECODE_SIDE_CHANNEL_PORT = 5622
 
@@ -163,7 +166,7 @@ class LocalStack:
             name="decode", port=decode_port, kv_transfer_config=kv_transfer_config(
                 "kvpush", "decode", engine_id=DECODE_ENGINE_ID, directory_address=self.directory.address,
                 engine_endpoint=f"http://127.0.0.1:{decode_port}", extra=extra("decode", DECODE_ENGINE_ID)),
-            model_dir=self.model_dir, env=env("decode")), self.log_dir)
+            model_dir=self.model_dir, env=env("decode"), extra_args=DECODE_ENGINE_ARGS), self.log_dir)
         if self.with_colocated:
             self.colocated = launch_engine(EngineSpec(name="colocated", model_dir=self.model_dir,
                                                       env=env("colocated")), self.log_dir)

@@ -34,6 +34,9 @@ class GatewayConfig:
     api_key: str = ""
     # Count text and chat prompts' tokens with a prefill engine's /tokenize before planning (free-block check).
     count_prompt_tokens: bool = True
+    # Stream prefill's token to the client when the prefill leg returns (kvpush mode, streamed requests;
+    # decode engines need the ForcePrefillFirstToken logits processor). See docs/gateway.md.
+    first_token_from_prefill: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -80,6 +83,10 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--count-prompt-tokens", action=argparse.BooleanOptionalAction, default=True,
                         help="count text/chat prompt tokens with a prefill engine's /tokenize before planning, so the "
                              "directory checks decode's free blocks (default on)")
+    parser.add_argument("--first-token-from-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="stream the prefill leg's token at once and force decode's first token to it "
+                             "(kvpush mode; decode engines need --logits-processors "
+                             "kvpush.connector.first_token:ForcePrefillFirstToken)")
     args = parser.parse_args(argv)
     config = GatewayConfig(host=args.host, port=args.port, mode=args.mode, directory_address=args.directory,
                            directory_token=args.directory_token, prefill_url=args.prefill_url.rstrip("/"),
@@ -87,7 +94,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                            prefill_side_channel=args.prefill_side_channel, plan_timeout_s=args.plan_timeout,
                            connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,
                            decode_timeout_s=args.decode_timeout, transfer_ttl_s=args.transfer_ttl,
-                           api_key=args.api_key, count_prompt_tokens=args.count_prompt_tokens)
+                           api_key=args.api_key, count_prompt_tokens=args.count_prompt_tokens,
+                           first_token_from_prefill=args.first_token_from_prefill)
     try:
         config.validate()
     except ValueError as error:

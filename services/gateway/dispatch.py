@@ -9,6 +9,9 @@ Life cycle (concurrent routes: kvpush, nixl-push):
      decode's first chunk; only then are headers sent to the client, so a failed prefill still gets
      a clean error status; after that, chunks pass through as they come.
 Sequential routes (nixl-pull) run the prefill leg first and build the decode leg from its answer.
+First token from prefill (kvpush, on by default; `first_token`): a streamed request, or one with
+max_tokens=1, runs the prefill leg first; its token goes to the client as soon as the leg returns, and
+the decode leg, sent then with `first_token_id`, continues from the second token.
 A client that disconnects cancels the handler, which cancels both legs and the transfer.
 """
 
@@ -28,7 +31,7 @@ from structlog.contextvars import bound_contextvars
 
 from kvpush.observability import get_logger, get_tracer
 from kvpush.observability.logs import remember_transfer
-from kvpush.services.gateway import legs
+from kvpush.services.gateway import first_token, legs
 from kvpush.services.gateway.config import GatewayConfig
 from kvpush.services.gateway.errors import GatewayError, bad_gateway
 from kvpush.services.gateway.metrics import GatewayMetrics
@@ -56,6 +59,7 @@ class Outcome:
     request_id: str
     transfer_id: str = ""
     prefill_ms: float = 0.0
+    first_token_ms: float = 0.0  # first token from prefill: when its event went to the client
     decode_first_byte_ms: float = 0.0
     total_ms: float = 0.0
     status: int = 0
@@ -115,7 +119,8 @@ class Dispatcher:
                 span.set_attribute("http.status_code", outcome.status)
                 _log.info("request", request_id=request_id, transfer_id=outcome.transfer_id, path=request.path,
                           stream=request.stream, status=outcome.status, error=outcome.error or None,
-                          prefill_ms=round(outcome.prefill_ms, 1), total_ms=round(outcome.total_ms, 1))
+                          prefill_ms=round(outcome.prefill_ms, 1),
+                          first_token_ms=round(outcome.first_token_ms, 1) or None, total_ms=round(outcome.total_ms, 1))
                 self._metrics.observe_dispatch(None if outcome.plan_ms is None else outcome.plan_ms / 1000,
                                                outcome.prefill_ms / 1000 if outcome.prefill_ok else None,
                                                outcome.cancelled)
@@ -156,6 +161,8 @@ class Dispatcher:
     async def _legs(self, http_request: web.Request, request: ClientRequest, request_id: str, route: Route,
                     headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
         try:
+            if self._first_token_applies(request, route):
+                return await self._first_token(http_request, request, route, headers, outcome)
             if route.concurrent:
                 return await self._concurrent(http_request, request, route, headers, outcome)
             return await self._sequential(http_request, request, route, headers, outcome)
@@ -195,14 +202,15 @@ class Dispatcher:
             return count
         return 0
 
-    def _prefill(self, request: ClientRequest, route: Route, headers: dict[str, str], outcome: Outcome):
+    def _prefill(self, request: ClientRequest, route: Route, headers: dict[str, str], outcome: Outcome,
+                 want_token: bool = False):
         async def run() -> dict[str, Any]:
             started = time.monotonic()
             with _tracer.start_as_current_span("gateway.prefill_leg", kind=trace.SpanKind.CLIENT) as span:
                 span.set_attribute("server.address", route.prefill_url)
+                body = prefill_body(request, _leg_params(route.prefill_params), first_token=want_token)
                 answer = await legs.post_json(self._session, "prefill", route.prefill_url + request.path,
-                                              prefill_body(request, _leg_params(route.prefill_params)),
-                                              _leg_headers(headers),
+                                              body, _leg_headers(headers),
                                               self._config.prefill_timeout_s, self._config.connect_timeout_s)
             outcome.prefill_ms = (time.monotonic() - started) * 1000
             outcome.prefill_ok = True
@@ -229,6 +237,93 @@ class Dispatcher:
         # From here on the prefill leg is left to finish: cancelling it could abort a prefill whose
         # KV is still being handed over.
         return await self._pass_through(http_request, response, first_chunk, route, outcome, prefill_task)
+
+    def _first_token_applies(self, request: ClientRequest, route: Route) -> bool:
+        """First token from prefill: kvpush routes, when streamed (TTFT) or when one token is all (no decode)."""
+        return (self._config.first_token_from_prefill and bool(route.transfer_id) and route.concurrent
+                and (request.stream or first_token.client_max_tokens(request) == 1))
+
+    async def _first_token(self, http_request: web.Request, request: ClientRequest, route: Route,
+                           headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
+        """Prefill leg, its token to the client at once, then decode from the second token (module docstring)."""
+        assert route.decode_params is not None
+        started = time.monotonic()
+        answer = await self._prefill(request, route, headers, outcome, want_token=True)
+        try:
+            token = first_token.prefill_token(request, answer)
+        except ValueError as error:
+            raise bad_gateway(f"prefill engine at {route.prefill_url}: {error}") from error
+        if first_token.prefill_finished(request, token):
+            # Prefill's answer is the whole answer: no decode leg. Decode never allocated, so ending the
+            # transfer frees prefill's blocks and changes nothing on decode.
+            outcome.kv_delivered = True  # nothing left for a later failure to cancel
+            await asyncio.shield(self._router.cancel(route, "first token only: the prefill leg finished the request"))
+            if not request.stream:
+                answer.pop("kv_transfer_params", None)
+                if not request.body.get("return_token_ids"):
+                    for choice in answer.get("choices") or []:
+                        choice.pop("token_ids", None)
+                        choice.pop("prompt_token_ids", None)
+                    answer.pop("prompt_token_ids", None)
+                return self._json_response(answer, route, outcome)
+            out = await self._open_client_stream(http_request, route, outcome)
+            await out.write(first_token.first_events(request, token))
+            outcome.first_token_ms = (time.monotonic() - started) * 1000
+            await out.write_eof()
+            return out
+        decode_url = route.decode_url + request.path
+        held_back = first_token.hold_back_reason(request, token)
+        if held_back:
+            # The token's text cannot go out alone; decode's stream, first token forced, is passed whole.
+            params = {**route.decode_params, first_token.FIRST_TOKEN_KEY: token.token_id}
+            response, first_chunk = await self._first_chunk(decode_url, request, params, headers)
+            return await self._pass_through(http_request, response, first_chunk, route, outcome, None)
+        out = await self._open_client_stream(http_request, route, outcome)
+        await out.write(first_token.first_events(request, token))
+        outcome.first_token_ms = (time.monotonic() - started) * 1000
+        rewriter = first_token.DecodeStreamRewriter(request, token)
+        try:
+            with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
+                span.set_attribute("server.address", decode_url)
+                decode = decode_body(request, _leg_params(route.decode_params), first_token_id=token.token_id)
+                response = await legs.open_stream(self._session, "decode", decode_url, decode, _leg_headers(headers),
+                                                  self._config.decode_timeout_s, self._config.connect_timeout_s)
+            try:
+                async for chunk in response.content.iter_any():
+                    outcome.kv_delivered = True
+                    data = rewriter.feed(chunk)
+                    if data:
+                        await out.write(data)
+                data = rewriter.flush()
+                if data:
+                    await out.write(data)
+            finally:
+                response.release()
+        except (GatewayError, aiohttp.ClientError, asyncio.TimeoutError, first_token.FirstTokenMismatch) as error:
+            # Headers and the first token are gone: the only way left to say it is an SSE error event.
+            message = error.message if isinstance(error, GatewayError) else f"decode stream broke: {error}"
+            code = error.status if isinstance(error, GatewayError) else 502
+            _log.warning("decode leg failed after the first token", transfer_id=route.transfer_id, error=message)
+            outcome.error = message
+            if not outcome.kv_delivered:
+                outcome.cancelled = True
+                await asyncio.shield(self._router.cancel(route, message))
+                outcome.kv_delivered = True
+            event = {"error": {"message": message[:500], "type": "bad_gateway", "code": code}}
+            await out.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def _open_client_stream(self, http_request: web.Request, route: Route,
+                                  outcome: Outcome) -> web.StreamResponse:
+        """Send the client's stream headers (with the route's ids and prefill's params) and return the stream."""
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                   **_route_headers(route, outcome.request_id)}
+        _add_prefill_params_header(headers, outcome)
+        out = web.StreamResponse(status=200, headers=headers)
+        await out.prepare(http_request)
+        outcome.status = 200
+        return out
 
     async def _sequential(self, http_request: web.Request, request: ClientRequest, route: Route,
                           headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
@@ -279,11 +374,7 @@ class Dispatcher:
         outcome.kv_delivered = True
         headers = {"Content-Type": response.headers.get("Content-Type", "text/event-stream"),
                    "Cache-Control": "no-cache", **_route_headers(route, outcome.request_id)}
-        if outcome.prefill_params:
-            # Streams have no body field for it: the prefill's params (push timeline) go in a header, if small.
-            encoded = json.dumps(outcome.prefill_params, separators=(",", ":"), default=str)
-            if len(encoded) <= 4096:
-                headers[PREFILL_PARAMS_HEADER] = encoded
+        _add_prefill_params_header(headers, outcome)
         out = web.StreamResponse(status=200, headers=headers)
         try:
             await out.prepare(http_request)
@@ -332,6 +423,14 @@ def _leg_params(params: dict) -> dict:
     if "traceparent" not in params:
         return params
     return {**params, "traceparent": current_traceparent() or params["traceparent"]}
+
+
+def _add_prefill_params_header(headers: dict[str, str], outcome: Outcome) -> None:
+    """Streams have no body field for it: the prefill's params (push timeline) go in a header, if small."""
+    if outcome.prefill_params:
+        encoded = json.dumps(outcome.prefill_params, separators=(",", ":"), default=str)
+        if len(encoded) <= 4096:
+            headers[PREFILL_PARAMS_HEADER] = encoded
 
 
 def _leg_headers(headers: dict[str, str]) -> dict[str, str]:

@@ -99,15 +99,24 @@ def _check_messages(messages: Any) -> None:
             raise bad_request(f"messages[{index}] must be an object with a string role", "messages")
 
 
-def prefill_body(request: ClientRequest, kv_transfer_params: dict) -> dict:
-    """The prefill leg: the client's request computing one token, not streamed, with transfer params."""
+def prefill_body(request: ClientRequest, kv_transfer_params: dict, *, first_token: bool = False) -> dict:
+    """The prefill leg: the client's request computing one token, not streamed, with transfer params.
+
+    `first_token`: the client gets this token (docs/gateway.md, first token from prefill), so the leg
+    asks for its id and keeps `min_tokens` (at most 1: no EOS as the first token when the client said so).
+    """
     body = copy.deepcopy(request.body)
+    min_tokens = body.get("min_tokens")
     body["max_tokens"] = 1
     if request.path == CHAT_COMPLETIONS and "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     body["stream"] = False
     for key in ("stream_options", "min_tokens"):
         body.pop(key, None)
+    if first_token:
+        body["return_token_ids"] = True
+        if isinstance(min_tokens, int) and min_tokens > 0:
+            body["min_tokens"] = 1
     body["kv_transfer_params"] = kv_transfer_params
     return body
 
@@ -143,8 +152,15 @@ def tokenize_body(request: ClientRequest) -> dict:
     return body
 
 
-def decode_body(request: ClientRequest, kv_transfer_params: dict) -> dict:
-    """The decode leg: the client's request unchanged except for the transfer params."""
+def decode_body(request: ClientRequest, kv_transfer_params: dict, *, first_token_id: int | None = None) -> dict:
+    """The decode leg: the client's request unchanged except for the transfer params.
+
+    `first_token_id`: the token the client already has; the decode engine is made to sample it first
+    (`kv_transfer_params.first_token_id`) and asked for token ids, so the gateway can check and drop it.
+    """
     body = copy.deepcopy(request.body)
+    if first_token_id is not None:
+        kv_transfer_params = {**kv_transfer_params, "first_token_id": first_token_id}
+        body["return_token_ids"] = True
     body["kv_transfer_params"] = kv_transfer_params
     return body

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import random
 
+import grpc
 import pytest
 
 from kvpush.localstack.client import call, stream_completion
-import grpc
-
 from kvpush.services.client import ChannelConfig, DirectoryCallError, SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 
@@ -103,3 +102,120 @@ def test_engines_act_only_as_themselves_under_mutual_tls(local_stack):
     finally:
         prefill.close()
         operator.close()
+
+
+# ---------------------------------------------------------------- first token from prefill
+
+
+def _stream_tokens(result) -> tuple[list[int], list[str], list]:
+    """Token ids, texts and per-token logprobs of a streamed completion, in order."""
+    ids, texts, logprobs = [], [], []
+    for event in result.events:
+        for choice in event.get("choices", []):
+            ids += choice.get("token_ids") or []
+            texts.append(choice.get("text") or "")
+            logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+    return ids, texts, logprobs
+
+
+def test_decode_engine_forces_the_first_token(local_stack):
+    """A decode-engine request naming first_token_id starts with it under sampling, and greedy continues as
+    a colocated engine given prompt + that token."""
+    prompt = _ids(40, seed=11)
+    greedy_first = call("POST", local_stack.colocated.url + "/v1/completions", _greedy(prompt, 1), timeout_s=120)
+    forced = (greedy_first.body["choices"][0]["token_ids"][0] + 7) % 500 + 3  # anything but the argmax
+    sampled = {**_greedy(prompt, 4), "temperature": 0.9, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "seed": 5,
+               "repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+               "kv_transfer_params": {"first_token_id": forced}}
+    result = call("POST", local_stack.decode.url + "/v1/completions", sampled, timeout_s=120)
+    assert result.status == 200, result.text
+    assert result.body["choices"][0]["token_ids"][0] == forced
+    body = {**_greedy(prompt, 6), "kv_transfer_params": {"first_token_id": forced}}
+    via_decode = call("POST", local_stack.decode.url + "/v1/completions", body, timeout_s=120)
+    reference = call("POST", local_stack.colocated.url + "/v1/completions", _greedy(prompt + [forced], 5),
+                     timeout_s=120)
+    assert via_decode.body["choices"][0]["token_ids"] == [forced] + reference.body["choices"][0]["token_ids"]
+    bad = call("POST", local_stack.decode.url + "/v1/completions",
+               {**body, "kv_transfer_params": {"first_token_id": "x"}}, timeout_s=60)
+    assert bad.status == 400, bad.text
+    assert "first_token_id" in bad.text
+
+
+def test_streamed_first_token_from_prefill_equals_colocated(local_stack):
+    """Streamed through the gateway, greedy: every token once, ids/text/usage equal the colocated engine's,
+    the first token's logprob is there once, and the first token reached the client before the transfer ended."""
+    import time as _time
+
+    prompt = _ids(300, seed=3)
+    body = {**_greedy(prompt, 6), "logprobs": 1, "stream_options": {"include_usage": True}}
+    started_wall = _time.time()
+    streamed = stream_completion(local_stack.gateway_url + "/v1/completions", body, timeout_s=180)
+    first_event_wall = started_wall + streamed.ttft_s
+    reference = call("POST", local_stack.colocated.url + "/v1/completions", body, timeout_s=180)
+    assert streamed.status == 200 and not streamed.error, streamed.error
+    ids, texts, logprobs = _stream_tokens(streamed)
+    want = reference.body["choices"][0]
+    assert ids == want["token_ids"]
+    assert "".join(texts) == want["text"]
+    assert len(logprobs) == len(want["token_ids"])
+    assert logprobs[0] == pytest.approx(want["logprobs"]["token_logprobs"][0], abs=1e-3)
+    assert streamed.events[0]["choices"][0]["token_ids"] == want["token_ids"][:1]
+    usage = [e["usage"] for e in streamed.events if e.get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == 6 and usage[-1]["prompt_tokens"] == 300
+    finish = [c["finish_reason"] for e in streamed.events for c in e.get("choices", []) if c.get("finish_reason")]
+    assert finish == ["length"]
+    transfer = _transfer(local_stack, streamed.headers["x-kvpush-transfer-id"])
+    assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
+    assert first_event_wall < transfer.end_time.ToDatetime().timestamp() + 1e-3
+
+
+def test_seeded_sampling_through_the_gateway_is_one_consistent_sequence(local_stack):
+    """Seeded sampling, streamed with first token from prefill, equals the colocated engine with the same seed."""
+    prompt = _ids(130, seed=4)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 1234,
+            "ignore_eos": True, "return_token_ids": True, "repetition_penalty": 1.1}
+    streamed = stream_completion(local_stack.gateway_url + "/v1/completions", body, timeout_s=180)
+    reference = call("POST", local_stack.colocated.url + "/v1/completions", body, timeout_s=180)
+    assert streamed.status == 200 and not streamed.error, streamed.error
+    ids, texts, _ = _stream_tokens(streamed)
+    assert ids == reference.body["choices"][0]["token_ids"]
+    assert "".join(texts) == reference.body["choices"][0]["text"]
+
+
+def test_streamed_chat_first_token_from_prefill(local_stack):
+    """A streamed, sampled chat through the gateway: one role, every token once, equal to colocated's text."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 6,
+            "temperature": 0.7, "seed": 9, "ignore_eos": True}
+    streamed = stream_completion(local_stack.gateway_url + "/v1/chat/completions", body, timeout_s=180)
+    reference = call("POST", local_stack.colocated.url + "/v1/chat/completions", body, timeout_s=180)
+    assert streamed.status == 200 and not streamed.error, streamed.error
+    assert streamed.text == reference.body["choices"][0]["message"]["content"]
+    roles = [c["delta"]["role"] for e in streamed.events for c in e.get("choices", []) if c["delta"].get("role")]
+    assert roles == ["assistant"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_one_token_requests_need_no_decode_leg(local_stack, stream):
+    """max_tokens=1 is answered from the prefill leg alone (finish_reason length) and its transfer is ended."""
+    body = {**_greedy(_ids(60, seed=8), 1), "stream_options": {"include_usage": True}} if stream else \
+        _greedy(_ids(60, seed=8), 1)
+    reference = call("POST", local_stack.colocated.url + "/v1/completions", _greedy(_ids(60, seed=8), 1))
+    if stream:
+        result = stream_completion(local_stack.gateway_url + "/v1/completions", body, timeout_s=120)
+        assert result.status == 200 and not result.error, result.error
+        ids, _, _ = _stream_tokens(result)
+        choices = [c for e in result.events for c in e.get("choices", [])]
+        assert [c["finish_reason"] for c in choices] == ["length"]
+        assert [e["usage"]["completion_tokens"] for e in result.events if e.get("usage")] == [1]
+        transfer_id = result.headers["x-kvpush-transfer-id"]
+    else:
+        result = call("POST", local_stack.gateway_url + "/v1/completions", body, timeout_s=120)
+        assert result.status == 200, result.text
+        ids = result.body["choices"][0]["token_ids"]
+        assert result.body["choices"][0]["finish_reason"] == "length"
+        assert result.body["usage"]["completion_tokens"] == 1
+        transfer_id = result.headers["x-kvpush-transfer-id"]
+    assert ids == reference.body["choices"][0]["token_ids"]
+    transfer = _transfer(local_stack, transfer_id)
+    assert transfer.state == tpb.TRANSFER_STATE_CANCELLED
+    assert "first token only" in transfer.failure_reason

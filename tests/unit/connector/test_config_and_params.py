@@ -120,3 +120,15 @@ def test_package_imports_without_vllm_and_exposes_the_class_lazily():
     assert module.KVPushConnector.__name__ == "KVPushConnector"
     with pytest.raises(AttributeError):
         module.NoSuchThing  # noqa: B018
+
+
+def test_decode_leg_first_token_id_is_parsed_strictly():
+    """first_token_id is read on the decode leg, refused on the prefill leg and when not a token id."""
+    assert parse_transfer_params({"transfer_id": "t", "do_remote_prefill": True, "first_token_id": 17}).first_token_id == 17
+    assert parse_transfer_params({"transfer_id": "t", "do_remote_prefill": True}).first_token_id is None
+    for bad in ({"transfer_id": "t", "do_remote_decode": True, "first_token_id": 1},
+                {"transfer_id": "t", "do_remote_prefill": True, "first_token_id": -1},
+                {"transfer_id": "t", "do_remote_prefill": True, "first_token_id": True},
+                {"transfer_id": "t", "do_remote_prefill": True, "first_token_id": "7"}):
+        with pytest.raises(TransferParamsError, match="first_token_id"):
+            parse_transfer_params(bad)

@@ -44,7 +44,10 @@ class Deployment:
                 engine_id=f"standin-{engine.name}", role=role, tp_rank=0, tp_size=1, agent_name=f"agent-{engine.name}",
                 agent_metadata=b"standin-metadata", layout=_layout(), endpoint=engine.url, model="tiny"))
         self.gateway = start_gateway(log_dir, directory_address=self.directory.address, env=otlp_env,
-                                     extra_args=["--prefill-timeout", "4", "--decode-timeout", "4"])
+                                     extra_args=["--prefill-timeout", "4", "--decode-timeout", "4",
+                                                 # the concurrent path; first token from prefill: test_first_token.py
+                                                 # and tests/integration/localstack (real engines)
+                                                 "--no-first-token-from-prefill"])
 
     def reset(self) -> None:
         for engine in (self.prefill, self.decode):
