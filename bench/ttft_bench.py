@@ -129,8 +129,10 @@ class Topology:
 
 
 def start_pd_engines(args, model_dir: Path, connector: str, topology: Topology, log_dir: Path,
-                     directory_port: int = 0) -> tuple[EngineHandle, EngineHandle]:
-    """Launch P and D for `connector` together and wait for both."""
+                     directory_port: int = 0, *, decode_args: tuple[str, ...] = (),
+                     env: dict[str, str] | None = None) -> tuple[EngineHandle, EngineHandle]:
+    """Launch P and D for `connector` together and wait for both (`decode_args`: decode's extra flags,
+    `env`: both engines' extra environment)."""
     handles = []
     for role, engine_id, cpus in (("prefill", PREFILL_ENGINE_ID, args.prefill_cpus),
                                   ("decode", DECODE_ENGINE_ID, args.decode_cpus)):
@@ -142,8 +144,9 @@ def start_pd_engines(args, model_dir: Path, connector: str, topology: Topology, 
                      "engine_endpoint": f"http://{place['host']}:{port}", "extra": KVPUSH_PHASES[connector]}
         config = kv_transfer_config(connector_of(connector), role, engine_id=engine_id, **extra)
         spec = EngineSpec(name=f"{connector}-{role}", model_dir=model_dir, host=place["host"], port=port,
-                          kv_transfer_config=config, env=place["env"], netns=place["netns"], cpus=cpus or None,
-                          max_model_len=args.max_model_len)
+                          kv_transfer_config=config, env={**place["env"], **(env or {})}, netns=place["netns"],
+                          cpus=cpus or None, max_model_len=args.max_model_len,
+                          extra_args=decode_args if role == "decode" else ())
         handles.append(launch_engine(spec, log_dir))
     try:
         for handle in handles:
@@ -182,8 +185,9 @@ def idle_cpu(engines: list[EngineHandle], window_s: float = 3.0) -> dict[str, fl
 
 
 def start_bench_gateway(mode: str, log_dir: Path, *, prefill: EngineHandle, decode: EngineHandle,
-                        topology: Topology, directory_address: str = "") -> GatewayHandle:
-    """The gateway in the root namespace on loopback, in `mode`."""
+                        topology: Topology, directory_address: str = "",
+                        extra_args: tuple[str, ...] = ()) -> GatewayHandle:
+    """The gateway in the root namespace on loopback, in `mode` (plus `extra_args` flags)."""
     port = free_port()
     argv = [sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1", "--port", str(port),
             "--mode", mode, "--prefill-timeout", "300", "--decode-timeout", "300"]
@@ -193,6 +197,7 @@ def start_bench_gateway(mode: str, log_dir: Path, *, prefill: EngineHandle, deco
         argv += ["--prefill-url", prefill.url, "--decode-url", decode.url]
     if mode == "nixl-push":
         argv += ["--prefill-engine-id", PREFILL_ENGINE_ID, "--prefill-side-channel", topology.prefill_side_channel()]
+    argv += list(extra_args)
     proc = ManagedProcess(f"gateway-{mode}", argv, log_dir / f"gateway-{mode}.log", env={"KVPUSH_LOG_FORMAT": "json"})
     proc.start()
     url = f"http://127.0.0.1:{port}"
@@ -286,8 +291,10 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
     prefill = decode = gateway = None
     try:
         prefill, decode = start_pd_engines(args, model_dir, connector, topology, log_dir, directory_port)
+        # The push itself is measured here: the gateway's first token from prefill (bench/serve_bench.py) is off.
         gateway = start_bench_gateway(connector_of(connector), log_dir, prefill=prefill, decode=decode, topology=topology,
-                                      directory_address=f"127.0.0.1:{directory_port}")
+                                      directory_address=f"127.0.0.1:{directory_port}",
+                                      extra_args=("--no-first-token-from-prefill",) if connector in KVPUSH_PHASES else ())
         out: dict = {"idle_cpu_cores": idle_cpu([prefill, decode])}
         say(f"{connector}: idle engines burn {out['idle_cpu_cores']} CPU cores")
         for rate in args.rates:
