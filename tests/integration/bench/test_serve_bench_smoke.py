@@ -28,7 +28,9 @@ def test_smoke_run_writes_json_and_plot(tmp_path):
         point = data["points"]["8.0"]
         assert "error" not in point, (variant, point)
         assert point["completed"] == 4 and point["failed"] == 0, (variant, point)
-        for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p50_itl_ms", "request_throughput"):
+        for key in ("mean_ttft_ms", "p99_ttft_ms", "request_throughput"):
             assert point[key] > 0, (variant, key, point)
+        for key in ("mean_tpot_ms", "p50_itl_ms", "p99_e2el_ms"):  # a tiny engine can send 4 tokens in one chunk
+            assert point[key] >= 0, (variant, key, point)
     assert "kvpush-first-token/colocated" in result["ratios"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
