@@ -122,7 +122,8 @@ def run_variant(args, variant: str, model_dir: Path, topology, log_dir: Path, sc
             prefill, decode = ttft_bench.start_pd_engines(args, model_dir, connector, topology, log_dir, port,
                                                           decode_args=decode_args, env=variant_env(variant))
             engines = [prefill, decode]
-            gateway_args = () if variant == "kvpush-first-token" else ("--no-first-token-from-prefill",)
+            gateway_args = (("--first-token-from-prefill",) if variant == "kvpush-first-token"
+                            else ("--no-first-token-from-prefill",))
             gateway = ttft_bench.start_bench_gateway(connector, log_dir, prefill=prefill, decode=decode,
                                                      topology=topology, directory_address=f"127.0.0.1:{port}",
                                                      extra_args=gateway_args)

@@ -36,7 +36,9 @@ class GatewayConfig:
     count_prompt_tokens: bool = True
     # Stream prefill's token to the client when the prefill leg returns (kvpush mode, streamed requests;
     # decode engines need the ForcePrefillFirstToken logits processor). See docs/gateway.md.
-    first_token_from_prefill: bool = True
+    # Off by default: its decode leg leaves only when the prefill leg returns, so prefill holds the KV until
+    # decode allocates, and under load that costs more TTFT than it saves (docs/gateway.md).
+    first_token_from_prefill: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -83,10 +85,11 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--count-prompt-tokens", action=argparse.BooleanOptionalAction, default=True,
                         help="count text/chat prompt tokens with a prefill engine's /tokenize before planning, so the "
                              "directory checks decode's free blocks (default on)")
-    parser.add_argument("--first-token-from-prefill", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--first-token-from-prefill", action=argparse.BooleanOptionalAction, default=False,
                         help="stream the prefill leg's token at once and force decode's first token to it "
                              "(kvpush mode; decode engines need --logits-processors "
-                             "kvpush.connector.first_token:ForcePrefillFirstToken)")
+                             "kvpush.connector.first_token:ForcePrefillFirstToken). Off by default: the decode "
+                             "leg then starts only after the prefill leg, which costs TTFT under load")
     args = parser.parse_args(argv)
     config = GatewayConfig(host=args.host, port=args.port, mode=args.mode, directory_address=args.directory,
                            directory_token=args.directory_token, prefill_url=args.prefill_url.rstrip("/"),

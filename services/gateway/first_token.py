@@ -1,6 +1,6 @@
 """First token from prefill: the prefill leg's token goes to the client at once; decode's copy is dropped.
 
-With `--first-token-from-prefill` (the default) a streamed kvpush request runs:
+With `--first-token-from-prefill` (off by default, docs/gateway.md) a streamed kvpush request runs:
   1. the prefill leg (max_tokens=1, `return_token_ids`) returns its token, text and logprobs;
   2. `first_events` turns that answer into the stream's first SSE event(s), sent to the client at once;
      when the prefill already finished the request (max_tokens=1, EOS, a stop token or string) they

@@ -24,7 +24,8 @@ def local_stack(session_log_dir, otlp_receiver):
     stack = LocalStack(spec=TinyModelSpec(), log_dir=session_log_dir / "localstack", progress=None,
                        engine_timeout_s=600.0, engine_env={"UCX_NET_DEVICES": "lo",
                                                            **otlp_receiver.env("kvpush-localstack-engine")},
-                       service_env=otlp_receiver.env("kvpush-localstack"), mutual_tls=HAVE_OPENSSL)
+                       service_env=otlp_receiver.env("kvpush-localstack"), mutual_tls=HAVE_OPENSSL,
+                       first_token_from_prefill=True)
     stack.start()
     yield stack
     stack.stop()
