@@ -137,13 +137,16 @@ class Stack:
             # blocks"); with a fixed --kv-cache-memory-bytes they start together.
             one_at_a_time = self.on_gpu and not self.args.kv_cache_gib
             deadline = time.monotonic() + self.args.engine_timeout_s
+            ready: set[str] = set()
             for spec in specs:
                 self.engines[spec.name] = launch_engine(spec, self.log_dir)
                 if one_at_a_time or spec is specs[-1]:
-                    for waiting in [h for h in self.engines.values() if not getattr(h, "_ready", False)]:
-                        took = waiting.wait_ready(max(1.0, deadline - time.monotonic()), progress=say)
-                        waiting._ready = True
-                        say(f"{waiting.spec.name} ready at {waiting.url} ({took:.0f} s)")
+                    for name, handle in self.engines.items():
+                        if name in ready:
+                            continue
+                        took = handle.wait_ready(max(1.0, deadline - time.monotonic()), progress=say)
+                        ready.add(name)
+                        say(f"{name} ready at {handle.url} ({took:.0f} s)")
             if connector != "colocated":
                 self.gateway = self._start_gateway(connector)
             if self.directory is not None:
