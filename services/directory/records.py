@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
@@ -189,6 +190,14 @@ class Allocation:
     prefix_hit_token_count: int
 
 
+
+
+class Ending(NamedTuple):
+    """A transfer's decided end, held until no write of it can still be in flight."""
+
+    state: int  # tpb.TransferState: FAILED or CANCELLED
+    reason: str
+
 @dataclass
 class TransferRecord:
     """The directory's live record of one transfer; `to_proto()` gives its wire form."""
@@ -224,8 +233,8 @@ class TransferRecord:
     layers_written: dict[int, int] = field(default_factory=dict)
     bytes_written: dict[int, int] = field(default_factory=dict)
     timing: dict[int, tpb.TransferTiming] = field(default_factory=dict)
-    # (terminal state, reason) waiting for every dispatched rank to be quiescent.
-    ending: tuple[int, str] | None = None
+    # The terminal state this transfer takes once every dispatched rank is quiescent.
+    ending: Ending | None = None
     # layer -> when prefill first reported it ready (any rank).
     layer_ready_walls: dict[int, float] = field(default_factory=dict)
 

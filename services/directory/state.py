@@ -55,6 +55,7 @@ from kvpush.services.directory.records import (
     Allocation,
     Clock,
     Effects,
+    Ending,
     EngineGroup,
     Limits,
     TransferObserver,
@@ -139,8 +140,8 @@ class DirectoryState:
             record = self._live.get(transfer_id)
             if record is None:
                 continue
-            if worker.role == PREFILL and record.ending and record.ending[0] == tpb.TRANSFER_STATE_CANCELLED:
-                self._end(record, tpb.TRANSFER_STATE_CANCELLED, record.ending[1], fx)
+            if worker.role == PREFILL and record.ending and record.ending.state == tpb.TRANSFER_STATE_CANCELLED:
+                self._end(record, tpb.TRANSFER_STATE_CANCELLED, record.ending.reason, fx)
             else:
                 self._end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
         if not group.workers:
@@ -394,15 +395,15 @@ class DirectoryState:
         if result.HasField("timing"):
             record.timing[tp_rank] = copy_message(result.timing)
         if status == dpb.WRITE_RESULT_STATUS_FAILED and record.ending is None:
-            record.ending = (tpb.TRANSFER_STATE_FAILED,
+            record.ending = Ending(tpb.TRANSFER_STATE_FAILED,
                              f"rank {tp_rank} write failed: {result.error_message}".rstrip(": "))
-            self._tell_prefill(record, tpb.TRANSFER_STATE_FAILED, record.ending[1], fx)
+            self._tell_prefill(record, tpb.TRANSFER_STATE_FAILED, record.ending.reason, fx)
         elif status == dpb.WRITE_RESULT_STATUS_CANCELLED and record.ending is None:
-            record.ending = (tpb.TRANSFER_STATE_CANCELLED, f"rank {tp_rank} cancelled")
-            self._tell_prefill(record, tpb.TRANSFER_STATE_CANCELLED, record.ending[1], fx)
+            record.ending = Ending(tpb.TRANSFER_STATE_CANCELLED, f"rank {tp_rank} cancelled")
+            self._tell_prefill(record, tpb.TRANSFER_STATE_CANCELLED, record.ending.reason, fx)
         if len(record.quiescent) == record.tp_size:
             if record.ending is not None:
-                self._end(record, record.ending[0], record.ending[1], fx, tell_prefill=False)
+                self._end(record, record.ending.state, record.ending.reason, fx, tell_prefill=False)
             else:
                 record.layers_written = {r: max(v, record.layer_count) for r, v in record.layers_written.items()}
                 for rank in range(record.tp_size):
@@ -422,8 +423,8 @@ class DirectoryState:
         if not record.dispatched:
             self._end(record, tpb.TRANSFER_STATE_CANCELLED, reason, fx)
             return record, fx
-        if record.ending is None or record.ending[0] != tpb.TRANSFER_STATE_CANCELLED:
-            record.ending = (tpb.TRANSFER_STATE_CANCELLED, reason)
+        if record.ending is None or record.ending.state != tpb.TRANSFER_STATE_CANCELLED:
+            record.ending = Ending(tpb.TRANSFER_STATE_CANCELLED, reason)
             self._tell_prefill(record, tpb.TRANSFER_STATE_CANCELLED, reason, fx)
         return record, fx
 
