@@ -56,6 +56,7 @@ from kvpush.localstack.processes import (
 )
 from kvpush.localstack.shaped_model import ensure_shaped_model, kv_bytes_per_token, preset_config
 from kvpush.localstack.stack import kv_transfer_config, nixl_side_channel_env
+from kvpush.localstack.vllm_bench import run_bench_serve, summarise, wait_kv_usage_zero
 
 SERVED_NAME = "model"
 PREFILL_ID = "gpu-prefill"
@@ -218,20 +219,8 @@ class Stack:
                 return record
             time.sleep(0.05)
 
-    def kv_usage(self, name: str) -> float:
-        import re
-
-        text = call("GET", self.engines[name].url + "/metrics", timeout_s=10).text
-        values = [float(m.group(1)) for m in re.finditer(r'^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$', text, re.M)]
-        return max(values) if values else float("nan")
-
     def wait_kv_usage_zero(self, name: str, timeout_s: float = 60.0) -> float:
-        deadline = time.monotonic() + timeout_s
-        usage = self.kv_usage(name)
-        while usage > 0 and time.monotonic() < deadline:
-            time.sleep(0.5)
-            usage = self.kv_usage(name)
-        return usage
+        return wait_kv_usage_zero(self.engines[name].url, timeout_s)
 
 
 def prompt_of(length: int, seed: int, vocab: int) -> list[int]:
@@ -493,37 +482,6 @@ def run_e2e(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- serve
 
 
-def bench_point(base_url: str, model_dir: Path, isl: int, rate: float, num_prompts: int, out_file: Path,
-                osl: int, timeout_s: float) -> dict[str, Any]:
-    """One `vllm bench serve` run (random dataset) against `base_url`; returns its result JSON."""
-    argv = [sys.executable, "-c",
-            "import argparse, sys; from vllm.benchmarks.serve import add_cli_args, main; "
-            "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))",
-            "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", SERVED_NAME,
-            "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(isl),
-            "--random-output-len", str(osl), "--num-prompts", str(num_prompts), "--request-rate", str(rate),
-            "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_file.parent),
-            "--result-filename", out_file.name, "--disable-tqdm", "--num-warmups", "2"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0 or not out_file.exists():
-        raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {done.stdout[-1500:]} {done.stderr[-1500:]}")
-    return json.loads(out_file.read_text())
-
-
-_KEEP = ("completed", "failed", "request_throughput", "output_throughput", "duration")
-
-
-def summarise(result: dict[str, Any]) -> dict[str, Any]:
-    kept = {k: result.get(k) for k in _KEEP}
-    for metric in ("ttft", "tpot", "itl", "e2el"):
-        for stat in ("mean", "median", "p50", "p99"):
-            key = f"{stat}_{metric}_ms"
-            if key in result:
-                kept[key] = result[key]
-    return kept
-
-
 def run_serve(args: argparse.Namespace) -> int:
     config = preset_config(args.preset)
     model_dir = ensure_shaped_model(args.preset)
@@ -553,8 +511,10 @@ def run_serve(args: argparse.Namespace) -> int:
                     seen = {t.transfer_id for t in stack.client.list_transfers(limit=5000)} if stack.client else set()
                     out_file = scratch / f"{connector}-{isl}-{rate}.json"
                     try:
-                        point = summarise(bench_point(base, model_dir, isl, rate, args.num_prompts, out_file,
-                                                      args.osl, timeout_s=max(30.0, deadline - time.monotonic())))
+                        point = summarise(run_bench_serve(
+                            base, model=SERVED_NAME, tokenizer=model_dir, isl=isl, osl=args.osl,
+                            num_prompts=args.num_prompts, rate=rate, out_file=out_file,
+                            timeout_s=max(30.0, deadline - time.monotonic())))
                     except (RuntimeError, subprocess.TimeoutExpired) as exc:
                         point = {"error": str(exc)[-800:]}
                     point.update({"connector": connector, "isl": isl, "rate": rate})

@@ -41,15 +41,13 @@ from kvpush.localstack.model import BENCH_MODEL_SPEC, TinyModelSpec, ensure_tiny
 from kvpush.localstack.netns import PDNetwork  # noqa: E402
 from kvpush.localstack.processes import EngineHandle, EngineSpec, launch_engine, start_directory  # noqa: E402
 from kvpush.localstack.stack import DECODE_ENGINE_ARGS, DIRECTORY_ARGS  # noqa: E402
+from kvpush.localstack.vllm_bench import run_bench_serve, summarise  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PACED_SITE = Path(__file__).resolve().parent / "nixl_paced"
 PACED_DELAY_US = 100
 VARIANTS = ("colocated", "nixl-pull", "nixl-pull-fair", "nixl-push", "nixl-push-fair", "kvpush",
             "kvpush-first-token")
-METRICS = ("ttft", "tpot", "itl", "e2el")
-STATS = ("mean", "median", "p50", "p99")
-KEPT = ("completed", "failed", "request_throughput", "output_throughput", "duration")
 
 
 def say(message: str) -> None:
@@ -73,32 +71,10 @@ def variant_env(variant: str) -> dict[str, str]:
 
 
 def bench_point(base_url: str, model_dir: Path, args: argparse.Namespace, rate: float, out_file: Path) -> dict:
-    """One `vllm bench serve` run (random dataset, streamed completions) against `base_url`."""
-    argv = [sys.executable, "-c",
-            "import argparse, sys; from vllm.benchmarks.serve import add_cli_args, main; "
-            "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))",
-            "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "tiny",
-            "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(args.isl),
-            "--random-output-len", str(args.osl), "--num-prompts", str(args.num_prompts),
-            "--request-rate", str(rate), "--ignore-eos", "--seed", "0", "--temperature", "0",
-            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--save-result",
-            "--result-dir", str(out_file.parent), "--result-filename", out_file.name, "--disable-tqdm",
-            "--num-warmups", str(args.warmups)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.point_timeout)
-    if done.returncode != 0 or not out_file.exists():
-        raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {done.stdout[-800:]} {done.stderr[-800:]}")
-    return json.loads(out_file.read_text())
-
-
-def summarise(result: dict[str, Any]) -> dict[str, Any]:
-    """The figures the table and plot use (ms), from one `vllm bench serve` result."""
-    kept = {k: result.get(k) for k in KEPT}
-    for metric in METRICS:
-        for stat in STATS:
-            key = f"{stat}_{metric}_ms"
-            if key in result:
-                kept[key] = round(float(result[key]), 2)
-    return kept
+    """One `vllm bench serve` run (random dataset, streamed completions, greedy) against `base_url`."""
+    return run_bench_serve(base_url, model="tiny", tokenizer=model_dir, isl=args.isl, osl=args.osl,
+                           num_prompts=args.num_prompts, rate=rate, out_file=out_file, timeout_s=args.point_timeout,
+                           warmups=args.warmups, extra_args=("--temperature", "0"))
 
 
 def run_variant(args, variant: str, model_dir: Path, topology, log_dir: Path, scratch: Path) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from kvpush.localstack.client import call
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from kvpush.localstack.processes import EngineHandle, EngineSpec, free_port, launch_engine, start_directory
 from kvpush.localstack.stack import kv_transfer_config
+from kvpush.localstack.vllm_bench import kv_cache_usage, wait_kv_usage_zero
 from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
@@ -148,19 +148,11 @@ class ConnectorStack:
 
     def kv_usage(self, engine: EngineHandle) -> float:
         """vLLM's KV-cache usage gauge (0.0 = no block held by any request)."""
-        text = call("GET", engine.url + "/metrics", timeout_s=10).text
-        values = [float(m.group(1)) for m in re.finditer(r'^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$', text, re.M)]
-        assert values, f"no vllm:kv_cache_usage_perc in {engine.spec.name}'s /metrics"
-        return max(values)
+        return kv_cache_usage(engine.url)
 
     def wait_kv_usage_zero(self, engine: EngineHandle, timeout_s: float = 40.0) -> float:
         """Wait (bounded) until the engine holds no KV block; return the last usage seen."""
-        deadline = time.monotonic() + timeout_s
-        usage = self.kv_usage(engine)
-        while usage > 0 and time.monotonic() < deadline:
-            time.sleep(0.5)
-            usage = self.kv_usage(engine)
-        return usage
+        return wait_kv_usage_zero(engine.url, timeout_s)
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
