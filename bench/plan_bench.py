@@ -218,6 +218,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30, help="repetitions per case (median reported)")
     parser.add_argument("--out", default="plan_bench.json", help="file name under bench/results/")
     args = parser.parse_args()
+    from kvpush.observability import configure_logging
+
+    # As the connector does at load (INFO unless KVPUSH_LOG_LEVEL says otherwise): unconfigured structlog prints
+    # every per-write debug line, which would time the console instead of the worker.
+    configure_logging()
     results = {"bench": "plan", "host": platform.node(), "python": platform.python_version(),
                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reps": args.reps,
                "cases": [run_case(case, args.reps) for case in CASES], "hook": run_save_kv_layer_case(args.reps)}

@@ -75,7 +75,8 @@ class TransferAgent:
         self._peer_layouts: dict[str, KVLayoutSpec] = {}  # guarded by _lock, read by submitters
         self._lock = threading.Lock()
         # SimpleQueue: a C queue, a few times cheaper per put than queue.Queue (the prefill hooks post through it).
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        # A None future: a post (fire and forget; the command logs its own failure).
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any] | None]] = queue.SimpleQueue()
         self._participants: list[LoopParticipant] = []
         self._notif_callbacks: list[Callable[[str, bytes], None]] = []
         self._notif_buffer: deque[tuple[str, bytes]] = deque(maxlen=_NOTIF_BUFFER_MAX)
@@ -183,6 +184,20 @@ class TransferAgent:
         """Queue `fn` to run on the I/O thread (for components built on this agent)."""
         return self._call(fn)
 
+    def post(self, fn: Callable[[], None]) -> None:
+        """Queue `fn` to run on the I/O thread, in posting order, with no result (inline when called from it).
+
+        The hooks' path: no Future is made or resolved (a third of a post's cost), and an `fn` that raises is
+        logged here, since nobody waits on it. Dropped, with a log line, once the agent stopped.
+        """
+        if self._closed:
+            self._log.warning("post_after_stop", fn=repr(fn))
+            return
+        if self._thread is None or self.on_io_thread():
+            self._run_post(fn)
+            return
+        self._commands.put((fn, None))
+
     def attach(self, participant: LoopParticipant) -> None:
         """Have the I/O thread drive `participant` on every iteration."""
         self._participants.append(participant)
@@ -271,8 +286,16 @@ class TransferAgent:
             self._run_command(fn, future)
             ran = True
 
-    @staticmethod
-    def _run_command(fn: Callable[[], Any], future: Future[Any]) -> None:
+    def _run_post(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - one bad message must not go unnoticed, nor stop the I/O thread
+            self._log.exception("posted_action_failed", error=repr(exc))
+
+    def _run_command(self, fn: Callable[[], Any], future: Future[Any] | None) -> None:
+        if future is None:
+            self._run_post(fn)
+            return
         if not future.set_running_or_notify_cancel():
             return
         try:
@@ -286,7 +309,7 @@ class TransferAgent:
                 _fn, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if future.set_running_or_notify_cancel():
+            if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(exc)
 
     def _poll_notifications(self) -> None:

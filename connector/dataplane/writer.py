@@ -230,7 +230,7 @@ class PushWriter:
             request.token_end,
         )
         submitted_at = time.monotonic()
-        self._agent.call_soon(lambda: self._enqueue(_Write(request, plan, submitted_at)))
+        self._agent.post(lambda: self._enqueue(_Write(request, plan, submitted_at)))
         return plan
 
     def when_complete(self, event: Any, callback: Callable[[float], None]) -> None:
@@ -241,7 +241,7 @@ class PushWriter:
         waiting on the same event is reported done). Dropped after `post_timeout_s`, like a ready event.
         """
         watched_at = time.monotonic()
-        self._agent.call_soon(lambda: self._watched.append((event, callback, watched_at)))
+        self._agent.post(lambda: self._watched.append((event, callback, watched_at)))
 
     def cancel(self, transfer_id: str) -> Future[WriteOutcome]:
         """Drop the transfer's queued writes; the Future resolves once none of its handles is in flight.

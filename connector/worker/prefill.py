@@ -5,7 +5,7 @@ Two parts, one owner each:
   (`StepStarted`, `LayerSaved`, `StepSaved`) posted to the owner, and reads what the owner published
   (`Released`, `TimelineChanged`) from a thread-safe outbox. A hook never runs push logic and never
   waits for another thread, except the bounded idle wait of an empty step (see `inbox.py`).
-- `PushOwner` (the NIXL I/O thread: posts go through `TransferAgent.call_soon`): owns every transfer's
+- `PushOwner` (the NIXL I/O thread: posts go through `TransferAgent.post`): owns every transfer's
   `PushTransfer`, span and timeline. Directory callbacks (instruction, cancellation, rejection,
   session reset) and data-plane outcomes are posted to it as well, so each wakes the I/O thread and is
   applied at once: an instruction that arrives after the last `save_kv_layer` of a GPU step (the host
@@ -37,7 +37,6 @@ Life cycle of one transfer on a prefill worker:
 
 from __future__ import annotations
 
-import functools
 import queue
 import time
 from collections.abc import Callable
@@ -71,8 +70,8 @@ _BOUND_CHECK_S = 0.05
 class OwnerLoop(Protocol):
     """The thread that owns push state: `TransferAgent` (its NIXL I/O thread) in production."""
 
-    def call_soon(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the owner thread, in posting order (inline when called from it)."""
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the owner thread, in posting order (inline when called from it); log what it raises."""
 
     def attach(self, participant: Any) -> None:
         """Have the owner thread call `participant.poll(now)` on every iteration."""
@@ -132,8 +131,7 @@ class PrefillWorker:
         self._outbox: queue.SimpleQueue[Released | TimelineChanged] = queue.SimpleQueue()
         self.owner = PushOwner(config, directory, len(layer_names), block_size_tokens, transport,
                                self._outbox.put)
-        call_soon = loop.call_soon
-        self._post: Callable[[Callable[[], None]], Any] = lambda action: call_soon(functools.partial(_logged, action))
+        self._post: Callable[[Callable[[], None]], None] = loop.post
         loop.attach(self.owner)
         # Engine thread only: what the hooks saw.
         self._last_layer = len(layer_names) - 1
@@ -687,14 +685,6 @@ class PushOwner:
                            transfer_id=live.push.transfer_id, in_flight=live.push.in_flight)
                 live.push.abandon_in_flight()
                 self._settle_if_ended(live)
-
-
-def _logged(action: Callable[[], None]) -> None:
-    """Run one posted action on the owner thread; one that raises is logged (its Future is never read)."""
-    try:
-        action()
-    except Exception:  # one bad message must not go unnoticed, nor stop the owner's thread
-        _log.exception("prefill push owner action failed")
 
 
 def timing_proto(timeline: PushTimeline) -> tpb.TransferTiming:

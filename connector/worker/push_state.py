@@ -107,6 +107,10 @@ class PushTransfer:
         self.skip_tokens = 0
         self.notification = b""
         self._blocks_planned: list[int] = []  # per layer: blocks [0, n) are written or in flight
+        # Layers whose readiness grew since the last next_writes (all of them once the instruction arrives):
+        # planning looks only at these, so a save costs the same whatever the layer count.
+        self._layers_to_plan: set[int] = set()
+        self._layers_fully_planned = 0
         self._layer_writes_in_flight = [0] * layer_count
         self._layer_last_end_time: list[float | None] = [None] * layer_count
         self._writes_planned = 0
@@ -154,6 +158,7 @@ class PushTransfer:
         tokens_ready = min(tokens_ready, self.prompt_token_count)
         if tokens_ready > self.tokens_ready[layer]:
             self.tokens_ready[layer] = tokens_ready
+            self._layers_to_plan.add(layer)
 
     def set_instruction(self, peer_agent: str, dst_block_ids: tuple[int, ...], skip_tokens: int,
                         prompt_token_count: int, notification: bytes) -> None:
@@ -175,6 +180,8 @@ class PushTransfer:
         self.notification = notification
         first_block = skip_tokens // self.block_size
         self._blocks_planned = [first_block] * self.layer_count
+        self._layers_fully_planned = self.layer_count if first_block >= self.total_blocks else 0
+        self._layers_to_plan = set(range(self.layer_count))
 
     # ---------------------------------------------------------------- planning
 
@@ -189,7 +196,8 @@ class PushTransfer:
         if self.terminal or not self.has_instruction:
             return []
         writes: list[PlannedWrite] = []
-        for layer in range(self.layer_count):
+        layers, self._layers_to_plan = sorted(self._layers_to_plan), set()
+        for layer in layers:
             start_block = self._blocks_planned[layer]
             end_block = self._writable_blocks(layer)
             if end_block <= start_block:
@@ -197,6 +205,8 @@ class PushTransfer:
             token_start = max(start_block * self.block_size, self.skip_tokens)
             token_end = min(end_block * self.block_size, self.prompt_token_count)
             self._blocks_planned[layer] = end_block
+            if end_block >= self.total_blocks:
+                self._layers_fully_planned += 1
             if token_end <= token_start:
                 continue
             if len(self.src_block_ids) < end_block:
@@ -215,7 +225,7 @@ class PushTransfer:
         return writes
 
     def _all_planned(self) -> bool:
-        return all(planned >= self.total_blocks for planned in self._blocks_planned)
+        return self._layers_fully_planned == self.layer_count
 
     def nothing_to_write(self) -> bool:
         """True when the instruction leaves nothing to push (decode's prefix hit covers the prompt)."""

@@ -71,7 +71,7 @@ class _ManualLoop:
         self.posted: list = []
         self.participants: list = []
 
-    def call_soon(self, fn) -> None:
+    def post(self, fn) -> None:
         self.posted.append(fn)
 
     def attach(self, participant) -> None:
