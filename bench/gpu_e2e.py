@@ -258,7 +258,17 @@ def push_timing(record: dict, layer_count: int) -> dict[str, Any]:
         "exposed_tail_ms": None if prefill_end is None or last_write is None else (last_write - prefill_end) * 1e3,
         "write_span_ms": None if first_write is None or last_write is None else (last_write - first_write) * 1e3,
         "prefix_hit_token_count": int(record.get("prefix_hit_token_count", 0) or 0),
+        # Where the tail comes from: the instruction's arrival and each layer's last write, against prefill end
+        # (negative = before it).
+        "dispatch_ms_from_prefill_end": _ms_from(ts(record.get("dispatch_time")), prefill_end),
+        "first_write_start_ms_from_prefill_end": _ms_from(first_write, prefill_end),
+        "layer_write_end_ms_from_prefill_end": [
+            _ms_from(ts(write.get("end_time")), prefill_end) for write in timing.get("layer_writes") or []],
     }
+
+
+def _ms_from(when: float | None, origin: float | None) -> float | None:
+    return None if when is None or origin is None else round((when - origin) * 1e3, 3)
 
 
 def distribution(values: list[float]) -> dict[str, float]:

@@ -155,7 +155,7 @@ def create_app(config: GatewayConfig) -> web.Application:
 
     async def lifecycle(app: web.Application):
         router = make_router(config)
-        connector = aiohttp.TCPConnector(limit=1000, ttl_dns_cache=60)
+        connector = aiohttp.TCPConnector(limit=1000, ttl_dns_cache=60, keepalive_timeout=config.upstream_keepalive_s)
         session = aiohttp.ClientSession(connector=connector, trust_env=False)
         app[ROUTER_KEY] = router
         app[SESSION_KEY] = session

@@ -28,6 +28,10 @@ class GatewayConfig:
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 120.0
     decode_timeout_s: float = 600.0
+    # Idle pooled connections to engines are closed after this long: below the engines' own keep-alive
+    # (vLLM's uvicorn closes idle connections after 5 s), so a request never goes out on a connection the
+    # engine is closing (that fails as "Server disconnected" with nothing sent back).
+    upstream_keepalive_s: float = 4.0
     transfer_ttl_s: float = 0.0  # 0: the directory's default
     max_body_bytes: int = 8 * 1024 * 1024
     # When set, /v1/* requests need "Authorization: Bearer <api_key>" (OpenAI style); 401 otherwise.
@@ -44,7 +48,8 @@ class GatewayConfig:
         """Raise ValueError naming the first bad setting."""
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("plan_timeout_s", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s"):
+        for name in ("plan_timeout_s", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
+                     "upstream_keepalive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if not 0 <= self.port <= 65535:
@@ -79,6 +84,9 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to an engine")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for the whole prefill leg")
     parser.add_argument("--decode-timeout", type=float, default=600.0, help="seconds for the whole decode leg")
+    parser.add_argument("--upstream-keepalive", type=float, default=4.0,
+                        help="seconds an idle connection to an engine is kept for reuse (below the engines' own "
+                             "keep-alive timeout: vLLM's is 5 s)")
     parser.add_argument("--transfer-ttl", type=float, default=0.0, help="seconds a transfer may live (0: default)")
     parser.add_argument("--api-key", default=os.environ.get("KVPUSH_GATEWAY_API_KEY", ""),
                         help="require 'Authorization: Bearer KEY' on /v1/* (env KVPUSH_GATEWAY_API_KEY)")
@@ -97,6 +105,7 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                            prefill_side_channel=args.prefill_side_channel, plan_timeout_s=args.plan_timeout,
                            connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,
                            decode_timeout_s=args.decode_timeout, transfer_ttl_s=args.transfer_ttl,
+                           upstream_keepalive_s=args.upstream_keepalive,
                            api_key=args.api_key, count_prompt_tokens=args.count_prompt_tokens,
                            first_token_from_prefill=args.first_token_from_prefill)
     try:

@@ -1,0 +1,61 @@
+"""The gateway's pooled connections to engines expire before the engines' own keep-alive does.
+
+vLLM's server closes a connection idle for 5 s; a gateway that keeps it longer sends its next request on a
+socket the engine is closing and gets "Server disconnected" with nothing answered (seen on the H200 between
+two requests 5 s apart). The session must drop an idle connection after upstream_keepalive_s instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from kvpush.services.gateway.app import SESSION_KEY, create_app
+from kvpush.services.gateway.config import GatewayConfig, parse_args
+
+
+async def _client_ports_of_two_requests(idle_s: float, keepalive_s: float) -> list[int]:
+    ports: list[int] = []
+
+    async def hello(request: web.Request) -> web.Response:
+        ports.append(request.transport.get_extra_info("peername")[1])
+        return web.Response(text="ok")
+
+    engine = web.Application()
+    engine.router.add_get("/", hello)
+    runner = web.AppRunner(engine, keepalive_timeout=60.0)  # the engine would keep it: the gateway must not
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    gateway = create_app(GatewayConfig(mode="kvpush", directory_address="127.0.0.1:1",
+                                       upstream_keepalive_s=keepalive_s))
+    gateway_runner = web.AppRunner(gateway)
+    await gateway_runner.setup()  # runs the lifecycle: the session exists
+    try:
+        session = gateway[SESSION_KEY]
+        for pause in (0.0, idle_s):
+            await asyncio.sleep(pause)
+            async with session.get(f"http://127.0.0.1:{port}/") as response:
+                assert response.status == 200 and await response.text() == "ok"
+    finally:
+        await gateway_runner.cleanup()
+        await runner.cleanup()
+    return ports
+
+
+def test_an_idle_connection_older_than_the_keepalive_is_not_reused():
+    ports = asyncio.run(_client_ports_of_two_requests(idle_s=1.2, keepalive_s=0.3))
+    assert len(ports) == 2 and ports[0] != ports[1]
+
+
+def test_a_connection_idle_less_than_the_keepalive_is_reused():
+    ports = asyncio.run(_client_ports_of_two_requests(idle_s=0.1, keepalive_s=5.0))
+    assert len(ports) == 2 and ports[0] == ports[1]
+
+
+def test_the_default_is_below_vllms_five_seconds_and_the_flag_sets_it():
+    assert GatewayConfig().upstream_keepalive_s < 5.0
+    config = parse_args(["--directory", "127.0.0.1:1", "--upstream-keepalive", "2.5"])
+    assert config.upstream_keepalive_s == 2.5
