@@ -387,3 +387,21 @@ class ListEnginesResponse(_message.Message):
     next_page_token: str
     directory_incarnation_id: str
     def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.EngineWorker, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+
+class ReportEngineUnreachableRequest(_message.Message):
+    __slots__ = ("engine_id", "transfer_id", "reason")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    transfer_id: str
+    reason: str
+    def __init__(self, engine_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportEngineUnreachableResponse(_message.Message):
+    __slots__ = ("marked", "directory_incarnation_id")
+    MARKED_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    marked: bool
+    directory_incarnation_id: str
+    def __init__(self, marked: _Optional[bool] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...

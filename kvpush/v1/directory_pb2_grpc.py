@@ -105,6 +105,11 @@ class KVDirectoryServiceStub:
                 request_serializer=kvpush_dot_v1_dot_directory__pb2.ListEnginesRequest.SerializeToString,
                 response_deserializer=kvpush_dot_v1_dot_directory__pb2.ListEnginesResponse.FromString,
                 _registered_method=True)
+        self.ReportEngineUnreachable = channel.unary_unary(
+                '/kvpush.v1.KVDirectoryService/ReportEngineUnreachable',
+                request_serializer=kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableRequest.SerializeToString,
+                response_deserializer=kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableResponse.FromString,
+                _registered_method=True)
 
 
 class KVDirectoryServiceServicer:
@@ -232,6 +237,19 @@ class KVDirectoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEngineUnreachable(self, request, context):
+        """ReportEngineUnreachable says that a gateway could not reach an engine's endpoint (connection refused,
+        reset, or closed before any response byte). PlanTransfer then leaves the engine out until it renews its
+        lease again (a live engine renews every ttl/3, so a mistaken report costs at most that), except when
+        every candidate of its role is marked: then marked engines are planned rather than none. Pinned plans
+        still get the engine. Live transfers are not touched: a dead engine's lease still ends them.
+        The operator's (a gateway). Errors: INVALID_ARGUMENT, NOT_FOUND (unknown engine or transfer),
+        PERMISSION_DENIED (not the operator), FAILED_PRECONDITION (the transfer does not name the engine).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVDirectoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -294,6 +312,11 @@ def add_KVDirectoryServiceServicer_to_server(servicer, server):
                     servicer.ListEngines,
                     request_deserializer=kvpush_dot_v1_dot_directory__pb2.ListEnginesRequest.FromString,
                     response_serializer=kvpush_dot_v1_dot_directory__pb2.ListEnginesResponse.SerializeToString,
+            ),
+            'ReportEngineUnreachable': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEngineUnreachable,
+                    request_deserializer=kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableRequest.FromString,
+                    response_serializer=kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -631,6 +654,33 @@ class KVDirectoryService:
             '/kvpush.v1.KVDirectoryService/ListEngines',
             kvpush_dot_v1_dot_directory__pb2.ListEnginesRequest.SerializeToString,
             kvpush_dot_v1_dot_directory__pb2.ListEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEngineUnreachable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpush.v1.KVDirectoryService/ReportEngineUnreachable',
+            kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableRequest.SerializeToString,
+            kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableResponse.FromString,
             options,
             channel_credentials,
             insecure,

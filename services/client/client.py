@@ -117,6 +117,14 @@ class DirectoryClient:
             transfer_id=transfer_id, reason=reason), timeout_s)
         return response.transfer
 
+    async def report_engine_unreachable(self, engine_id: str, transfer_id: str = "", reason: str = "",
+                                        timeout_s: float | None = None) -> bool:
+        """Tell the directory an engine's endpoint could not be reached (planning leaves it out until its next
+        renewal); True when it is now marked, False when the report concerned an earlier registration."""
+        response = await self._unary("ReportEngineUnreachable", dpb.ReportEngineUnreachableRequest(
+            engine_id=engine_id, transfer_id=transfer_id, reason=reason), timeout_s)
+        return response.marked
+
     async def get_transfer(self, transfer_id: str, timeout_s: float | None = None) -> tpb.Transfer:
         """One transfer."""
         response = await self._unary("GetTransfer", dpb.GetTransferRequest(transfer_id=transfer_id), timeout_s)

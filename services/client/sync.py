@@ -89,6 +89,10 @@ class SyncDirectoryClient:
         """Blocking `DirectoryClient.cancel_transfer`."""
         return self.run(self.client.cancel_transfer(transfer_id, reason))
 
+    def report_engine_unreachable(self, engine_id: str, transfer_id: str = "", reason: str = "") -> bool:
+        """Blocking `DirectoryClient.report_engine_unreachable`."""
+        return self.run(self.client.report_engine_unreachable(engine_id, transfer_id, reason))
+
     def get_transfer(self, transfer_id: str) -> tpb.Transfer:
         """Blocking `DirectoryClient.get_transfer`."""
         return self.run(self.client.get_transfer(transfer_id))

@@ -152,6 +152,9 @@ class EngineGroup:
     tp_size: int
     workers: dict[int, Worker] = field(default_factory=dict)
     active_transfers: set[str] = field(default_factory=set)
+    # A gateway's report that the engine's endpoint could not be reached; planning leaves the engine out
+    # while it stands, and the engine's next lease renewal clears it (None: no report stands).
+    unreachable: UnreachableReport | None = None
 
     @property
     def complete(self) -> bool:
@@ -190,6 +193,13 @@ class Allocation:
     prefix_hit_token_count: int
 
 
+
+
+class UnreachableReport(NamedTuple):
+    """A standing report that an engine could not be reached (ReportEngineUnreachable)."""
+
+    wall: float  # when it was reported, seconds since the epoch
+    reason: str
 
 
 class Ending(NamedTuple):

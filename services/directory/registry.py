@@ -101,6 +101,7 @@ class EngineRegistry:
         worker.layout = copy_message(request.layout)
         worker.endpoint = request.endpoint
         self.extend(worker, now)
+        self.groups[worker.engine_id].unreachable = None
 
     def extend(self, worker: Worker, now: float) -> None:
         """Give a worker's lease a whole TTL from now."""
@@ -114,12 +115,16 @@ class EngineRegistry:
             worker.lease_deadline_wall += seconds
 
     def renew(self, lease_id: str, load: tpb.EngineLoad | None) -> Worker:
-        """Renew a live lease and record the load; NotFound for an unknown or lapsed lease."""
+        """Renew a live lease and record the load; NotFound for an unknown or lapsed lease.
+
+        A renewal shows the engine is alive again: it clears a standing unreachable report.
+        """
         worker = self.leases.get(lease_id)
         now = self.clock.monotonic()
         if worker is None or worker.lease_deadline < now:
             raise NotFound(f"lease {lease_id!r} is unknown or expired")
         self.extend(worker, now)
+        self.groups[worker.engine_id].unreachable = None
         if load is not None:
             worker.load = copy_message(load)
         return worker
@@ -194,4 +199,7 @@ class EngineRegistry:
         groups = [g for g in self.groups.values() if g.role == role and g.complete]
         if not groups:
             raise ResourceExhausted(f"no {name} engine is registered with all its ranks")
-        return groups
+        # Engines a gateway could not reach are left out, unless every one was reported: a report may be
+        # mistaken (a stale pooled connection), and planning a marked engine beats planning none.
+        reachable = [g for g in groups if g.unreachable is None]
+        return reachable or groups

@@ -48,6 +48,7 @@ from kvpush.services.directory.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from kvpush.services.directory.records import UnreachableReport
 from kvpush.services.directory.state import DirectoryState, Effects, Worker
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
@@ -119,8 +120,9 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     return ttl
 
 
-def worker_to_proto(worker: Worker, active_transfer_count: int) -> tpb.EngineWorker:
-    """The wire form of one registered worker."""
+def worker_to_proto(worker: Worker, active_transfer_count: int,
+                    unreachable: UnreachableReport | None = None) -> tpb.EngineWorker:
+    """The wire form of one registered worker (with its engine's standing unreachable report, if any)."""
     # Never the lease id (a secret of the registrant) nor the NIXL metadata (only push instructions carry it).
     engine = tpb.EngineWorker(
         engine_id=worker.engine_id, role=worker.role, tp_rank=worker.tp_rank, tp_size=worker.tp_size,
@@ -132,6 +134,9 @@ def worker_to_proto(worker: Worker, active_transfer_count: int) -> tpb.EngineWor
     engine.register_time.FromNanoseconds(int(worker.register_wall * 1e9))
     if worker.load is not None:
         engine.load.CopyFrom(worker.load)
+    if unreachable is not None:
+        engine.unreachable_time.FromNanoseconds(int(unreachable.wall * 1e9))
+        engine.unreachable_reason = unreachable.reason
     return engine
 
 
@@ -322,7 +327,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         except DirectoryError as error:
             await self._abort(context, error)
         active = self.state.active_transfer_count(request.engine_id)
-        return dpb.GetEngineResponse(workers=[worker_to_proto(w, active) for w in workers],
+        unreachable = self.state.unreachable_report(request.engine_id)
+        return dpb.GetEngineResponse(workers=[worker_to_proto(w, active, unreachable) for w in workers],
                                      directory_incarnation_id=self.incarnation_id)
 
     async def ListEngines(self, request, context):
@@ -339,7 +345,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         response = dpb.ListEnginesResponse(directory_incarnation_id=self.incarnation_id)
         size = 0  # a running total: re-measuring the growing response would make a page quadratic
         for index, worker in enumerate(workers):
-            entry = worker_to_proto(worker, self.state.active_transfer_count(worker.engine_id))
+            entry = worker_to_proto(worker, self.state.active_transfer_count(worker.engine_id),
+                                    self.state.unreachable_report(worker.engine_id))
             size += entry.ByteSize() + _ENTRY_OVERHEAD_BYTES
             if index and size > MAX_PAGE_BYTES - _PAGE_SLACK_BYTES:
                 token = self.state.engines.page_token_after(workers[index - 1])
@@ -347,6 +354,23 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             response.workers.append(entry)
         response.next_page_token = token
         return response
+
+    async def ReportEngineUnreachable(self, request, context):
+        """A gateway could not reach an engine: planning leaves it out until its next renewal."""
+        with bound_contextvars(engine_id=request.engine_id, transfer_id=request.transfer_id):
+            try:
+                check.require_id(request.engine_id, "engine_id", self.limits)
+                check.require_id(request.transfer_id, "transfer_id", self.limits, required=False)
+                check.require_text(request.reason, "reason")
+                self._principal(context).require_operator("ReportEngineUnreachable")
+                marked = self.state.report_unreachable(request.engine_id, request.transfer_id, request.reason)
+            except DirectoryError as error:
+                self.refusals.info("unreachable", "unreachable report refused", code=status_of(error).name,
+                                   error=str(error))
+                await self._abort(context, error)
+            log.warning("engine reported unreachable" if marked else "unreachable report about an earlier "
+                        "registration ignored", reason=request.reason)
+            return dpb.ReportEngineUnreachableResponse(marked=marked, directory_incarnation_id=self.incarnation_id)
 
     # ---------------------------------------------------------------- transfers
 

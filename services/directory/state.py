@@ -60,6 +60,7 @@ from kvpush.services.directory.records import (
     Limits,
     TransferObserver,
     TransferRecord,
+    UnreachableReport,
     WatchLog,
     Worker,
     copy_message,
@@ -148,6 +149,29 @@ class DirectoryState:
             log = self._watch_logs.get(worker.engine_id)
             if log is not None:
                 log.gone_since = self.clock.monotonic()
+
+    def report_unreachable(self, engine_id: str, transfer_id: str, reason: str) -> bool:
+        """Mark an engine unreachable (planning leaves it out until its next renewal); True when marked.
+
+        With `transfer_id`, the transfer must name the engine (FailedPrecondition), and a report about a
+        registration newer than the transfer (the engine restarted since it was planned) changes nothing.
+        """
+        group = self.engines.groups.get(engine_id)
+        if group is None:
+            raise NotFound(f"engine {engine_id!r} is not registered")
+        if transfer_id:
+            record = self._transfer(transfer_id)
+            if engine_id not in (record.prefill_engine_id, record.decode_engine_id):
+                raise FailedPrecondition(f"transfer {transfer_id} does not name engine {engine_id!r}")
+            if max(w.register_wall for w in group.workers.values()) > record.create_wall:
+                return False
+        group.unreachable = UnreachableReport(self.clock.wall(), reason)
+        return True
+
+    def unreachable_report(self, engine_id: str) -> UnreachableReport | None:
+        """The engine's standing unreachable report (None: none, or the engine is not registered)."""
+        group = self.engines.groups.get(engine_id)
+        return group.unreachable if group is not None else None
 
     def get_engine(self, engine_id: str) -> list[Worker]:
         """Registered workers of one engine in rank order; NotFound when none."""

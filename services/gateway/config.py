@@ -43,6 +43,10 @@ class GatewayConfig:
     # Off by default: its decode leg leaves only when the prefill leg returns, so prefill holds the KV until
     # decode allocates, and under load that costs more TTFT than it saves (docs/gateway.md).
     first_token_from_prefill: bool = False
+    # Failover: how many times one request is planned again after an engine could not be reached (refused,
+    # reset, closed before any response byte), each time reporting that engine to the directory, which
+    # leaves it out of plans until it renews its lease. Only before any byte reached the client. 0: never.
+    max_failovers: int = 2
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -52,6 +56,8 @@ class GatewayConfig:
                      "upstream_keepalive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not 0 <= self.max_failovers <= 16:
+            raise ValueError(f"max_failovers must be in [0, 16], got {self.max_failovers}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
         if self.mode == "kvpush" and not self.directory_address:
@@ -98,6 +104,10 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                              "(kvpush mode; decode engines need --logits-processors "
                              "kvpush.connector.first_token:ForcePrefillFirstToken). Off by default: the decode "
                              "leg then starts only after the prefill leg, which costs TTFT under load")
+    parser.add_argument("--max-failovers", type=int, default=2,
+                        help="times one request is planned again on other engines after an engine could not be "
+                             "reached (refused, reset, closed before answering), before any byte reached the "
+                             "client; each such engine is reported to the directory (0: never; at most 16)")
     args = parser.parse_args(argv)
     config = GatewayConfig(host=args.host, port=args.port, mode=args.mode, directory_address=args.directory,
                            directory_token=args.directory_token, prefill_url=args.prefill_url.rstrip("/"),
@@ -107,7 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                            decode_timeout_s=args.decode_timeout, transfer_ttl_s=args.transfer_ttl,
                            upstream_keepalive_s=args.upstream_keepalive,
                            api_key=args.api_key, count_prompt_tokens=args.count_prompt_tokens,
-                           first_token_from_prefill=args.first_token_from_prefill)
+                           first_token_from_prefill=args.first_token_from_prefill,
+                           max_failovers=args.max_failovers)
     try:
         config.validate()
     except ValueError as error:

@@ -13,6 +13,10 @@ First token from prefill (kvpush, on by default; `first_token`): a streamed requ
 max_tokens=1, runs the prefill leg first; its token goes to the client as soon as the leg returns, and
 the decode leg, sent then with `first_token_id`, continues from the second token.
 A client that disconnects cancels the handler, which cancels both legs and the transfer.
+Failover: a leg whose engine cannot be reached (`errors.EngineUnreachable`: refused, reset, closed before any
+response byte) ends that attempt (the other leg and the transfer are cancelled as for any failure), the engine
+is reported to the directory (`Router.report_unreachable`, which leaves it out of plans until it renews its
+lease) and the request is planned again, at most `max_failovers` times and only while no byte reached the client.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from kvpush.observability import get_logger, get_tracer
 from kvpush.observability.logs import remember_transfer
 from kvpush.services.gateway import first_token, legs
 from kvpush.services.gateway.config import GatewayConfig
-from kvpush.services.gateway.errors import GatewayError, bad_gateway
+from kvpush.services.gateway.errors import EngineUnreachable, GatewayError, LegTimeout, bad_gateway
 from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.routing import Route, Router, pull_decode_params
 from kvpush.services.gateway.validation import (
@@ -105,6 +109,8 @@ class Dispatcher:
                 outcome.status = response.status
                 return response
             except GatewayError as error:
+                if isinstance(error, LegTimeout):
+                    self._metrics.leg_timeouts.labels(error.leg).inc()
                 outcome.status, outcome.error = error.status, error.message
                 error.headers.update(_route_headers(Route("", "", {}, {}, outcome.transfer_id), request_id))
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error.message))
@@ -138,6 +144,41 @@ class Dispatcher:
         elif not prompt_token_count:
             prompt_token_count = await self._count_prompt_tokens(request, model)
             bound = 0
+        failovers = 0
+        while True:
+            route = await self._plan(request, request_id, prompt_token_count, bound, traceparent, model, outcome)
+            headers = {"X-Request-Id": request_id}
+            propagate.inject(headers)
+            try:
+                with bound_contextvars(**({"transfer_id": route.transfer_id} if route.transfer_id else {})):
+                    return await self._legs(http_request, request, request_id, route, headers, outcome)
+            except EngineUnreachable as error:
+                # `_legs` already cancelled the other leg and the transfer.
+                if not await self._fail_over(route, error, outcome, failovers):
+                    raise
+                failovers += 1
+                outcome.prefill_ok, outcome.prefill_params, outcome.kv_delivered = False, None, False
+
+    async def _fail_over(self, route: Route, error: EngineUnreachable, outcome: Outcome, failovers: int) -> bool:
+        """Report the unreachable engine; True when the request is to be planned again (see module docstring)."""
+        result = await asyncio.shield(self._router.report_unreachable(route, error.leg, error.message))
+        if result is not None:
+            self._metrics.unreachable_reports.labels(error.leg, result).inc()
+        engine_id = route.extra.get(f"{error.leg}_engine_id", "")
+        if result is None or outcome.status != 0 or failovers >= self._config.max_failovers:
+            if result is not None and outcome.status == 0:
+                self._metrics.failovers_exhausted.inc()
+            _log.warning("engine unreachable", leg=error.leg, engine_id=engine_id, report=result,
+                         failover_count=failovers, error=error.message)
+            return False
+        self._metrics.failovers.labels(error.leg).inc()
+        _log.warning("engine unreachable; planning the request again", leg=error.leg, engine_id=engine_id,
+                     report=result, failover_count=failovers + 1, error=error.message)
+        return True
+
+    async def _plan(self, request: ClientRequest, request_id: str, prompt_token_count: int, bound: int,
+                    traceparent: str, model: str, outcome: Outcome) -> Route:
+        """PlanTransfer (through the router) under a `gateway.plan` span; records the route in `outcome`."""
         planning = time.monotonic()
         with _tracer.start_as_current_span("gateway.plan") as span:
             span.set_attribute("kvpush.prompt_token_count", prompt_token_count)
@@ -150,13 +191,10 @@ class Dispatcher:
                 # The directory's view of free blocks was tighter than the cached one: plan with the exact count.
                 route = await self._router.plan(request_id, await self._count_prompt_tokens(request, model),
                                                 traceparent, model)
-        outcome.plan_ms = (time.monotonic() - planning) * 1000
+        outcome.plan_ms = (outcome.plan_ms or 0.0) + (time.monotonic() - planning) * 1000
         outcome.transfer_id = route.transfer_id
         remember_transfer(route.transfer_id, request_id, trace.get_current_span())
-        headers = {"X-Request-Id": request_id}
-        propagate.inject(headers)
-        with bound_contextvars(**({"transfer_id": route.transfer_id} if route.transfer_id else {})):
-            return await self._legs(http_request, request, request_id, route, headers, outcome)
+        return route
 
     async def _legs(self, http_request: web.Request, request: ClientRequest, request_id: str, route: Route,
                     headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
@@ -303,6 +341,10 @@ class Dispatcher:
             # Headers and the first token are gone: the only way left to say it is an SSE error event.
             message = error.message if isinstance(error, GatewayError) else f"decode stream broke: {error}"
             code = error.status if isinstance(error, GatewayError) else 502
+            if isinstance(error, EngineUnreachable):  # too late to plan again, but later requests avoid it
+                await self._fail_over(route, error, outcome, self._config.max_failovers)
+            elif isinstance(error, (LegTimeout, asyncio.TimeoutError)):
+                self._metrics.leg_timeouts.labels("decode").inc()
             _log.warning("decode leg failed after the first token", transfer_id=route.transfer_id, error=message)
             outcome.error = message
             if not outcome.kv_delivered:
@@ -353,7 +395,8 @@ class Dispatcher:
             response = await legs.open_stream(self._session, "decode", url, body, _leg_headers(headers),
                                               self._config.decode_timeout_s, self._config.connect_timeout_s)
             try:
-                return response, await response.content.readany()
+                with legs.transport_errors("decode", url, self._config.decode_timeout_s):
+                    return response, await response.content.readany()
             except BaseException:
                 response.release()
                 raise
@@ -385,6 +428,8 @@ class Dispatcher:
                 await out.write(chunk)
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
             # Headers are gone: the only way left to say it is an SSE error event.
+            if isinstance(error, asyncio.TimeoutError):
+                self._metrics.leg_timeouts.labels("decode").inc()
             message = f"decode stream broke: {error!r}"
             _log.warning("decode stream broke", transfer_id=route.transfer_id, error=repr(error))
             await out.write(f'data: {{"error": {{"message": "{message[:200]}", "code": 502}}}}\n\n'.encode())

@@ -28,6 +28,22 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.status}}
 
 
+@dataclass
+class EngineUnreachable(GatewayError):
+    """503: the `leg`'s engine at `url` could not be reached: connection refused, reset or closed before any
+    response byte. Nothing reached that engine's model, so the request may be planned again elsewhere."""
+
+    leg: str = ""
+    url: str = ""
+
+
+@dataclass
+class LegTimeout(GatewayError):
+    """504: the `leg`'s engine did not answer within its bound."""
+
+    leg: str = ""
+
+
 def bad_request(message: str, param: str | None = None) -> GatewayError:
     """400 for malformed client input."""
     return GatewayError(400, message, "invalid_request_error", param)

@@ -1,8 +1,9 @@
 """HTTP legs to the engines: one POST each, bounded, with backend errors mapped to gateway errors.
 
 Mapping (the leg name is always in the message):
-- cannot connect                    -> 503
-- no complete answer within bound   -> 504
+- cannot connect, or the connection
+  reset/closed before any response  -> 503 EngineUnreachable (the dispatcher may plan the request again)
+- no complete answer within bound   -> 504 (also while reading a streamed answer's first chunk)
 - engine 4xx (bad input)            -> the same 4xx with the engine's message (the client's fault)
 - engine 5xx or a non-JSON 200      -> 502
 Cancelling a leg's task closes its connection, which makes vLLM abort the request.
@@ -17,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from kvpush.services.gateway.errors import GatewayError, bad_gateway, timeout, unavailable
+from kvpush.services.gateway.errors import EngineUnreachable, GatewayError, LegTimeout, bad_gateway
 
 
 def _engine_message(text: str) -> str:
@@ -42,29 +43,44 @@ def _status_error(leg: str, url: str, status: int, text: str) -> GatewayError:
     return bad_gateway(f"{leg} engine at {url} failed with HTTP {status}: {message}")
 
 
+def _unreachable(leg: str, url: str, why: object) -> EngineUnreachable:
+    return EngineUnreachable(503, f"{leg} engine at {url} is unreachable: {why}", "service_unavailable",
+                             leg=leg, url=url)
+
+
 @contextlib.contextmanager
-def _transport_errors(engine: str, url: str, total_s: float):
-    """Map aiohttp's connection and timeout failures towards `engine` ("prefill engine", "engine", ...)
-    to the gateway's 503 / 504 / 502 errors."""
+def transport_errors(leg: str, url: str, total_s: float, *, before_response: bool = False):
+    """Map aiohttp's connection and timeout failures towards `leg`'s engine ("prefill", "decode", "tokenize")
+    to the gateway's 503 / 504 / 502 errors. `before_response`: no response byte came yet, so a connection
+    refused, reset or closed is the engine being unreachable (EngineUnreachable)."""
     try:
         yield
     except aiohttp.ClientConnectorError as error:
-        raise unavailable(f"{engine} at {url} is unreachable: {error.os_error or error}") from error
-    except asyncio.TimeoutError as error:
-        raise timeout(f"{engine} at {url} did not answer within {total_s:.0f} s") from error
+        raise _unreachable(leg, url, error.os_error or error) from error
+    except asyncio.TimeoutError as error:  # aiohttp's ServerTimeoutError too (it is a TimeoutError)
+        raise LegTimeout(504, f"{leg} engine at {url} did not answer within {total_s:.0f} s", "gateway_timeout",
+                         leg=leg) from error
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as error:
+        if before_response:
+            raise _unreachable(leg, url, f"connection lost before any response: {error!r}") from error
+        raise bad_gateway(f"{leg} engine at {url}: connection failed: {error!r}") from error
     except aiohttp.ClientError as error:
-        raise bad_gateway(f"{engine} at {url}: connection failed: {error!r}") from error
+        raise bad_gateway(f"{leg} engine at {url}: connection failed: {error!r}") from error
 
 
 async def post_json(session: aiohttp.ClientSession, leg: str, url: str, body: dict, headers: dict[str, str],
                     total_s: float, connect_s: float) -> dict[str, Any]:
     """POST `body` and return the JSON object answered with 200; raise a GatewayError otherwise."""
     client_timeout = aiohttp.ClientTimeout(total=total_s, connect=connect_s)
-    with _transport_errors(f"{leg} engine", url, total_s):
-        async with session.post(url, json=body, headers=headers, timeout=client_timeout) as response:
+    with transport_errors(leg, url, total_s, before_response=True):
+        response = await session.post(url, json=body, headers=headers, timeout=client_timeout)
+    try:
+        with transport_errors(leg, url, total_s):
             text = await response.text()
-            if response.status != 200:
-                raise _status_error(leg, url, response.status, text)
+    finally:
+        response.release()
+    if response.status != 200:
+        raise _status_error(leg, url, response.status, text)
     try:
         parsed = json.loads(text)
     except ValueError as error:
@@ -78,11 +94,12 @@ async def open_stream(session: aiohttp.ClientSession, leg: str, url: str, body: 
                       total_s: float, connect_s: float) -> aiohttp.ClientResponse:
     """POST a streaming request; return the open 200 response (the caller must release it)."""
     client_timeout = aiohttp.ClientTimeout(total=total_s, connect=connect_s)
-    with _transport_errors(f"{leg} engine", url, total_s):
+    with transport_errors(leg, url, total_s, before_response=True):
         response = await session.post(url, json=body, headers=headers, timeout=client_timeout)
     if response.status != 200:
         try:
-            text = await response.text()
+            with transport_errors(leg, url, total_s):
+                text = await response.text()
         finally:
             response.release()
         raise _status_error(leg, url, response.status, text)
@@ -91,7 +108,7 @@ async def open_stream(session: aiohttp.ClientSession, leg: str, url: str, body: 
 
 async def get_json(session: aiohttp.ClientSession, url: str, total_s: float) -> tuple[int, Any]:
     """GET a JSON document; (status, body). Connection problems raise GatewayError (503/504)."""
-    with _transport_errors("engine", url, total_s):
+    with transport_errors("decode", url, total_s):
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=total_s)) as response:
             text = await response.text()
     try:

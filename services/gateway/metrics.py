@@ -41,6 +41,21 @@ class GatewayMetrics:
                                        "Text and chat prompts' token counts from an engine's /tokenize (planning "
                                        "checks decode's free blocks with them).",
                                        buckets=(16, 64, 256, 1024, 4096, 16384, 65536, 262144), registry=r)
+        self.failovers = Counter("kvpush_gateway_failovers",
+                                 "Requests planned again after an engine could not be reached, by the leg whose "
+                                 "engine it was (each such engine was reported to the directory).", ["leg"],
+                                 registry=r)
+        self.failovers_exhausted = Counter("kvpush_gateway_failovers_exhausted",
+                                           "Requests answered 503 because an engine was still unreachable after "
+                                           "--max-failovers re-plans (or with no other engine to plan).",
+                                           registry=r)
+        self.unreachable_reports = Counter("kvpush_gateway_unreachable_reports",
+                                           "ReportEngineUnreachable calls, by leg and result (marked: the directory "
+                                           "marked the engine; stale: it had restarted since; failed: the call "
+                                           "failed).", ["leg", "result"], registry=r)
+        self.leg_timeouts = Counter("kvpush_gateway_leg_timeouts",
+                                    "Legs that exceeded their bound (answered 504, or an error event once streaming).",
+                                    ["leg"], registry=r)
         self.in_flight = Gauge("kvpush_gateway_requests_in_flight", "Requests being served now.", registry=r)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:

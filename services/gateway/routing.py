@@ -63,6 +63,11 @@ class Router(Protocol):
     async def cancel(self, route: Route, reason: str) -> None:
         """Give up a route after a failed leg (never raises)."""
 
+    async def report_unreachable(self, route: Route, leg: str, reason: str) -> str | None:
+        """Report that `leg`'s engine of `route` could not be reached (never raises). The result: "marked",
+        "stale" (the engine restarted since the plan) or "failed" (the report failed), and the request may be
+        planned again; None: this strategy has no other engine, so planning again cannot help."""
+
     async def healthy(self) -> tuple[bool, str]:
         """Whether requests can be routed now, and why not."""
 
@@ -178,6 +183,20 @@ class DirectoryRouter:
             _log.warning("cancel transfer failed", transfer_id=route.transfer_id, code=error.code.name,
                          details=error.details)
 
+    async def report_unreachable(self, route: Route, leg: str, reason: str) -> str | None:
+        """ReportEngineUnreachable for `leg`'s planned engine ("prefill" or "decode"), bounded; see `Router`."""
+        engine_id = route.extra.get(f"{leg}_engine_id", "")
+        if not engine_id:
+            return "failed"
+        try:
+            marked = await self._client.report_engine_unreachable(engine_id, route.transfer_id, reason[:1000])
+        except DirectoryCallError as error:
+            _log.warning("unreachable report failed", engine_id=engine_id, code=error.code.name,
+                         details=error.details)
+            return "failed"
+        self._engines_read_at = -ENGINE_CACHE_S  # the cached engine list is out of date now
+        return "marked" if marked else "stale"
+
     async def get_transfer(self, transfer_id: str) -> types_pb2.Transfer:
         """GetTransfer (for timelines); raises DirectoryCallError."""
         return await self._client.get_transfer(transfer_id)
@@ -252,6 +271,10 @@ class StaticRouter:
 
     async def cancel(self, route: Route, reason: str) -> None:
         """Nothing to cancel: vLLM's connectors rely on leases and watchdogs."""
+
+    async def report_unreachable(self, route: Route, leg: str, reason: str) -> str | None:
+        """None: one static engine per role, nothing else to plan."""
+        return None
 
     async def healthy(self) -> tuple[bool, str]:
         """Static engines are assumed present; their own /health is the real check."""

@@ -108,6 +108,10 @@ def test_an_impostor_with_valid_credentials_is_refused_every_call(source, pki, t
             assert await code_of(x.GetEngine(dpb.GetEngineRequest(engine_id="p1"))) == PD
             assert await code_of(x.ListEngines(dpb.ListEnginesRequest())) == PD
             assert await code_of(x.PlanTransfer(dpb.PlanTransferRequest())) == PD
+            # Marking an engine unreachable is the operator's (a gateway's): not an engine's, not even a party's.
+            for reporter, victim in ((x, "d1"), (c["d1"], "p1"), (c["p1"], "d1")):
+                assert await code_of(reporter.ReportEngineUnreachable(dpb.ReportEngineUnreachableRequest(
+                    engine_id=victim, transfer_id=tid))) == PD
             # A caller with no kvpush identity (an unknown token, a certificate without the SAN) is nobody.
             unauthenticated = grpc.StatusCode.UNAUTHENTICATED
             assert await code_of(c["nobody"].ListEngines(dpb.ListEnginesRequest())) == unauthenticated
@@ -121,6 +125,7 @@ def test_an_impostor_with_valid_credentials_is_refused_every_call(source, pki, t
             assert {w.engine_id for w in engines} == {"p1", "d1", "x1"}
             assert all(w.lease_id == "" and w.agent_metadata == b"" for w in engines)  # secrets are never listed
             assert not any(w.HasField("load") for w in engines if w.engine_id == "p1")  # x1's renewal was refused
+            assert not any(w.HasField("unreachable_time") for w in engines)  # no refused report marked anything
             watch = c["d1"].WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
             assert (await watch.read()).directory_incarnation_id  # the greeting names the incarnation
             prefill = c["p1"].StreamPrefill()

@@ -37,7 +37,7 @@ TERMINAL = {tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER
             tpb.TRANSFER_STATE_EXPIRED}
 ENGINES = {"p1": PREFILL, "p2": PREFILL, "d1": DECODE, "d2": DECODE}
 METHODS = ["RegisterEngine", "DeregisterEngine", "PlanTransfer", "ReportAllocation", "CancelTransfer", "GetTransfer",
-           "ListTransfers", "GetEngine", "ListEngines"]
+           "ListTransfers", "GetEngine", "ListEngines", "ReportEngineUnreachable"]
 BLOCK_SIZE = 16
 BLOCK_COUNT = 64
 
@@ -248,6 +248,13 @@ class DirectoryMachine(RuleBasedStateMachine):
     def cancel(self, data, reason):
         """Cancel a known or unknown transfer."""
         self.call("CancelTransfer", dpb.CancelTransferRequest(transfer_id=self._transfer(data), reason=reason))
+
+    @rule(data=st.data(), engine_id=st.one_of(st.sampled_from(sorted(ENGINES)), ids), reason=st.text(max_size=20))
+    def report_unreachable(self, data, engine_id, reason):
+        """Report a known or unknown engine unreachable, for a known, unknown or no transfer."""
+        transfer_id = "" if data.draw(st.booleans()) else self._transfer(data)
+        self.call("ReportEngineUnreachable", dpb.ReportEngineUnreachableRequest(
+            engine_id=engine_id, transfer_id=transfer_id, reason=reason))
 
     def _session(self, engine_id: str):
         if engine_id in self.sessions and not self.sessions[engine_id][1].done():

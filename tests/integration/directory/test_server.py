@@ -470,3 +470,40 @@ def test_new_agent_metadata_is_sent_again_under_the_same_agent_name():
             await prefill.done_writing()
             await channel.close()
     run(body())
+
+
+def test_report_engine_unreachable_marks_until_the_next_renewal():
+    """ReportEngineUnreachable over gRPC: bad input INVALID_ARGUMENT, unknown ids NOT_FOUND, a transfer not
+    naming the engine FAILED_PRECONDITION (nothing marked); a good report is listed (time and reason) and
+    keeps the engine out of plans; the engine's next renewal clears it."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            await _pair(s)
+            d2 = (await s.RegisterEngine(register_request("d2", DECODE))).lease_id
+            tid = await _plan(s)
+            report = s.ReportEngineUnreachable
+            IA, NF, FP = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                          grpc.StatusCode.FAILED_PRECONDITION)
+            assert await code_of(report(dpb.ReportEngineUnreachableRequest())) == IA
+            assert await code_of(report(dpb.ReportEngineUnreachableRequest(engine_id="d2", reason="\x00"))) == IA
+            assert await code_of(report(dpb.ReportEngineUnreachableRequest(engine_id="ghost"))) == NF
+            assert await code_of(report(dpb.ReportEngineUnreachableRequest(engine_id="d2", transfer_id="ghost"))) == NF
+            assert await code_of(report(dpb.ReportEngineUnreachableRequest(engine_id="d2", transfer_id=tid))) == FP
+            listed = (await s.ListEngines(dpb.ListEnginesRequest())).workers
+            assert not any(w.HasField("unreachable_time") for w in listed)
+            answer = await report(dpb.ReportEngineUnreachableRequest(engine_id="d2", reason="connection refused"))
+            assert answer.marked and answer.directory_incarnation_id
+            (worker,) = (await s.GetEngine(dpb.GetEngineRequest(engine_id="d2"))).workers
+            assert worker.HasField("unreachable_time") and worker.unreachable_reason == "connection refused"
+            for _ in range(3):
+                plan = await s.PlanTransfer(dpb.PlanTransferRequest())
+                assert plan.transfer.decode_engine_id == "d1"
+            renew = s.RenewLease()
+            await renew.write(dpb.RenewLeaseRequest(lease_id=d2))
+            await renew.read()
+            (worker,) = (await s.GetEngine(dpb.GetEngineRequest(engine_id="d2"))).workers
+            assert not worker.HasField("unreachable_time") and worker.unreachable_reason == ""
+            await renew.done_writing()
+            await channel.close()
+    run(body())

@@ -485,3 +485,47 @@ def test_a_directory_stall_extends_leases_but_not_transfer_deadlines():
         assert d.state.reap().stall_s == 0
     with pytest.raises(NotFound):
         d.state.get_engine("p1")
+
+
+def test_an_unreachable_engine_is_not_planned_until_it_renews():
+    """A reported engine is left out of plans (another is chosen) until its next renewal; when every
+    candidate is reported, a reported one is planned rather than none; pinned plans still get it."""
+    d = Directory()
+    d2, _ = d.state.register(register_request("d2", DECODE))
+    tid = d.plan()
+    first = d.transfer(tid).decode_engine_id
+    other = "d2" if first == "d1" else "d1"
+    assert d.state.report_unreachable(first, tid, "connection refused") is True
+    assert d.state.unreachable_report(first).reason == "connection refused"
+    assert {d.transfer(d.plan()).decode_engine_id for _ in range(5)} == {other}
+    assert d.transfer(d.plan(decode_engine_id=first)).decode_engine_id == first
+    d.state.report_unreachable(other, "", "probe failed")
+    assert {d.transfer(d.plan()).decode_engine_id for _ in range(3)} <= {"d1", "d2"}
+    lease = d.leases[("d1", 0)] if first == "d1" else d2.lease_id
+    d.state.renew(lease, None)
+    assert d.state.unreachable_report(first) is None
+    assert {d.transfer(d.plan()).decode_engine_id for _ in range(3)} == {first}
+
+
+def test_unreachable_reports_are_checked_and_stale_ones_ignored():
+    """Unknown engines and transfers are NOT_FOUND, a transfer that does not name the engine is
+    FAILED_PRECONDITION (nothing marked), and a report about a registration older than the engine's
+    current one (it restarted after the plan) changes nothing."""
+    d = Directory()
+    tid = d.plan()
+    with pytest.raises(NotFound):
+        d.state.report_unreachable("ghost", "", "x")
+    with pytest.raises(NotFound):
+        d.state.report_unreachable("d1", "f" * 32, "x")
+    d.state.register(register_request("d2", DECODE))
+    with pytest.raises(FailedPrecondition):
+        d.state.report_unreachable("d2", tid, "x")
+    assert d.state.unreachable_report("d2") is None
+    d.time.advance(6)
+    d.state.renew(d.leases[("p1", 0)], None)
+    d.time.advance(6)  # d1 (the transfer's decode engine) lapses, then registers again: a restart
+    d.state.reap()
+    assert d.transfer(tid).state == S.TRANSFER_STATE_FAILED
+    d.state.register(register_request("d1", DECODE))
+    assert d.state.report_unreachable("d1", tid, "refused") is False
+    assert d.state.unreachable_report("d1") is None

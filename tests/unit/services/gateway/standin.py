@@ -5,8 +5,9 @@ so these tests put a scripted HTTP server where an engine would be; the same pat
 vLLM engines in tests/integration/localstack. Each instance runs its own event loop thread.
 
 `behaviour(leg)` is called for every POST with the recorded leg and returns (status, body, delay_s);
-a `stream: true` request is answered with SSE events: `stream_tokens` (paced by `token_delay_s`) and an
-optional leading `stream_error`.
+a `stream: true` request is answered with SSE events: `stream_tokens` (paced by `token_delay_s`, the first
+after `first_event_delay_s`) and an optional leading `stream_error`. A body with `drop_connection` closes the
+connection without answering (a killed engine), after `delay_s`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class StandInEngine:
             app.router.add_post("/tokenize", self._tokenize)
             self._runner = web.AppRunner(app)
             await self._runner.setup()
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            site = web.TCPSite(self._runner, "127.0.0.1", self.port)  # 0: a free port
             await site.start()
             self.port = site._server.sockets[0].getsockname()[1]
             ready.set()
@@ -88,6 +89,7 @@ class StandInEngine:
         future.result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop = None  # stopping twice is a no-op
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize, with one token per whitespace-separated word (chat: every message's words + 3)."""
@@ -112,9 +114,14 @@ class StandInEngine:
         status, body, delay_s = (self.behaviour or default_behaviour)(leg)
         if delay_s:
             await asyncio.sleep(delay_s)
+        if body.get("drop_connection"):
+            request.transport.close()
+            raise ConnectionResetError("stand-in dropped the connection")
         if status == 200 and leg.body.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
+            if body.get("first_event_delay_s"):
+                await asyncio.sleep(body["first_event_delay_s"])
             if "stream_error" in body:  # vLLM fails a started stream with an error event after a 200
                 await response.write(f"data: {json.dumps({'error': body['stream_error']})}\n\n".encode())
             for index, token in enumerate(body.get("stream_tokens", ["a", "b"])):
