@@ -9,6 +9,10 @@ engines the same way.
      (each prints progress while it loads) -> gateway. Any failure stops what started and re-raises.
   2. use `gateway_url`, `colocated_url`, `directory_address`, `prefill`, `decode`.
   3. `stop()`: gateway, engines, directory, each bounded (SIGTERM, then SIGKILL of the group).
+With `decode_engine_count` > 1 there are several decode engines (`decodes`; `decode` is the first), as
+failover tests and the soak need. Faults for them: `kill(handle)` (SIGKILL of the engine's whole group),
+`relaunch(handle)` (the same engine id, port and settings again), `restart_directory()` (SIGKILL, then a new
+directory process on the same port; engines and gateway find it again on their own).
 With `mutual_tls=True` every directory channel is mutual TLS with per-engine identities (docs/security.md):
 a PKI is made in `log_dir/pki` (`pki.make_stack_pki`), each engine gets its own certificate through
 `directory_tls_*` connector settings, the gateway the operator's; `directory_channel()` reaches the
@@ -17,6 +21,7 @@ directory as the operator.
 
 from __future__ import annotations
 
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -104,6 +109,13 @@ class LocalStack:
     gateway_port: int | None = None  # None: a free one
     # The gateway streams prefill's first token (`--first-token-from-prefill`, off by default in the gateway).
     first_token_from_prefill: bool = False
+    # Decode engines: the first is DECODE_ENGINE_ID, the others decode-1, decode-2, ...
+    decode_engine_count: int = 1
+    decodes: list[EngineHandle] = field(default_factory=list)
+    # More gateway flags (e.g. --decode-timeout), and more connector settings for every kvpush engine.
+    gateway_args: tuple[str, ...] = ()
+    connector_extra: dict = field(default_factory=dict)
+    _directory_args: list[str] = field(default_factory=list)
 
     def _say(self, message: str) -> None:
         if self.progress:
@@ -117,13 +129,14 @@ class LocalStack:
             self.model_dir = ensure_tiny_model(self.spec)
             self._say(f"[stack] tiny model ready: {self.model_dir}")
             if self.mutual_tls:
-                self.pki = make_stack_pki(self.log_dir / "pki", [PREFILL_ENGINE_ID, DECODE_ENGINE_ID])
+                self.pki = make_stack_pki(self.log_dir / "pki", [PREFILL_ENGINE_ID, *self.decode_engine_ids()])
             tls_args = self.pki.directory_args() if self.pki else []
             # 30 s leases: on a 2-core machine shared with engines a renewal can be late by seconds.
             directory_args = [*DIRECTORY_ARGS, *tls_args]
             if self.serve_metrics:
-                self.metrics_ports = {name: free_port() for name in ("directory", "prefill", "decode")}
+                self.metrics_ports = {name: free_port() for name in ("directory", "prefill", *self._decode_names())}
                 directory_args += ["--metrics-port", str(self.metrics_ports["directory"])]
+            self._directory_args = directory_args
             self.directory = start_directory(self.log_dir, progress=self.progress, extra_args=directory_args,
                                              env=self._env("kvpush-directory"))
             self._say(f"[stack] directory ready at {self.directory.address}")
@@ -131,8 +144,8 @@ class LocalStack:
             self._wait_engines(started)
             self.gateway = start_gateway(self.log_dir, directory_address=self.directory.address,
                                          progress=self.progress, port=self.gateway_port,
-                                         extra_args=("--first-token-from-prefill",) if self.first_token_from_prefill
-                                         else (),
+                                         extra_args=(("--first-token-from-prefill",) if self.first_token_from_prefill
+                                                     else ()) + tuple(self.gateway_args),
                                          env={**self._env("kvpush-gateway"),
                                               **(self.pki.client_env("operator") if self.pki else {})})
             self._say(f"[stack] gateway ready at {self.gateway.url} ({time.monotonic() - started:.0f} s in all)")
@@ -147,12 +160,20 @@ class LocalStack:
             env["OTEL_SERVICE_NAME"] = service_name
         return env
 
+    def decode_engine_ids(self) -> list[str]:
+        """The decode engines' ids, first to last."""
+        return [DECODE_ENGINE_ID] + [f"decode-{i}" for i in range(1, self.decode_engine_count)]
+
+    def _decode_names(self) -> list[str]:
+        """The decode engines' process names (log files, metrics ports): decode, decode-1, ..."""
+        return ["decode"] + [f"decode-{i}" for i in range(1, self.decode_engine_count)]
+
     def _launch_engines(self) -> None:
         assert self.directory is not None and self.model_dir is not None
-        prefill_port, decode_port = free_port(), free_port()
+        prefill_port = free_port()
 
         def extra(role: str, engine_id: str) -> dict:
-            settings = dict(self.pki.connector_settings(engine_id)) if self.pki else {}
+            settings = {**self.connector_extra, **(self.pki.connector_settings(engine_id) if self.pki else {})}
             if self.serve_metrics:
                 settings["metrics_port"] = self.metrics_ports[role]
             return settings
@@ -165,12 +186,16 @@ class LocalStack:
             name="prefill", port=prefill_port, kv_transfer_config=kv_transfer_config(
                 "kvpush", "prefill", engine_id=PREFILL_ENGINE_ID, directory_address=self.directory.address,
                 engine_endpoint=f"http://127.0.0.1:{prefill_port}", extra=extra("prefill", PREFILL_ENGINE_ID)),
-            model_dir=self.model_dir, env=env("prefill")), self.log_dir)
-        self.decode = launch_engine(EngineSpec(
-            name="decode", port=decode_port, kv_transfer_config=kv_transfer_config(
-                "kvpush", "decode", engine_id=DECODE_ENGINE_ID, directory_address=self.directory.address,
-                engine_endpoint=f"http://127.0.0.1:{decode_port}", extra=extra("decode", DECODE_ENGINE_ID)),
-            model_dir=self.model_dir, env=env("decode"), extra_args=DECODE_ENGINE_ARGS), self.log_dir)
+            model_dir=self.model_dir, env=env("prefill"), log_stats=True), self.log_dir)
+        for name, engine_id in zip(self._decode_names(), self.decode_engine_ids()):
+            decode_port = free_port()
+            self.decodes.append(launch_engine(EngineSpec(
+                name=name, port=decode_port, kv_transfer_config=kv_transfer_config(
+                    "kvpush", "decode", engine_id=engine_id, directory_address=self.directory.address,
+                    engine_endpoint=f"http://127.0.0.1:{decode_port}", extra=extra(name, engine_id)),
+                model_dir=self.model_dir, env=env(name), extra_args=DECODE_ENGINE_ARGS,
+                log_stats=True), self.log_dir))
+        self.decode = self.decodes[0]
         if self.with_colocated:
             self.colocated = launch_engine(EngineSpec(name="colocated", model_dir=self.model_dir,
                                                       env=env("colocated")), self.log_dir)
@@ -197,7 +222,35 @@ class LocalStack:
 
     def engines(self) -> list[EngineHandle]:
         """The engines started so far."""
-        return [e for e in (self.prefill, self.decode, self.colocated) if e is not None]
+        return [e for e in (self.prefill, *self.decodes, self.colocated) if e is not None]
+
+    # ---------------------------------------------------------------- faults (tests, the soak)
+
+    def kill(self, engine: EngineHandle) -> None:
+        """SIGKILL an engine's whole process group (API server, EngineCore, workers) and reap it."""
+        engine.process._signal_group(signal.SIGKILL)
+        engine.process.stop(grace_s=1.0)
+
+    def relaunch(self, engine: EngineHandle) -> EngineHandle:
+        """Launch a stopped engine again with the same spec (engine id, port, settings), in its place; returns the
+        new handle without waiting (`wait_ready`). Its connector registers as a new worker: the old registration
+        must have lapsed or been removed first (ALREADY_EXISTS otherwise)."""
+        fresh = launch_engine(engine.spec, self.log_dir)
+        if engine is self.prefill:
+            self.prefill = fresh
+        for index, decode in enumerate(self.decodes):
+            if decode is engine:
+                self.decodes[index] = fresh
+        self.decode = self.decodes[0] if self.decodes else None
+        return fresh
+
+    def restart_directory(self) -> None:
+        """SIGKILL the directory and start a new one (a new incarnation) on the same port."""
+        assert self.directory is not None
+        self.directory.process._signal_group(signal.SIGKILL)
+        self.directory.process.stop(grace_s=1.0)
+        self.directory = start_directory(self.log_dir, port=self.directory.port, progress=self.progress,
+                                         extra_args=self._directory_args, env=self._env("kvpush-directory"))
 
     @property
     def gateway_url(self) -> str:

@@ -1,0 +1,580 @@
+"""Soak: many transfers through the gateway while faults are injected at random moments; nothing may hang or leak.
+
+The stack (`LocalStack`, all real, on 127.0.0.1): the directory (30 s leases), one prefill and two decode vLLM CPU
+engines with KVPushConnector, a colocated reference engine, the gateway (kvpush mode, failover on). Requests are
+greedy completions of prompts from a fixed pool (token ids, 5 to 300 tokens), half streamed, sent by
+`--concurrency` clients; a share of the streamed ones is abandoned by the client after its first event (a client
+disconnect mid-stream). Faults, one at a time, each kind in turn (seeded order), at seeded random moments (`--fault-interval-s` apart on
+average, counted from the previous fault's recovery):
+  decode-kill     SIGKILL a decode engine's whole process group; relaunch it once its lease lapsed
+  prefill-kill    the same for the prefill engine
+  directory-kill  SIGKILL the directory; a new one starts on the same port (engines and gateway find it)
+  lease-expiry    SIGSTOP a decode engine past its lease TTL, then SIGCONT (its lease lapses while it lives)
+  abort           (per request, `--abort-share`) the client closes a stream after its first event
+Write failures through the data plane's fault knob are listed as not injected while the connector has no such
+knob (`write_failure` in the JSON says so).
+
+Every request ends one way: completed (200, tokens checked against the colocated engine's for the same prompt:
+`corrupt` counts mismatches), failed (an HTTP error or an SSE error event; grouped by status and message), aborted
+(by the client, on purpose) or hung (no end within `--request-bound-s`: must be 0). Memory: RSS of the directory,
+the gateway and each engine (its whole process group), sampled every `--sample-s`, with the slope of each process
+life's least-squares line after warm-up (MiB/min). Leaks at the end, once quiet: vLLM's `kv_cache_usage_perc` of
+every kvpush engine in blocks, and the directory's live transfers and per-engine active transfers.
+JSON to bench/results/soak-<time>.json (or --out) and a PNG beside it (memory over time with fault marks,
+outcomes over time).
+
+    nice -n 10 python bench/soak.py --count 1000
+`run_soak(stack, ...)` is the same run on a stack that is already up (tests/integration/reliability).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from kvpush.localstack.client import call
+from kvpush.localstack.model import TinyModelSpec
+from kvpush.localstack.stack import LocalStack
+from kvpush.localstack.vllm_bench import kv_cache_usage
+from kvpush.services.client import DirectoryCallError, SyncDirectoryClient
+from kvpush.v1 import types_pb2 as tpb
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+FAULTS = ("decode-kill", "prefill-kill", "directory-kill", "lease-expiry")
+LEASE_TTL_S = 30.0  # the stack's directory (kvpush.localstack.stack.DIRECTORY_ARGS)
+PROMPT_LENGTHS = (5, 17, 40, 130, 300)
+MAX_TOKENS = 8
+GATEWAY_ARGS = ("--prefill-timeout", "60", "--decode-timeout", "60", "--max-failovers", "2")
+# A client's pause after a 503 (no engine of a role reachable: e.g. the only prefill engine restarting).
+RETRY_AFTER_S = 5.0
+LIVE_STATES = (tpb.TRANSFER_STATE_PLANNED, tpb.TRANSFER_STATE_ALLOCATED, tpb.TRANSFER_STATE_STREAMING)
+
+
+def say(message: str) -> None:
+    """Progress on stderr (stdout is the JSON)."""
+    print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the load
+
+
+def prompt_pool(size: int, seed: int) -> list[list[int]]:
+    """`size` token-id prompts of the PROMPT_LENGTHS, seeded."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1024) for _ in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])] for i in range(size)]
+
+
+def body_of(prompt: list[int]) -> dict:
+    """A greedy completion of `prompt` that returns its token ids."""
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+
+
+def references(colocated_url: str, prompts: list[list[int]]) -> list[list[int]]:
+    """The colocated engine's token ids for every prompt."""
+    out = []
+    for prompt in prompts:
+        result = call("POST", colocated_url + "/v1/completions", body_of(prompt), timeout_s=120)
+        if result.status != 200:
+            raise RuntimeError(f"colocated engine failed a reference: {result.status} {result.text[:300]}")
+        out.append(result.body["choices"][0]["token_ids"])
+    return out
+
+
+@dataclass
+class Outcome:
+    """How one request ended."""
+
+    index: int
+    kind: str  # completed | failed | aborted | hung
+    started_s: float  # since the soak began
+    elapsed_s: float
+    stream: bool
+    status: int = 0
+    error: str = ""
+    corrupt: bool = False
+
+
+def _stream(url: str, body: dict, bound_s: float, abort: bool) -> tuple[int, list[int], str, bool]:
+    """A streamed completion: (status, token ids, error, aborted). Aborting closes the socket after the first event."""
+    address, _, rest = url.split("//", 1)[1].partition("/")
+    host, _, port = address.partition(":")
+    conn = http.client.HTTPConnection(host, int(port or 80), timeout=bound_s)
+    ids: list[int] = []
+    try:
+        conn.request("POST", "/" + rest, body=json.dumps({**body, "stream": True}).encode(),
+                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+        response = conn.getresponse()
+        if response.status != 200:
+            return response.status, [], response.read().decode(errors="replace")[:300], False
+        while True:
+            line = response.readline()
+            if not line:
+                return 200, ids, "stream ended without [DONE]", False
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return 200, ids, "", False
+            event = json.loads(data)
+            if "error" in event:
+                return 200, ids, json.dumps(event["error"])[:300], False
+            for choice in event.get("choices", []):
+                ids += choice.get("token_ids") or []
+            if abort:
+                return 200, ids, "", True
+    finally:
+        conn.close()
+
+
+def one_request(gateway_url: str, index: int, prompt_index: int, prompt: list[int], want: list[int], stream: bool,
+                abort: bool, bound_s: float, t0: float) -> Outcome:
+    """Send one request and classify how it ended (module docstring)."""
+    started = time.monotonic()
+    outcome = Outcome(index, "failed", started - t0, 0.0, stream)
+    try:
+        if stream:
+            status, ids, error, aborted = _stream(gateway_url + "/v1/completions", body_of(prompt), bound_s, abort)
+        else:
+            result = call("POST", gateway_url + "/v1/completions", body_of(prompt), timeout_s=bound_s)
+            status, aborted = result.status, False
+            ids = result.body["choices"][0]["token_ids"] if status == 200 and result.body else []
+            error = "" if status == 200 else ((result.body or {}).get("error", {}).get("message") or result.text)[:300]
+        outcome.status, outcome.error = status, error
+        if aborted:
+            outcome.kind = "aborted"
+        elif status == 200 and not error:
+            outcome.kind = "completed"
+            outcome.corrupt = ids != want
+        else:
+            outcome.kind = "failed"
+    except TimeoutError:
+        outcome.kind, outcome.error = "hung", f"no answer within {bound_s:.0f} s"
+    except (OSError, http.client.HTTPException, ValueError) as error:
+        outcome.kind, outcome.error = "failed", f"client: {error!r}"[:300]
+    outcome.elapsed_s = time.monotonic() - started
+    if outcome.elapsed_s > bound_s:
+        outcome.kind = "hung"
+    if outcome.kind == "failed" and outcome.status == 503:
+        time.sleep(RETRY_AFTER_S)  # as a client honouring Retry-After would: no tight loop while an engine restarts
+    return outcome
+
+
+# ---------------------------------------------------------------- memory
+
+
+@dataclass
+class MemorySampler:
+    """RSS of named process groups over time, in a background thread."""
+
+    stack: LocalStack
+    interval_s: float
+    t0: float
+    samples: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)  # name -> (t, MiB, pid)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def groups(self) -> dict[str, int]:
+        """Process name -> its group leader's pid (the directory, the gateway, every engine but the colocated)."""
+        out = {}
+        if self.stack.directory and self.stack.directory.process.alive():
+            out["directory"] = self.stack.directory.process.pid
+        if self.stack.gateway and self.stack.gateway.process.alive():
+            out["gateway"] = self.stack.gateway.process.pid
+        for engine in (self.stack.prefill, *self.stack.decodes):
+            if engine is not None and engine.process.alive():
+                out[engine.spec.name] = engine.process.pid
+        return out
+
+    def sample(self) -> None:
+        """One sample of every group's summed RSS."""
+        groups = self.groups()
+        rss: Counter[int] = Counter()
+        for proc in psutil.process_iter(["pid", "memory_info"]):
+            try:
+                pgid = os.getpgid(proc.info["pid"])
+            except OSError:
+                continue
+            if pgid in groups.values() and proc.info["memory_info"] is not None:
+                rss[pgid] += proc.info["memory_info"].rss
+        now = time.monotonic() - self.t0
+        for name, pid in groups.items():
+            if rss[pid]:
+                self.samples.setdefault(name, []).append((round(now, 1), round(rss[pid] / 2**20, 1), pid))
+
+    def start(self) -> MemorySampler:
+        def loop() -> None:
+            while not self._stop.wait(self.interval_s):
+                self.sample()
+        self.sample()
+        self._thread = threading.Thread(target=loop, name="soak-memory", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+
+def slope_mib_per_min(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, MiB) points in MiB/min (None under 5 points)."""
+    if len(points) < 5:
+        return None
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_m = sum(m for _, m in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    if var == 0:
+        return None
+    return round(60 * sum((t - mean_t) * (m - mean_m) for t, m in points) / var, 3)
+
+
+def memory_summary(samples: dict[str, list[tuple[float, float, int]]], warmup_share: float = 0.2) -> dict[str, Any]:
+    """Per process: each life's (pid's) first/last/max RSS and its slope after the first `warmup_share` of it."""
+    out: dict[str, Any] = {}
+    for name, series in samples.items():
+        lives: dict[int, list[tuple[float, float]]] = {}
+        for t, mib, pid in series:
+            lives.setdefault(pid, []).append((t, mib))
+        summary = []
+        for pid, points in lives.items():
+            settled = points[int(len(points) * warmup_share):]
+            summary.append({"pid": pid, "from_s": points[0][0], "to_s": points[-1][0], "first_mib": points[0][1],
+                            "last_mib": points[-1][1], "max_mib": max(m for _, m in points),
+                            "slope_mib_per_min": slope_mib_per_min(settled), "sample_count": len(points)})
+        longest = max(summary, key=lambda life: life["to_s"] - life["from_s"])
+        out[name] = {"lives": summary, "longest_life_slope_mib_per_min": longest["slope_mib_per_min"],
+                     "longest_life_s": round(longest["to_s"] - longest["from_s"], 1)}
+    return out
+
+
+# ---------------------------------------------------------------- faults
+
+
+class FaultInjector:
+    """Applies one fault at a time at seeded random moments, in a background thread (module docstring)."""
+
+    def __init__(self, stack: LocalStack, faults: list[str], interval_s: float, seed: int, t0: float,
+                 relaunch_timeout_s: float = 420.0) -> None:
+        self.stack = stack
+        self.faults = faults
+        self.interval_s = interval_s
+        self.rng = random.Random(seed + 1)
+        self.t0 = t0
+        self.relaunch_timeout_s = relaunch_timeout_s
+        self.events: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.busy = threading.Lock()
+
+    def _client(self) -> SyncDirectoryClient:
+        return SyncDirectoryClient(self.stack.directory_channel(timeout_s=5.0, max_attempts=2))
+
+    def registered(self) -> set[str]:
+        """Engine ids the directory lists now (empty while it is unreachable)."""
+        client = self._client()
+        try:
+            return {w.engine_id for w in client.list_engines()}
+        except DirectoryCallError:
+            return set()
+        finally:
+            client.close()
+
+    @staticmethod
+    def _wait(predicate, timeout_s: float) -> bool:
+        """Poll `predicate` every second up to `timeout_s` (a fault in progress always finishes its recovery)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(1.0)
+        return predicate()
+
+    def _engine_id(self, engine) -> str:
+        return engine.spec.kv_transfer_config["engine_id"]
+
+    def apply(self, fault: str) -> dict[str, Any]:
+        """Inject one fault and wait until the stack has recovered (bounded); returns what happened."""
+        stack = self.stack
+        event: dict[str, Any] = {"fault": fault, "at_s": round(time.monotonic() - self.t0, 1)}
+        all_ids = {self._engine_id(e) for e in (stack.prefill, *stack.decodes)}
+        if fault in ("decode-kill", "prefill-kill"):
+            engine = self.rng.choice(stack.decodes) if fault == "decode-kill" else stack.prefill
+            engine_id = self._engine_id(engine)
+            event["engine_id"] = engine_id
+            stack.kill(engine)
+            # A restarted engine registers as a new worker: the old lease must lapse first (30 s).
+            event["lease_lapsed"] = self._wait(lambda: engine_id not in self.registered(), LEASE_TTL_S + 15)
+            fresh = stack.relaunch(engine)
+            took = fresh.wait_ready(self.relaunch_timeout_s)
+            event["relaunch_s"] = round(took, 1)
+        elif fault == "directory-kill":
+            stack.restart_directory()
+            event["reregistered"] = self._wait(lambda: self.registered() >= all_ids, 60)
+        elif fault == "lease-expiry":
+            engine = self.rng.choice(stack.decodes)
+            engine_id = self._engine_id(engine)
+            event["engine_id"] = engine_id
+            engine.process._signal_group(signal.SIGSTOP)
+            try:
+                event["lease_lapsed"] = self._wait(lambda: engine_id not in self.registered(), LEASE_TTL_S + 15)
+            finally:
+                engine.process._signal_group(signal.SIGCONT)
+            event["reregistered"] = self._wait(lambda: engine_id in self.registered(), 60)
+        else:
+            raise ValueError(f"unknown fault {fault!r}")
+        event["recovered_at_s"] = round(time.monotonic() - self.t0, 1)
+        say(f"fault {event}")
+        return event
+
+    def start(self) -> FaultInjector:
+        # Each kind in turn (a seeded order, repeated), so a short soak still sees every kind once.
+        order = list(self.faults)
+        self.rng.shuffle(order)
+
+        def loop() -> None:
+            turn = 0
+            while not self._stop.wait(self.rng.uniform(0.5, 1.5) * self.interval_s):
+                with self.busy:
+                    if self._stop.is_set():
+                        return
+                    fault = order[turn % len(order)]
+                    turn += 1
+                    try:
+                        self.events.append(self.apply(fault))
+                    except Exception as error:  # the soak records it and goes on: the report says what broke
+                        say(f"fault injection failed: {error!r}")
+                        self.events.append({"fault": "injection-error", "error": repr(error)[:500],
+                                            "at_s": round(time.monotonic() - self.t0, 1)})
+        if self.faults:
+            self._thread = threading.Thread(target=loop, name="soak-faults", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop injecting; waits for a fault in progress to recover."""
+        self._stop.set()
+        with self.busy:
+            pass
+        if self._thread is not None:
+            self._thread.join(30)
+
+
+# ---------------------------------------------------------------- leaks
+
+
+def leak_check(stack: LocalStack, quiet_timeout_s: float = 90.0) -> dict[str, Any]:
+    """Once every transfer ended (bounded wait): blocks each engine still holds and the directory's live transfers."""
+    client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=3))
+    engines = {e.spec.name: e for e in (stack.prefill, *stack.decodes)}
+    deadline = time.monotonic() + quiet_timeout_s
+    try:
+        while True:
+            live = sum(len(client.list_transfers(state=s, limit=1000)) for s in LIVE_STATES)
+            workers = {w.engine_id: w for w in client.list_engines()}
+            usage = {name: kv_cache_usage(e.url) for name, e in engines.items()}
+            if (live == 0 and not any(usage.values())) or time.monotonic() > deadline:
+                break
+            time.sleep(2.0)
+        blocks = {}
+        for name, engine in engines.items():
+            worker = workers.get(engine.spec.kv_transfer_config["engine_id"])
+            block_count = worker.layout.block_count if worker is not None else 0
+            blocks[name] = round(usage[name] * block_count)
+        return {"kv_cache_usage_perc": usage, "engine_blocks_held": blocks,
+                "directory_live_transfers": live,
+                "directory_active_transfers": {w.engine_id: w.active_transfer_count for w in workers.values()},
+                "leaked_blocks": sum(blocks.values()),
+                "leaked": sum(blocks.values()) + live + sum(w.active_transfer_count for w in workers.values())}
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------- the run
+
+
+def gateway_metrics(stack: LocalStack) -> dict[str, float]:
+    """The gateway's failover and timeout counters."""
+    result = call("GET", stack.gateway_url + "/metrics", timeout_s=10)
+    wanted = ("kvpush_gateway_failovers_total", "kvpush_gateway_failovers_exhausted_total",
+              "kvpush_gateway_unreachable_reports_total", "kvpush_gateway_leg_timeouts_total",
+              "kvpush_gateway_cancelled_transfers_total")
+    out = {}
+    for line in result.text.splitlines():
+        if line.startswith(wanted):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def run_soak(stack: LocalStack, *, count: int, concurrency: int = 4, seed: int = 0, faults: list[str] | None = None,
+             fault_interval_s: float = 60.0, abort_share: float = 0.05, request_bound_s: float = 180.0,
+             sample_s: float = 2.0, prompt_count: int = 20) -> dict[str, Any]:
+    """The soak on a running stack (module docstring); returns the result document."""
+    faults = list(FAULTS if faults is None else faults)
+    prompts = prompt_pool(prompt_count, seed)
+    say(f"references for {len(prompts)} prompts from the colocated engine")
+    wants = references(stack.colocated.url, prompts)
+    rng = random.Random(seed)
+    plan = [(i, rng.randrange(len(prompts)), rng.random() < 0.5) for i in range(count)]
+    plan = [(i, p, s, s and rng.random() < abort_share / 0.5) for i, p, s in plan]
+    t0 = time.monotonic()
+    memory = MemorySampler(stack, sample_s, t0).start()
+    injector = FaultInjector(stack, faults, fault_interval_s, seed, t0).start()
+    outcomes: list[Outcome] = []
+    done = Counter()
+    say(f"{count} requests, concurrency {concurrency}, faults {faults or 'none'} every ~{fault_interval_s:.0f} s")
+    try:
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="soak-client") as pool:
+            futures = [pool.submit(one_request, stack.gateway_url, i, p, prompts[p], wants[p], s, a, request_bound_s, t0)
+                       for i, p, s, a in plan]
+            for future in futures:
+                outcome = future.result()
+                outcomes.append(outcome)
+                done[outcome.kind] += 1
+                if len(outcomes) % 50 == 0:
+                    say(f"{len(outcomes)}/{count}: {dict(done)}")
+    finally:
+        injector.stop()
+    load_s = time.monotonic() - t0
+    say("load done; waiting for quiet, then checking for leaks")
+    leaks = leak_check(stack)
+    memory.sample()
+    memory.stop()
+    kinds = Counter(o.kind for o in outcomes)
+    failures = Counter(f"{o.status} {o.error[:120]}" for o in outcomes if o.kind == "failed")
+    completed = [o for o in outcomes if o.kind == "completed"]
+    result = {
+        "benchmark": "soak",
+        "settings": {"count": count, "concurrency": concurrency, "seed": seed, "faults": faults,
+                     "fault_interval_s": fault_interval_s, "abort_share": abort_share,
+                     "request_bound_s": request_bound_s, "prompt_lengths": list(PROMPT_LENGTHS),
+                     "max_tokens": MAX_TOKENS, "lease_ttl_s": LEASE_TTL_S, "gateway_args": list(GATEWAY_ARGS),
+                     "decode_engine_count": len(stack.decodes)},
+        "duration_s": round(load_s, 1),
+        "outcomes": {kind: kinds.get(kind, 0) for kind in ("completed", "failed", "aborted", "hung")},
+        "corrupt": sum(o.corrupt for o in completed),
+        "checked_token_identical": len(completed),
+        "failures_by_cause": dict(failures.most_common(20)),
+        "latency_s": _latency(completed),
+        "faults_injected": injector.events,
+        "fault_counts": dict(Counter(e["fault"] for e in injector.events)),
+        "write_failure": "not injected: the connector has no write-failure fault knob yet",
+        "gateway_metrics": gateway_metrics(stack),
+        "leaks": leaks,
+        "hung": kinds.get("hung", 0),
+        "leaked": leaks["leaked"],
+        "memory": memory_summary(memory.samples),
+        "memory_samples": {name: [[t, m] for t, m, _ in series] for name, series in memory.samples.items()},
+        "timeline": [[round(o.started_s + o.elapsed_s, 1), o.kind] for o in outcomes],
+    }
+    return result
+
+
+def _latency(completed: list[Outcome]) -> dict[str, float]:
+    if not completed:
+        return {}
+    values = sorted(o.elapsed_s for o in completed)
+    return {"p50": round(values[len(values) // 2], 3), "p99": round(values[min(len(values) - 1, int(len(values) * 0.99))], 3),
+            "max": round(values[-1], 3)}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Memory over time (fault marks) and cumulative outcomes over time, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem, out) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for name, points in result["memory_samples"].items():
+        mem.plot([p[0] for p in points], [p[1] for p in points], ".", markersize=2, label=name)
+    for event in result["faults_injected"]:
+        for axis in (mem, out):
+            axis.axvline(event["at_s"], color="grey", linewidth=0.6, linestyle="--")
+        mem.annotate(event["fault"], (event["at_s"], mem.get_ylim()[1]), fontsize=6, rotation=90, va="top")
+    mem.set_ylabel("RSS (MiB, process group)")
+    mem.set_yscale("log")
+    mem.legend(fontsize=7, loc="center right")
+    totals = Counter()
+    series: dict[str, list[tuple[float, int]]] = {}
+    for t, kind in sorted(result["timeline"]):
+        totals[kind] += 1
+        series.setdefault(kind, []).append((t, totals[kind]))
+    for kind, points in series.items():
+        out.step([p[0] for p in points], [p[1] for p in points], where="post", label=kind)
+    out.set_xlabel("seconds since the soak began")
+    out.set_ylabel("requests ended (cumulative)")
+    out.legend(fontsize=7)
+    s = result["outcomes"]
+    fig.suptitle(f"soak: {result['settings']['count']} requests, {len(result['faults_injected'])} faults — "
+                 f"completed {s['completed']}, failed {s['failed']}, aborted {s['aborted']}, hung {s['hung']}, "
+                 f"corrupt {result['corrupt']}, leaked {result['leaked']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def soak_stack(log_dir: Path, progress=say) -> LocalStack:
+    """The soak's stack (module docstring), not started."""
+    return LocalStack(spec=TinyModelSpec(), log_dir=log_dir, progress=progress, engine_timeout_s=600.0,
+                      decode_engine_count=2, gateway_args=GATEWAY_ARGS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the stack, soak, write JSON and PNG, print the JSON; exit 1 when a request hung, was corrupt or leaked."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--count", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {FAULTS} ('' none)")
+    parser.add_argument("--fault-interval-s", type=float, default=60.0)
+    parser.add_argument("--abort-share", type=float, default=0.05)
+    parser.add_argument("--request-bound-s", type=float, default=180.0)
+    parser.add_argument("--sample-s", type=float, default=2.0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    faults = [f for f in args.faults.split(",") if f]
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        parser.error(f"unknown faults {sorted(unknown)}; choose from {FAULTS}")
+    out = args.out or RESULTS_DIR / f"soak-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    log_dir = args.log_dir or Path(f"/tmp/kvpush-soak-{os.getpid()}")
+    stack = soak_stack(log_dir)
+    stack.start()
+    try:
+        result = run_soak(stack, count=args.count, concurrency=args.concurrency, seed=args.seed, faults=faults,
+                          fault_interval_s=args.fault_interval_s, abort_share=args.abort_share,
+                          request_bound_s=args.request_bound_s, sample_s=args.sample_s)
+    finally:
+        stack.stop()
+    result["command"] = "python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["log_dir"] = str(log_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out.with_suffix(".png"))
+    summary = {k: result[k] for k in ("outcomes", "corrupt", "hung", "leaked", "fault_counts", "duration_s")}
+    print(json.dumps(summary, indent=1))
+    say(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0 if result["hung"] == 0 and result["corrupt"] == 0 and result["leaked"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Real-engine reliability tests: gateway failover and the soak's CI form."""
