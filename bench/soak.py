@@ -2,8 +2,8 @@
 
 The stack (`LocalStack`, all real, on 127.0.0.1): the directory (30 s leases), one prefill and two decode vLLM CPU
 engines with KVPushConnector, a colocated reference engine, the gateway (kvpush mode, failover on). Requests are
-greedy completions of prompts from a fixed pool (token ids, 5 to 300 tokens), half streamed, sent by
-`--concurrency` clients; a share of the streamed ones is abandoned by the client after its first event (a client
+greedy completions of prompts from a fixed pool (token ids, 5 to 300 tokens), half streamed, sent at `--rate`
+per second by at most `--concurrency` clients at once; a share of the streamed ones is abandoned by the client after its first event (a client
 disconnect mid-stream). Faults, one at a time, each kind in turn (seeded order), at seeded random moments (`--fault-interval-s` apart on
 average, counted from the previous fault's recovery):
   decode-kill     SIGKILL a decode engine's whole process group; relaunch it once its lease lapsed
@@ -143,8 +143,11 @@ def _stream(url: str, body: dict, bound_s: float, abort: bool) -> tuple[int, lis
 
 
 def one_request(gateway_url: str, index: int, prompt_index: int, prompt: list[int], want: list[int], stream: bool,
-                abort: bool, bound_s: float, t0: float) -> Outcome:
-    """Send one request and classify how it ended (module docstring)."""
+                abort: bool, bound_s: float, t0: float, send_at_s: float = 0.0) -> Outcome:
+    """Send one request (not before `send_at_s` into the soak) and classify how it ended (module docstring)."""
+    delay = t0 + send_at_s - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
     started = time.monotonic()
     outcome = Outcome(index, "failed", started - t0, 0.0, stream)
     try:
@@ -423,7 +426,8 @@ def gateway_metrics(stack: LocalStack) -> dict[str, float]:
     return out
 
 
-def run_soak(stack: LocalStack, *, count: int, concurrency: int = 4, seed: int = 0, faults: list[str] | None = None,
+def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: int = 4, seed: int = 0,
+             faults: list[str] | None = None,
              fault_interval_s: float = 60.0, abort_share: float = 0.05, request_bound_s: float = 180.0,
              sample_s: float = 2.0, prompt_count: int = 20) -> dict[str, Any]:
     """The soak on a running stack (module docstring); returns the result document."""
@@ -439,11 +443,11 @@ def run_soak(stack: LocalStack, *, count: int, concurrency: int = 4, seed: int =
     injector = FaultInjector(stack, faults, fault_interval_s, seed, t0).start()
     outcomes: list[Outcome] = []
     done = Counter()
-    say(f"{count} requests, concurrency {concurrency}, faults {faults or 'none'} every ~{fault_interval_s:.0f} s")
+    say(f"{count} requests at {rate}/s, concurrency {concurrency}, faults {faults or 'none'} every ~{fault_interval_s:.0f} s")
     try:
         with ThreadPoolExecutor(concurrency, thread_name_prefix="soak-client") as pool:
-            futures = [pool.submit(one_request, stack.gateway_url, i, p, prompts[p], wants[p], s, a, request_bound_s, t0)
-                       for i, p, s, a in plan]
+            futures = [pool.submit(one_request, stack.gateway_url, i, p, prompts[p], wants[p], s, a, request_bound_s, t0,
+                                   i / rate) for i, p, s, a in plan]
             for future in futures:
                 outcome = future.result()
                 outcomes.append(outcome)
@@ -462,7 +466,7 @@ def run_soak(stack: LocalStack, *, count: int, concurrency: int = 4, seed: int =
     completed = [o for o in outcomes if o.kind == "completed"]
     result = {
         "benchmark": "soak",
-        "settings": {"count": count, "concurrency": concurrency, "seed": seed, "faults": faults,
+        "settings": {"count": count, "rate_per_s": rate, "concurrency": concurrency, "seed": seed, "faults": faults,
                      "fault_interval_s": fault_interval_s, "abort_share": abort_share,
                      "request_bound_s": request_bound_s, "prompt_lengths": list(PROMPT_LENGTHS),
                      "max_tokens": MAX_TOKENS, "lease_ttl_s": LEASE_TTL_S, "gateway_args": list(GATEWAY_ARGS),
@@ -541,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     """Start the stack, soak, write JSON and PNG, print the JSON; exit 1 when a request hung, was corrupt or leaked."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=1000)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rate", type=float, default=2.0, help="requests sent per second (open loop)")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {FAULTS} ('' none)")
     parser.add_argument("--fault-interval-s", type=float, default=60.0)
@@ -560,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     stack = soak_stack(log_dir)
     stack.start()
     try:
-        result = run_soak(stack, count=args.count, concurrency=args.concurrency, seed=args.seed, faults=faults,
+        result = run_soak(stack, count=args.count, rate=args.rate, concurrency=args.concurrency, seed=args.seed, faults=faults,
                           fault_interval_s=args.fault_interval_s, abort_share=args.abort_share,
                           request_bound_s=args.request_bound_s, sample_s=args.sample_s)
     finally:

@@ -9,6 +9,7 @@ stopped when its last test ends, so its four engines are gone before other suite
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ def load_soak():
     """bench/soak.py as a module (bench/ is no package)."""
     spec = importlib.util.spec_from_file_location("soak", SOAK)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -21,15 +21,15 @@ def test_short_soak_ends_every_request_and_leaks_nothing(soak, soak_stack, tmp_p
     """A small soak with a directory SIGKILL+restart and client aborts: the JSON has its form, no request hung,
     none was corrupt, nothing leaked, and it took at most 90 s."""
     started = time.monotonic()
-    result = soak.run_soak(soak_stack, count=40, concurrency=3, seed=7, faults=["directory-kill"],
-                           fault_interval_s=8.0, abort_share=0.1, request_bound_s=120.0, sample_s=1.0)
+    result = soak.run_soak(soak_stack, count=60, rate=4.0, concurrency=4, seed=7, faults=["directory-kill"],
+                           fault_interval_s=4.0, abort_share=0.1, request_bound_s=60.0, sample_s=1.0)
     took = time.monotonic() - started
     out = tmp_path / "soak.json"
     out.write_text(json.dumps(result))
     soak.plot(json.loads(out.read_text()), out.with_suffix(".png"))
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(result["outcomes"]) == {"completed", "failed", "aborted", "hung"}
-    assert sum(result["outcomes"].values()) == 40
+    assert sum(result["outcomes"].values()) == 60
     assert result["hung"] == 0, result["outcomes"]
     assert result["corrupt"] == 0
     assert result["leaked"] == 0, result["leaks"]
