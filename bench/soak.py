@@ -3,9 +3,9 @@
 The stack (`LocalStack`, all real, on 127.0.0.1): the directory (30 s leases), one prefill and two decode vLLM CPU
 engines with KVPushConnector, a colocated reference engine, the gateway (kvpush mode, failover on). Requests are
 greedy completions of prompts from a fixed pool (token ids, 5 to 300 tokens), half streamed, sent at `--rate`
-per second by at most `--concurrency` clients at once; a share of the streamed ones is abandoned by the client after its first event (a client
-disconnect mid-stream). Faults, one at a time, each kind in turn (seeded order), at seeded random moments (`--fault-interval-s` apart on
-average, counted from the previous fault's recovery):
+per second by at most `--concurrency` clients at once; a share of the streamed ones is abandoned by the client
+after its first event (a client disconnect mid-stream). Faults, one at a time, each kind in turn (seeded order),
+at seeded random moments (`--fault-interval-s` apart on average, counted from the previous fault's recovery):
   decode-kill     SIGKILL a decode engine's whole process group; relaunch it once its lease lapsed
   prefill-kill    the same for the prefill engine
   directory-kill  SIGKILL the directory; a new one starts on the same port (engines and gateway find it)
@@ -443,11 +443,12 @@ def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: i
     injector = FaultInjector(stack, faults, fault_interval_s, seed, t0).start()
     outcomes: list[Outcome] = []
     done = Counter()
-    say(f"{count} requests at {rate}/s, concurrency {concurrency}, faults {faults or 'none'} every ~{fault_interval_s:.0f} s")
+    say(f"{count} requests at {rate}/s, concurrency {concurrency}, faults {faults or 'none'} "
+        f"every ~{fault_interval_s:.0f} s")
     try:
         with ThreadPoolExecutor(concurrency, thread_name_prefix="soak-client") as pool:
-            futures = [pool.submit(one_request, stack.gateway_url, i, p, prompts[p], wants[p], s, a, request_bound_s, t0,
-                                   i / rate) for i, p, s, a in plan]
+            futures = [pool.submit(one_request, stack.gateway_url, i, p, prompts[p], wants[p], s, a, request_bound_s,
+                                   t0, i / rate) for i, p, s, a in plan]
             for future in futures:
                 outcome = future.result()
                 outcomes.append(outcome)
@@ -495,8 +496,8 @@ def _latency(completed: list[Outcome]) -> dict[str, float]:
     if not completed:
         return {}
     values = sorted(o.elapsed_s for o in completed)
-    return {"p50": round(values[len(values) // 2], 3), "p99": round(values[min(len(values) - 1, int(len(values) * 0.99))], 3),
-            "max": round(values[-1], 3)}
+    p99 = values[min(len(values) - 1, int(len(values) * 0.99))]
+    return {"p50": round(values[len(values) // 2], 3), "p99": round(p99, 3), "max": round(values[-1], 3)}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -565,8 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     stack = soak_stack(log_dir)
     stack.start()
     try:
-        result = run_soak(stack, count=args.count, rate=args.rate, concurrency=args.concurrency, seed=args.seed, faults=faults,
-                          fault_interval_s=args.fault_interval_s, abort_share=args.abort_share,
+        result = run_soak(stack, count=args.count, rate=args.rate, concurrency=args.concurrency, seed=args.seed,
+                          faults=faults, fault_interval_s=args.fault_interval_s, abort_share=args.abort_share,
                           request_bound_s=args.request_bound_s, sample_s=args.sample_s)
     finally:
         stack.stop()

@@ -199,8 +199,8 @@ class LocalStack:
         if self.with_colocated:
             self.colocated = launch_engine(EngineSpec(name="colocated", model_dir=self.model_dir,
                                                       env=env("colocated")), self.log_dir)
-        self._say("[stack] launched prefill, decode" + (" and colocated" if self.with_colocated else "")
-                  + " vLLM engines (CPU, eager); loading takes about a minute on 2 cores")
+        names = ", ".join(["prefill", *self._decode_names()]) + (" and colocated" if self.with_colocated else "")
+        self._say(f"[stack] launched {names} vLLM engines (CPU, eager); loading takes about a minute on 2 cores")
 
     def _wait_engines(self, started: float) -> None:
         for handle in self.engines():
