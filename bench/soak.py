@@ -18,12 +18,13 @@ Every request ends one way: completed (200, tokens checked against the colocated
 `corrupt` counts mismatches), failed (an HTTP error or an SSE error event; grouped by status and message), aborted
 (by the client, on purpose) or hung (no end within `--request-bound-s`: must be 0). Memory: RSS of the directory,
 the gateway and each engine (its whole process group), sampled every `--sample-s`, with the slope of each process
-life's least-squares line after warm-up (MiB/min). Leaks at the end, once quiet: vLLM's `kv_cache_usage_perc` of
-every kvpush engine in blocks, and the directory's live transfers and per-engine active transfers.
+life's least-squares line once it settled (from its first sample at 90 % of its peak: start-up is no growth),
+MiB/min. Leaks at the end, once quiet: vLLM's `kv_cache_usage_perc` of every kvpush engine in blocks, and the
+directory's live transfers and per-engine active transfers.
 JSON to bench/results/soak-<time>.json (or --out) and a PNG beside it (memory over time with fault marks,
 outcomes over time).
 
-    nice -n 10 python bench/soak.py --count 1000
+    nice -n 10 python bench/soak.py --count 1000 --rate 2 --fault-interval-s 40
 `run_soak(stack, ...)` is the same run on a stack that is already up (tests/integration/reliability).
 """
 
@@ -248,8 +249,16 @@ def slope_mib_per_min(points: list[tuple[float, float]]) -> float | None:
     return round(60 * sum((t - mean_t) * (m - mean_m) for t, m in points) / var, 3)
 
 
-def memory_summary(samples: dict[str, list[tuple[float, float, int]]], warmup_share: float = 0.2) -> dict[str, Any]:
-    """Per process: each life's (pid's) first/last/max RSS and its slope after the first `warmup_share` of it."""
+def settled(points: list[tuple[float, float]], share: float = 0.9) -> list[tuple[float, float]]:
+    """A life's points from the first one at `share` of its largest RSS on: a (re)started engine loads its model
+    and allocates its KV cache first, and that ramp is start-up, not growth."""
+    peak = max(m for _, m in points)
+    first = next(i for i, (_, m) in enumerate(points) if m >= share * peak)
+    return points[first:]
+
+
+def memory_summary(samples: dict[str, list[tuple[float, float, int]]]) -> dict[str, Any]:
+    """Per process: each life's (pid's) first/last/max RSS and its slope once settled (`settled`)."""
     out: dict[str, Any] = {}
     for name, series in samples.items():
         lives: dict[int, list[tuple[float, float]]] = {}
@@ -257,10 +266,11 @@ def memory_summary(samples: dict[str, list[tuple[float, float, int]]], warmup_sh
             lives.setdefault(pid, []).append((t, mib))
         summary = []
         for pid, points in lives.items():
-            settled = points[int(len(points) * warmup_share):]
+            steady = settled(points)
             summary.append({"pid": pid, "from_s": points[0][0], "to_s": points[-1][0], "first_mib": points[0][1],
                             "last_mib": points[-1][1], "max_mib": max(m for _, m in points),
-                            "slope_mib_per_min": slope_mib_per_min(settled), "sample_count": len(points)})
+                            "slope_mib_per_min": slope_mib_per_min(steady), "settled_from_s": steady[0][0],
+                            "sample_count": len(points)})
         longest = max(summary, key=lambda life: life["to_s"] - life["from_s"])
         out[name] = {"lives": summary, "longest_life_slope_mib_per_min": longest["slope_mib_per_min"],
                      "longest_life_s": round(longest["to_s"] - longest["from_s"], 1)}
@@ -486,7 +496,7 @@ def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: i
         "hung": kinds.get("hung", 0),
         "leaked": leaks["leaked"],
         "memory": memory_summary(memory.samples),
-        "memory_samples": {name: [[t, m] for t, m, _ in series] for name, series in memory.samples.items()},
+        "memory_samples": {name: [[t, m, pid] for t, m, pid in series] for name, series in memory.samples.items()},
         "timeline": [[round(o.started_s + o.elapsed_s, 1), o.kind] for o in outcomes],
     }
     return result
