@@ -1,10 +1,11 @@
 """Soak: many transfers through the gateway while faults are injected at random moments; nothing may hang or leak.
 
 The stack (`LocalStack`, all real, on 127.0.0.1): the directory (30 s leases), one prefill and two decode vLLM CPU
-engines with KVPushConnector, a colocated reference engine, the gateway (kvpush mode, failover on). Requests are
-greedy completions of prompts from a fixed pool (token ids, 5 to 300 tokens), half streamed, sent at `--rate`
-per second by at most `--concurrency` clients at once; a share of the streamed ones is abandoned by the client
-after its first event (a client disconnect mid-stream). Faults, one at a time, each kind in turn (seeded order),
+engines with KVPushConnector, a colocated reference engine, the gateway (kvpush mode, failover on), mutual TLS with
+per-engine identities on every directory channel when the openssl CLI is there (the gateway reports unreachable
+engines as the operator). Requests are greedy completions of prompts from a fixed pool (token ids, 5 to 300
+tokens), half streamed, sent at `--rate` per second by at most `--concurrency` clients at once; a share of the
+streamed ones is abandoned by the client after its first event (a client disconnect mid-stream). Faults, one at a time, each kind in turn (seeded order),
 at seeded random moments (`--fault-interval-s` apart on average, counted from the previous fault's recovery):
   decode-kill     SIGKILL a decode engine's whole process group; relaunch it once its lease lapsed
   prefill-kill    the same for the prefill engine
@@ -49,6 +50,7 @@ import psutil
 
 from kvpush.localstack.client import call
 from kvpush.localstack.model import TinyModelSpec
+from kvpush.localstack.pki import HAVE_OPENSSL
 from kvpush.localstack.stack import LocalStack
 from kvpush.localstack.vllm_bench import kv_cache_usage
 from kvpush.services.client import DirectoryCallError, SyncDirectoryClient
@@ -549,7 +551,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def soak_stack(log_dir: Path, progress=say) -> LocalStack:
     """The soak's stack (module docstring), not started."""
     return LocalStack(spec=TinyModelSpec(), log_dir=log_dir, progress=progress, engine_timeout_s=600.0,
-                      decode_engine_count=2, gateway_args=GATEWAY_ARGS)
+                      decode_engine_count=2, gateway_args=GATEWAY_ARGS, mutual_tls=HAVE_OPENSSL)
 
 
 def main(argv: list[str] | None = None) -> int:
