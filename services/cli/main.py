@@ -37,6 +37,7 @@ _SERVE_FLAGS: dict[str, tuple[str, object, type]] = {
     "tls_key": ("KVPUSH_DIRECTORY_TLS_KEY", "", str),
     "tls_client_ca": ("KVPUSH_DIRECTORY_TLS_CLIENT_CA", "", str),
     "lease_ttl_s": ("KVPUSH_DIRECTORY_LEASE_TTL_S", 10.0, float),
+    "max_write_s": ("KVPUSH_DIRECTORY_MAX_WRITE_S", 10.0, float),
     "transfer_ttl_s": ("KVPUSH_DIRECTORY_TRANSFER_TTL_S", 60.0, float),
     "max_transfer_ttl_s": ("KVPUSH_DIRECTORY_MAX_TRANSFER_TTL_S", 3600.0, float),
     "max_active_transfers_per_engine": ("KVPUSH_DIRECTORY_MAX_ACTIVE_TRANSFERS_PER_ENGINE", 4096, int),
@@ -268,7 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         limits = Limits(
-            lease_ttl_s=args.lease_ttl_s, transfer_ttl_s=args.transfer_ttl_s,
+            lease_ttl_s=args.lease_ttl_s, max_write_s=args.max_write_s, transfer_ttl_s=args.transfer_ttl_s,
             max_transfer_ttl_s=args.max_transfer_ttl_s,
             max_active_transfers_per_engine=args.max_active_transfers_per_engine,
             max_live_transfers=args.max_live_transfers, max_workers=args.max_workers,

@@ -4,6 +4,7 @@ engines, transfers and watch logs. Plain data with small helpers; `state.Directo
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +47,9 @@ class Limits:
     """Configurable caps and durations; every one bounds memory or time."""
 
     lease_ttl_s: float = 10.0
+    # The longest one posted WRITE may take on any prefill worker (its data plane aborts it past this,
+    # connector key `max_write_s`): a rank that lost its lease writes nothing after lease end + max_write_s.
+    max_write_s: float = 10.0
     transfer_ttl_s: float = 60.0
     max_transfer_ttl_s: float = 3600.0
     max_active_transfers_per_engine: int = 4096
@@ -203,10 +207,15 @@ class UnreachableReport(NamedTuple):
 
 
 class Ending(NamedTuple):
-    """A transfer's decided end, held until no write of it can still be in flight."""
+    """A transfer's decided end, held until no write of it can still be in flight.
 
-    state: int  # tpb.TransferState: FAILED or CANCELLED
+    confirm_by: monotonic time by which every dispatched prefill rank must confirm it stopped; a live
+    rank that has not is presumed stuck and its lease is revoked (then its fence applies).
+    """
+
+    state: int  # tpb.TransferState: FAILED, CANCELLED or EXPIRED
     reason: str
+    confirm_by: float = math.inf
 
 @dataclass
 class TransferRecord:
@@ -243,8 +252,10 @@ class TransferRecord:
     layers_written: dict[int, int] = field(default_factory=dict)
     bytes_written: dict[int, int] = field(default_factory=dict)
     timing: dict[int, tpb.TransferTiming] = field(default_factory=dict)
-    # The terminal state this transfer takes once every dispatched rank is quiescent.
+    # The terminal state this transfer takes once every dispatched rank is quiescent or fenced.
     ending: Ending | None = None
+    # rank -> monotonic time after which that rank (lease gone) can no longer write into decode's blocks.
+    rank_fences: dict[int, float] = field(default_factory=dict)
     # layer -> when prefill first reported it ready (any rank).
     layer_ready_walls: dict[int, float] = field(default_factory=dict)
 

@@ -11,12 +11,17 @@ Life cycle of a transfer (terminal states never change again):
    when both are known it becomes STREAMING and ONE `PushInstruction` goes to the outbox of
    every prefill rank. Later readiness only records progress.
 3. `report_result()` per prefill rank: DONE from every rank -> COMPLETE; FAILED -> FAILED.
-   `cancel()` asks the dispatched ranks to stop; CANCELLED is final once each of them reported
-   DONE/FAILED/CANCELLED (no write in flight), at once if nothing was dispatched, or when the
-   prefill engine is lost.
-4. `reap(now)` (every ~100 ms) ends leases that lapsed (an engine lost: its transfers FAILED,
-   the peer told) and transfers past their deadline (EXPIRED, both sides told).
-5. Ending a transfer releases its decode blocks, appends a `TransferEvent` to the decode
+4. Every other end (a cancel, a broken prefill session, a lost engine, the transfer's deadline) is
+   first *decided* (`Ending`, prefill told to stop) and becomes terminal only once no WRITE of it can
+   still land in decode's blocks (`_end_when_no_write_can_land`): every dispatched prefill rank
+   confirmed it is quiescent (DONE/FAILED/CANCELLED), or its lease is gone and the rank's fence
+   passed (lease deadline + `Limits.max_write_s`: a prefill worker posts only within its lease and
+   its data plane ends each posted WRITE within max_write_s). Nothing dispatched: at once. A live
+   rank that does not confirm by `Ending.confirm_by` has its lease revoked (then its fence applies).
+   So decode is told (and reuses its blocks) only when no write can land in them: docs/connector.md.
+5. `reap(now)` (every ~100 ms) ends leases that lapsed (an engine lost), transfers past their
+   deadline (EXPIRED), fences that passed and confirmations overdue.
+6. Ending a transfer releases its decode blocks, appends a `TransferEvent` to the decode
    engine's watch log (sequence-numbered) and puts a `Cancellation` in the outbox of every
    prefill rank that may still be working on it.
 
@@ -135,16 +140,20 @@ class DirectoryState:
         return fx
 
     def _remove_worker(self, worker: Worker, reason: str, fx: Effects) -> None:
-        """Drop a worker: each live transfer of its engine fails (a pending cancellation ends CANCELLED)."""
+        """Drop a worker: each live transfer of its engine fails (a decided end keeps its state).
+
+        A prefill rank that may have writes in flight is fenced: it posts nothing after its lease
+        deadline, and each posted WRITE ends within max_write_s, so its writes cannot land after
+        lease deadline + max_write_s. The transfer ends then (or at once if it confirms earlier).
+        """
         group = self.engines.remove(worker)
         for transfer_id in list(group.active_transfers):
             record = self._live.get(transfer_id)
             if record is None:
                 continue
-            if worker.role == PREFILL and record.ending and record.ending.state == tpb.TRANSFER_STATE_CANCELLED:
-                self._end(record, tpb.TRANSFER_STATE_CANCELLED, record.ending.reason, fx)
-            else:
-                self._end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
+            if worker.role == PREFILL and record.dispatched and worker.tp_rank not in record.quiescent:
+                record.rank_fences[worker.tp_rank] = worker.lease_deadline + self.limits.max_write_s
+            self._decide_end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
         if not group.workers:
             log = self._watch_logs.get(worker.engine_id)
             if log is not None:
@@ -312,7 +321,9 @@ class DirectoryState:
         for transfer_id in list(group.active_transfers):
             record = self._live.get(transfer_id)
             if record is not None and (record.dispatched or tp_rank in record.ready):
-                self._end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
+                # The worker is alive (its lease holds): it stops the transfer when its session resets and
+                # confirms on the next session; until then (or its fence) decode keeps its blocks.
+                self._decide_end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
         return fx
 
     def report_ready(self, engine_id: str, tp_rank: int,
@@ -418,21 +429,18 @@ class DirectoryState:
         record.quiescent[tp_rank] = status
         if result.HasField("timing"):
             record.timing[tp_rank] = copy_message(result.timing)
-        if status == dpb.WRITE_RESULT_STATUS_FAILED and record.ending is None:
-            record.ending = Ending(tpb.TRANSFER_STATE_FAILED,
-                             f"rank {tp_rank} write failed: {result.error_message}".rstrip(": "))
-            self._tell_prefill(record, tpb.TRANSFER_STATE_FAILED, record.ending.reason, fx)
-        elif status == dpb.WRITE_RESULT_STATUS_CANCELLED and record.ending is None:
-            record.ending = Ending(tpb.TRANSFER_STATE_CANCELLED, f"rank {tp_rank} cancelled")
-            self._tell_prefill(record, tpb.TRANSFER_STATE_CANCELLED, record.ending.reason, fx)
-        if len(record.quiescent) == record.tp_size:
-            if record.ending is not None:
-                self._end(record, record.ending.state, record.ending.reason, fx, tell_prefill=False)
-            else:
-                record.layers_written = {r: max(v, record.layer_count) for r, v in record.layers_written.items()}
-                for rank in range(record.tp_size):
-                    record.layers_written.setdefault(rank, record.layer_count)
-                self._end(record, tpb.TRANSFER_STATE_COMPLETE, "", fx, tell_prefill=False)
+        if status == dpb.WRITE_RESULT_STATUS_FAILED:
+            self._decide_end(record, tpb.TRANSFER_STATE_FAILED,
+                             f"rank {tp_rank} write failed: {result.error_message}".rstrip(": "), fx)
+        elif status == dpb.WRITE_RESULT_STATUS_CANCELLED:
+            self._decide_end(record, tpb.TRANSFER_STATE_CANCELLED, f"rank {tp_rank} cancelled", fx)
+        elif record.ending is not None:
+            self._end_when_no_write_can_land(record, fx)
+        elif len(record.quiescent) == record.tp_size:
+            record.layers_written = {r: max(v, record.layer_count) for r, v in record.layers_written.items()}
+            for rank in range(record.tp_size):
+                record.layers_written.setdefault(rank, record.layer_count)
+            self._end(record, tpb.TRANSFER_STATE_COMPLETE, "", fx, tell_prefill=False)
         return fx
 
     # ---------------------------------------------------------------- cancellation, ending, reaping
@@ -443,14 +451,32 @@ class DirectoryState:
         fx = Effects()
         if record.terminal:
             return record, fx
-        reason = reason or "cancelled"
-        if not record.dispatched:
-            self._end(record, tpb.TRANSFER_STATE_CANCELLED, reason, fx)
-            return record, fx
-        if record.ending is None or record.ending.state != tpb.TRANSFER_STATE_CANCELLED:
-            record.ending = Ending(tpb.TRANSFER_STATE_CANCELLED, reason)
-            self._tell_prefill(record, tpb.TRANSFER_STATE_CANCELLED, reason, fx)
+        self._decide_end(record, tpb.TRANSFER_STATE_CANCELLED, reason or "cancelled", fx)
         return record, fx
+
+    def _decide_end(self, record: TransferRecord, state: int, reason: str, fx: Effects) -> None:
+        """Decide a live transfer's end (the first decision wins) and end it once no write can land.
+
+        Prefill is told to stop at once; decode learns the end (and may reuse its blocks) only from
+        `_end_when_no_write_can_land`.
+        """
+        if record.ending is None:
+            record.ending = Ending(state, reason,
+                                   self.clock.monotonic() + self.limits.lease_ttl_s + self.limits.max_write_s)
+            self._tell_prefill(record, state, reason, fx)
+        self._end_when_no_write_can_land(record, fx)
+
+    def writing_ranks(self, record: TransferRecord, now: float | None = None) -> list[int]:
+        """Prefill ranks whose writes may still land in decode's blocks: dispatched, not quiescent, not fenced."""
+        if not record.dispatched:
+            return []
+        now = self.clock.monotonic() if now is None else now
+        return [rank for rank in range(record.tp_size)
+                if rank not in record.quiescent and record.rank_fences.get(rank, math.inf) > now]
+
+    def _end_when_no_write_can_land(self, record: TransferRecord, fx: Effects) -> None:
+        if record.ending is not None and not record.terminal and not self.writing_ranks(record):
+            self._end(record, record.ending.state, record.ending.reason, fx, tell_prefill=False)
 
     def _tell_prefill(self, record: TransferRecord, state: int, reason: str, fx: Effects) -> None:
         """Queue a Cancellation for every prefill rank that may still work on the transfer."""
@@ -513,13 +539,29 @@ class DirectoryState:
                 self._remove_worker(
                     worker, f"engine {worker.engine_id} rank {worker.tp_rank} lease expired", fx)
                 fx.expired_lease_roles.append(worker.role)
-        for record in [r for r in self._live.values() if r.deadline < now]:
-            self._end(record, tpb.TRANSFER_STATE_EXPIRED, "transfer deadline passed", fx)
+        for record in [r for r in self._live.values() if r.deadline < now and r.ending is None]:
+            self._decide_end(record, tpb.TRANSFER_STATE_EXPIRED, "transfer deadline passed", fx)
+        for record in [r for r in self._live.values() if r.ending is not None]:
+            if record.ending.confirm_by < now:
+                self._revoke_silent_ranks(record, now, fx)
+            self._end_when_no_write_can_land(record, fx)
         retention = self.limits.gone_engine_log_retention_s
         for engine_id in [e for e, log in self._watch_logs.items()
                           if e not in self.engines.groups and (log.gone_since is None or now - log.gone_since > retention)]:
             del self._watch_logs[engine_id]
         return fx
+
+    def _revoke_silent_ranks(self, record: TransferRecord, now: float, fx: Effects) -> None:
+        """Prefill ranks that did not confirm a decided end in time lose their lease (then their fence applies)."""
+        group = self.engines.groups.get(record.prefill_engine_id)
+        for rank in self.writing_ranks(record, now):
+            worker = group.workers.get(rank) if group is not None else None
+            if worker is not None and rank not in record.rank_fences:
+                self._remove_worker(
+                    worker, f"engine {worker.engine_id} rank {rank} did not confirm the end of transfer "
+                    f"{record.transfer_id} within {self.limits.lease_ttl_s + self.limits.max_write_s}s; lease revoked",
+                    fx)
+                fx.expired_lease_roles.append(worker.role)
 
     # ---------------------------------------------------------------- reading
 

@@ -241,16 +241,77 @@ def test_cancel_after_dispatch_waits_for_prefill():
 
 
 def test_cancel_pending_becomes_cancelled_when_prefill_lease_lapses():
-    """A pending cancellation ends CANCELLED when the prefill engine's lease lapses."""
-    d = Directory()
+    """A pending cancellation ends CANCELLED once the prefill engine's lease lapsed and its fence passed."""
+    d = Directory(Limits(lease_ttl_s=10, transfer_ttl_s=60, max_write_s=3))
     tid = d.allocated()
     d.ready(tid, 0, 1)
     d.state.cancel(tid, "abort")
     d.time.advance(5)
     d.state.renew(d.leases[("d1", 0)], None)
-    d.time.advance(6)
+    d.time.advance(6)  # p1's lease (deadline 10) lapsed: its writes may land until 10 + 3
+    d.state.reap()
+    assert d.transfer(tid).state == S.TRANSFER_STATE_STREAMING and not d.events()
+    d.state.renew(d.leases[("d1", 0)], None)
+    d.time.advance(1.9)  # 12.9
+    d.state.reap()
+    assert d.transfer(tid).state == S.TRANSFER_STATE_STREAMING
+    d.time.advance(0.2)  # 13.1: past the fence
     d.state.reap()
     assert d.transfer(tid).state == S.TRANSFER_STATE_CANCELLED
+    assert d.events()[0].state == S.TRANSFER_STATE_CANCELLED
+    assert d.state.check_invariants() == []
+
+
+def test_failed_prefill_stream_holds_decode_blocks_until_prefill_confirms():
+    """A broken prefill session decides FAILED but decode is told only when prefill confirms it stopped."""
+    d = Directory()
+    tid = d.allocated()
+    d.ready(tid, 0, 1)
+    d.outbox()
+    effects = d.state.close_session("p1", 0, d.sessions[0], "prefill stream broken")
+    assert not effects.watch_engines and d.transfer(tid).state == S.TRANSFER_STATE_STREAMING
+    with pytest.raises(FailedPrecondition):  # the blocks are still owned: no other transfer may get them
+        other = d.plan()
+        d.state.report_allocation(allocation(other))
+    d.sessions[0], _ = d.state.open_session("p1", 0, d.leases[("p1", 0)])
+    assert d.outbox()[0].cancellation.transfer_id == tid
+    effects = d.state.report_result("p1", 0, result(tid, FAILED, error="session reset"))
+    record = d.transfer(tid)
+    assert effects.watch_engines == {"d1"} and record.state == S.TRANSFER_STATE_FAILED
+    assert record.failure_reason == "prefill stream broken"
+    assert d.events()[0].state == S.TRANSFER_STATE_FAILED
+
+
+def test_expired_transfer_waits_for_prefill_then_revokes_a_silent_lease():
+    """EXPIRED with a write in flight: decode waits; a prefill that never confirms loses its lease, then the fence."""
+    d = Directory(Limits(lease_ttl_s=10, transfer_ttl_s=5, max_write_s=2))
+    tid = d.allocated()
+    d.ready(tid, 0, 1)
+    d.outbox()
+
+    def renew_and_reap(seconds: float) -> None:
+        d.time.advance(seconds)
+        for key in (("p1", 0), ("d1", 0)):
+            try:
+                d.state.renew(d.leases[key], None)
+            except NotFound:
+                pass
+        d.state.reap()
+
+    renew_and_reap(6)  # 1006: EXPIRED decided, prefill must confirm by 1006 + 10 + 2
+    assert d.outbox()[0].cancellation.transfer_id == tid
+    for _ in range(6):  # up to 1018: prefill renews but never confirms
+        renew_and_reap(2)
+        assert d.transfer(tid).state == S.TRANSFER_STATE_STREAMING and not d.events()
+    renew_and_reap(2)  # 1020: p1 renewed (lease deadline 1030) and is revoked; its writes end by 1030 + 2
+    with pytest.raises(NotFound):
+        d.state.get_engine("p1")
+    renew_and_reap(11.9)  # 1031.9
+    assert d.transfer(tid).state == S.TRANSFER_STATE_STREAMING
+    renew_and_reap(0.2)  # 1032.1
+    assert d.transfer(tid).state == S.TRANSFER_STATE_EXPIRED
+    assert d.events()[0].state == S.TRANSFER_STATE_EXPIRED
+    assert d.state.check_invariants() == []
 
 
 def test_tp2_completes_only_when_every_rank_is_done():
@@ -290,10 +351,12 @@ def test_lease_lapse_fails_transfers_and_tells_both_sides():
     d.state.renew(d.leases[("p1", 0)], tpb.EngineLoad(free_block_count=3))
     d.time.advance(5)
     effects = d.state.reap()
-    assert effects.prefill_outboxes == {("p1", 0)} and effects.watch_engines == {"d1"}
+    assert effects.prefill_outboxes == {("p1", 0)} and not effects.watch_engines
+    assert d.outbox()[0].cancellation.transfer_id == tid
+    effects = d.state.report_result("p1", 0, result(tid, CANCELLED))  # prefill confirms it stopped
+    assert effects.watch_engines == {"d1"}
     record = d.transfer(tid)
     assert record.state == S.TRANSFER_STATE_FAILED and "lease expired" in record.failure_reason
-    assert d.outbox()[0].cancellation.transfer_id == tid
     with pytest.raises(NotFound):
         d.state.get_engine("d1")
     with pytest.raises(NotFound):
@@ -311,9 +374,11 @@ def test_transfer_deadline_expires_and_tells_both_sides():
     assert not d.state.reap()
     d.time.advance(2)
     d.state.reap()
+    assert d.transfer(tid).state == S.TRANSFER_STATE_STREAMING and not d.events()  # a write may be in flight
+    assert d.outbox()[0].cancellation.transfer_id == tid
+    d.state.report_result("p1", 0, result(tid, CANCELLED))
     assert d.transfer(tid).state == S.TRANSFER_STATE_EXPIRED
     assert d.events()[0].state == S.TRANSFER_STATE_EXPIRED
-    assert d.outbox()[0].cancellation.transfer_id == tid
     assert d.state.check_invariants() == []
 
 
@@ -323,7 +388,7 @@ def test_stream_close_fails_begun_transfers_only():
     begun, untouched = d.plan(), d.plan()
     d.ready(begun, 0, 1)
     d.state.close_session("p1", 0, d.sessions[0], "prefill stream broken")
-    assert d.transfer(begun).state == S.TRANSFER_STATE_FAILED
+    assert d.transfer(begun).state == S.TRANSFER_STATE_FAILED  # never dispatched: no write, ends at once
     assert d.transfer(untouched).state == S.TRANSFER_STATE_PLANNED
     assert not d.state.close_session("p1", 0, d.sessions[0], "again")
 

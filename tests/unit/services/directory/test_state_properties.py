@@ -166,7 +166,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.state.reap()
         now = self.time.now
         for record in self.state.live_transfers():
-            assert record.deadline >= now, f"{record.transfer_id} is live past its deadline"
+            self._live_within_bounds(record, now)
         for engine_id, _ in ENGINES:
             try:
                 for worker in self.state.get_engine(engine_id):
@@ -187,7 +187,19 @@ class DirectoryMachine(RuleBasedStateMachine):
             self.time.advance(5.0)
             self.state.reap()
         for record in self.state.live_transfers():
-            assert record.deadline >= self.time.now
+            self._live_within_bounds(record, self.time.now)
+
+    def _live_within_bounds(self, record, now: float) -> None:
+        """Live past its deadline only with a decided end that waits for a write that may still land, bounded."""
+        if record.deadline >= now:
+            return
+        limits = self.state.limits
+        assert record.ending is not None, f"{record.transfer_id} is live past its deadline with no end decided"
+        writing = self.state.writing_ranks(record, now)
+        assert writing, f"{record.transfer_id} is live with nothing that can still write"
+        if now > record.ending.confirm_by:  # the silent ranks were revoked: each is fenced, within a lease + a write
+            for rank in writing:
+                assert record.rank_fences[rank] <= now + limits.lease_ttl_s + limits.max_write_s
 
     @invariant()
     def sound(self) -> None:
