@@ -42,6 +42,10 @@ class ConnectorConfig:
     engine_endpoint: this engine's HTTP URL, registered with the directory (optional).
     transfer_timeout_s: decode-side bound on waiting for one transfer (default 60).
     push_timeout_s: prefill-side bound on holding a finished request's blocks for pushes (default 60).
+    max_write_s: the longest one posted WRITE may stay in flight (default 10): past it the data plane aborts it
+        (releases its handles, drops the peer's connection), so nothing of it lands later. The directory's
+        `--max-write-s` must be at least every prefill engine's value, and decode's own unconfirmed release
+        waits for it (docs/connector.md, Block lifetime): set the same value on every engine and the directory.
     message_queue_poll_s: while vLLM's shared-memory message-queue readers busy-wait in this engine's
         processes, sleep this long per check instead of `sched_yield` (default 0.0001 on vLLM's CPU platform,
         where the spin starves the connector's threads of the GIL while the engine steps:
@@ -55,6 +59,10 @@ class ConnectorConfig:
     fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it
         plans no more, as a stuck or dying writer would (default None: off). Fault-injection tests use it to
         kill a prefill engine while a transfer is really half-written.
+    fault_hold_posted_write_s: TESTING ONLY. Every posted write of a transfer after its first
+        `fault_hold_after_writes` is held this long inside the data plane before its bytes move, as a WRITE
+        stuck in the network would be: it counts as in flight, cannot be cancelled, and lands late (or is
+        aborted at max_write_s). Default 0: off. The block-lifetime tests stall a write past a failure with it.
     """
 
     role: str
@@ -73,6 +81,9 @@ class ConnectorConfig:
     idle_step_wait_s: float = 0.004
     metrics_port: int = 0
     fault_stall_after_writes: int | None = None
+    max_write_s: float = 10.0
+    fault_hold_posted_write_s: float = 0.0
+    fault_hold_after_writes: int = 0
 
     @property
     def is_prefill(self) -> bool:
@@ -141,6 +152,10 @@ class ConnectorConfig:
             metrics_port=_int(extra, "metrics_port", 0, minimum=0, maximum=65535),
             fault_stall_after_writes=(_int(extra, "fault_stall_after_writes", 0, minimum=0, maximum=1 << 30)
                                       if extra.get("fault_stall_after_writes") is not None else None),
+            max_write_s=_seconds(extra, "max_write_s", 10.0, high=3600.0),
+            fault_hold_posted_write_s=_seconds(extra, "fault_hold_posted_write_s", 0.0, low_included=True,
+                                               high=3600.0),
+            fault_hold_after_writes=_int(extra, "fault_hold_after_writes", 0, minimum=0, maximum=1 << 30),
         )
 
 

@@ -54,6 +54,10 @@ class NixlConfig:
     notif_poll_s: float = 1e-3
     post_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    # TESTING ONLY: hold each posted write after a transfer's first `fault_hold_after_writes` this long before
+    # its bytes move (a WRITE stuck in the network: in flight, not cancellable, lands late). 0: off.
+    fault_hold_posted_s: float = 0.0
+    fault_hold_after_writes: int = 0
     max_group_writes: int = 64
     backend_params: dict[str, dict[str, str]] = field(default_factory=dict)
 

@@ -65,6 +65,8 @@ class WriteRequest:
         after the layer's KV write); waited on before posting.
     ends_transfer: close the transfer after this write without a notification.
     trace_context: W3C traceparent of the request, parent of this write's span.
+    post_guard: called on the I/O thread right before posting: None to post, else the reason the write may
+        no longer be posted (the prefill worker's lease: it posts only within it, docs/connector.md).
     """
 
     transfer_id: str
@@ -78,6 +80,7 @@ class WriteRequest:
     ready_event: Any = None
     ends_transfer: bool = False
     trace_context: str = ""
+    post_guard: Callable[[], str | None] | None = None
 
     @property
     def closes_transfer(self) -> bool:
@@ -146,6 +149,9 @@ class _Write:
     # Later writes of the same transfer posted on this write's handle (see _gather).
     group: list[_Write] = field(default_factory=list)
     post_plan: WritePlan | None = None
+    # Fault injection (NixlConfig.fault_hold_posted_s): posted, but its bytes move only from this time on.
+    held_until: float | None = None
+    hold_done: bool = False
 
     @property
     def members(self) -> list[_Write]:
@@ -175,6 +181,7 @@ class _Transfer:
     last_done: float | None = None
     layers: set[int] = field(default_factory=set)
     waiters: list[Future[WriteOutcome]] = field(default_factory=list)
+    posts: int = 0
 
 
 class PushWriter:
@@ -385,7 +392,8 @@ class PushWriter:
             return False
         transfer = self._transfers.get(write.request.transfer_id)
         return transfer is not None and any(
-            other.open_handles and not shared.isdisjoint(other.plan.shared_blocks) for other in transfer.in_flight
+            (other.open_handles or other.held_until is not None) and not shared.isdisjoint(other.plan.shared_blocks)
+            for other in transfer.in_flight
         )
 
     def _is_ready(self, write: _Write, now: float) -> bool:
@@ -418,6 +426,22 @@ class PushWriter:
             self._report_failure(write, reason)
             self._fail_transfer(transfer, reason)
             return
+        refused = req.post_guard() if req.post_guard is not None and not write.hold_done else None
+        if refused is not None:
+            self._report_failure(write, f"not posted: {refused}")
+            self._fail_transfer(transfer, f"not posted: {refused}")
+            return
+        if not write.hold_done:
+            transfer.posts += 1
+            if self._config.fault_hold_posted_s > 0 and transfer.posts > self._config.fault_hold_after_writes:
+                # Fault injection: posted now, its bytes move later (see _check_in_flight).
+                write.posted_at = time.monotonic()
+                write.held_until = write.posted_at + self._config.fault_hold_posted_s
+                transfer.first_post = transfer.first_post or write.posted_at
+                transfer.in_flight.append(write)
+                _log.warning("fault injection: posted write held", transfer_id=req.transfer_id,
+                             layers=write.handle_layers, hold_s=self._config.fault_hold_posted_s)
+                return
         nixl = self._agent.nixl
         plan = write.post_plan or write.plan
         notify = next((m.request.notify for m in write.members if m.request.notify is not None), None)
@@ -426,7 +450,8 @@ class PushWriter:
         )
         write.wall_start_ns = time.time_ns()
         started = time.perf_counter()
-        write.posted_at = time.monotonic()
+        if not write.hold_done:
+            write.posted_at = time.monotonic()
         if transfer.first_post is None:
             transfer.first_post = write.posted_at
         try:
@@ -483,6 +508,9 @@ class PushWriter:
         any_open = False
         for transfer in list(self._transfers.values()):
             for write in list(transfer.in_flight):
+                if write.held_until is not None:
+                    any_open = self._release_held(write, transfer, now) or any_open
+                    continue
                 for handle in list(write.open_handles):
                     try:
                         state = nixl.check_xfer_state(handle)
@@ -500,11 +528,15 @@ class PushWriter:
                         self._report_failure(write, detail)
                         self._fail_transfer(transfer, detail)
                     elif now - write.posted_at > self._config.transfer_timeout_s:
+                        # The bound every posted WRITE is held to (max_write_s): release the handle (NIXL cancels
+                        # its UCX requests) and drop the peer's endpoint (a forced close ends what the NIC may
+                        # still retry), so nothing of it lands after the bound (docs/connector.md).
                         write.open_handles.remove(handle)
                         self._release(handle)
                         reason = f"transfer not done within {self._config.transfer_timeout_s}s"
                         self._report_failure(write, reason)
                         self._fail_transfer(transfer, reason)
+                        self._agent.remove_peer(transfer.peer, f"a write to it was aborted: {reason}")
                 if write.open_handles:
                     any_open = True
                     continue
@@ -515,6 +547,25 @@ class PushWriter:
                     self._report_success(write, transfer, now)
             self._maybe_finish(transfer, now)
         return any_open
+
+    def _release_held(self, write: _Write, transfer: _Transfer, now: float) -> bool:
+        """Fault injection: post a held write once its hold ends, or abort it at the bound; True while held."""
+        if now - write.posted_at > self._config.transfer_timeout_s:
+            write.held_until = None
+            transfer.in_flight.remove(write)
+            reason = f"transfer not done within {self._config.transfer_timeout_s}s"
+            self._report_failure(write, reason)
+            self._fail_transfer(transfer, reason)
+            return False
+        if now < write.held_until:
+            return True
+        write.held_until = None
+        write.hold_done = True
+        transfer.in_flight.remove(write)
+        _log.warning("fault injection: held write posted", transfer_id=write.request.transfer_id,
+                     layers=write.handle_layers)
+        self._post(write, transfer)
+        return bool(write.open_handles)
 
     def _collect_telemetry(self, write: _Write, handle: Any) -> None:
         if not self._config.capture_telemetry:

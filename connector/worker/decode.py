@@ -9,17 +9,23 @@ and the directory client thread only enqueue into `_inbox`, drained at every hoo
      deadline of transfer_timeout_s. Signals that arrived earlier (fast prefill) are applied now.
   3. Completion is whichever comes first: prefill's NIXL notification (sent only after every write
      landed) or the directory's COMPLETE event. The request is reported in finished_recving.
-  4. Failure: a FAILED / EXPIRED / CANCELLED event, a refused allocation report, or the deadline
-     (then CancelTransfer, and the failure waits for the directory's terminal state, at most a further
-     min(transfer_timeout_s, 10 s)) -> the request is reported in finished_recving and the
-     blocks the push was to fill are reported as load errors in the same step, so vLLM's
-     kv_load_failure_policy applies (fail: the request errors; recompute: decode computes those
-     tokens itself, keeping its own prefix hit).
+  4. Failure: a FAILED / EXPIRED / CANCELLED event (the directory sends one only once no write of the
+     transfer can land: docs/connector.md, Block lifetime), a refused allocation report, or the deadline
+     (then CancelTransfer, and the failure waits for the directory's terminal state) -> the request is
+     reported in finished_recving and the blocks the push was to fill are reported as load errors in the
+     same step, so vLLM's kv_load_failure_policy applies (fail: the request errors; recompute: decode
+     computes those tokens itself, keeping its own prefix hit).
   5. Abort while waiting (`cancelled_receives`): the request is reported finished only once the
      transfer is terminal (the directory's CANCELLED comes after prefill confirmed no write is in
-     flight), or a notification proved every write landed, or transfer_timeout_s passed: vLLM frees
-     the blocks only then, so prefill never writes into blocks another request reuses.
-A watch gap (events lost) re-reads every waiting transfer with GetTransfer.
+     flight), or a notification proved every write landed: vLLM frees the blocks only then, so prefill
+     never writes into blocks another request reuses.
+  6. A directory that never confirms (down, or decode cut off from it): the blocks are released after
+     `_unconfirmed_release_s` = 2 x (lease TTL + max_write_s), the longest the directory itself may take
+     to fence a silent prefill rank (revoke its lease after TTL + max_write_s, then its lease deadline +
+     max_write_s); with the directory unreachable, prefill cannot renew its lease either, so it posts
+     nothing after one TTL and its last write ends within max_write_s.
+A watch gap (events lost) re-reads every waiting transfer with GetTransfer; one the directory no longer
+knows (it restarted) fails once prefill's lease under the old directory surely ended (TTL + max_write_s).
 """
 
 from __future__ import annotations
@@ -41,8 +47,6 @@ from kvpush.v1 import types_pb2 as tpb
 
 _log = get_logger("connector.worker.decode")
 
-_EXPIRY_GRACE_S = 10.0
-
 
 
 @dataclass
@@ -53,6 +57,8 @@ class _Signal:
     reason: str
     source: str           # "notification" | "event" | "lookup" | "allocation" | "timeout"
     received_at: float
+    # Monotonic time before which the blocks must not be released (a write may still land): 0 for at once.
+    not_before: float = 0.0
 
 
 @dataclass
@@ -121,7 +127,7 @@ class DecodeWorker:
             receive = self._receives.get(request_id)
             if receive is not None and not receive.aborted:
                 receive.aborted = True
-                receive.deadline = now + self._config.transfer_timeout_s
+                receive.deadline = now + self._unconfirmed_release_s()
                 receive.span.event("aborted")
 
     def collect(self) -> tuple[set[str], set[int]]:
@@ -138,9 +144,10 @@ class DecodeWorker:
                 self._on_deadline(receive, now)
         finished: set[str] = set()
         for request_id, receive in list(self._receives.items()):
-            signal = self._early.pop(receive.start.transfer_id, None)
-            if signal is None:
+            signal = self._early.get(receive.start.transfer_id)
+            if signal is None or signal.not_before > now:
                 continue
+            del self._early[receive.start.transfer_id]
             finished.add(request_id)
             self._end_receive(receive, signal)
         errors, self._load_errors = self._load_errors, set()
@@ -171,22 +178,31 @@ class DecodeWorker:
         self._by_transfer[start.transfer_id] = start.request_id
 
     def _signal(self, transfer_id: str, signal: _Signal) -> None:
-        """Keep the first decisive signal per transfer (a notification or COMPLETE wins over nothing)."""
-        if transfer_id in self._early:
+        """Keep the first decisive signal per transfer; one that may release at once replaces a held one."""
+        held = self._early.get(transfer_id)
+        if held is not None and not (held.not_before > signal.not_before and signal.not_before <= time.monotonic()):
             return
         self._early[transfer_id] = signal
 
-    def _on_deadline(self, receive: _Receive, now: float) -> None:
-        """A wait passed its bound: cancel, then give the directory a grace period to confirm no write is in flight.
+    def _unconfirmed_release_s(self) -> float:
+        """How long after a cancel decode waits for the directory before releasing blocks unconfirmed (point 6)."""
+        return 2 * (self._lease_ttl_s() + self._config.max_write_s)
 
-        The grace (min(transfer_timeout_s, 10 s)) bounds the whole wait; only past it are the blocks released
-        without confirmation (logged), because a request must end in bounded time.
+    def _lease_ttl_s(self) -> float:
+        registration = getattr(self._directory, "registration", None)
+        return registration.ttl_s if registration is not None else 10.0
+
+    def _on_deadline(self, receive: _Receive, now: float) -> None:
+        """A wait passed its bound: cancel, then wait for the directory to confirm no write is in flight.
+
+        That wait is bounded too (`_unconfirmed_release_s`, point 6 of the module docstring); only past it are
+        the blocks released without confirmation (logged), because a request must end in bounded time.
         """
         transfer_id = receive.start.transfer_id
         timeout = self._config.transfer_timeout_s
         if not receive.aborted and not receive.expiring:
             receive.expiring = True
-            receive.deadline = now + min(timeout, _EXPIRY_GRACE_S)
+            receive.deadline = now + self._unconfirmed_release_s()
             reason = f"transfer not complete within transfer_timeout_s={timeout}s"
             receive.span.event("timeout")
             self._directory.cancel_transfer(transfer_id, reason)
@@ -237,9 +253,11 @@ class DecodeWorker:
             def done(transfer: tpb.Transfer | None, error: str, transfer_id: str = transfer_id) -> None:
                 if transfer is None:
                     if "NOT_FOUND" in error.split(": ")[1:2]:  # DirectoryCallError "GetTransfer: NOT_FOUND: ..."
-                        # The directory forgot it (it restarted): no event will ever come; fail it now.
+                        # The directory forgot it (it restarted): no event will ever come. Prefill stops on the new
+                        # incarnation and cannot renew the old lease: no write lands after its TTL + max_write_s.
+                        now = time.monotonic()
                         signal = _Signal(ReceiveOutcome.FAILED, f"directory no longer knows the transfer: {error}",
-                                         "lookup", time.monotonic())
+                                         "lookup", now, not_before=now + self._lease_ttl_s() + self._config.max_write_s)
                         self._inbox.put(lambda: self._signal(transfer_id, signal))
                     return  # other errors: the deadline still bounds the wait
                 outcome = ReceiveOutcome.from_transfer_state(transfer.state)

@@ -65,6 +65,9 @@ _TRANSFER_GONE_CODES = frozenset(code.value[0] for code in (
 _FINISHED_MEMORY = 4096
 # How often the owner checks the held requests' push_timeout_s bounds (seconds).
 _BOUND_CHECK_S = 0.05
+# A write is posted only while the lease is held with this fraction of its TTL to spare (clock-rate slack
+# between this host and the directory's; docs/connector.md, Block lifetime).
+_LEASE_MARGIN = 0.05
 
 
 class OwnerLoop(Protocol):
@@ -315,6 +318,8 @@ class _Live:
     sent_first_ready: bool = False
     cancel_requested: bool = False
     writer_cancelled: bool = False
+    # Set with the instruction: None to post a write, else why not (the lease it came under is gone).
+    post_guard: Callable[[], str | None] | None = None
 
 
 class PushOwner:
@@ -466,6 +471,7 @@ class PushOwner:
         except (ValueError, RuntimeError) as exc:
             self._stop(live, PushOutcome.FAILED, f"instruction refused: {exc}")
             return
+        live.post_guard = self._lease_guard()
         live.span.event("instruction", {"kvpush.decode_engine_id": instruction.decode_engine_id,
                                         "kvpush.skip_token_count": instruction.skip_token_count})
         if live.push.nothing_to_write():
@@ -599,7 +605,7 @@ class PushOwner:
                    token_end=write.token_end, notify=write.notify)
         try:
             self._transport.submit(live.push.transfer_id, live.push.peer_agent, write, live.push.notification,
-                                   ready_event, live.trace_context)
+                                   ready_event, live.trace_context, live.post_guard)
         except Exception as exc:  # refused before anything was posted
             live.push.write_finished(PushOutcome.FAILED, f"write refused: {exc}", layer=write.layer)
             self._stop(live, PushOutcome.FAILED, f"write refused: {exc}")
@@ -669,6 +675,25 @@ class PushOwner:
             result.timing.CopyFrom(timing_proto(timeline))
         self._directory.session.send_result(result)
 
+    def _lease_guard(self) -> Callable[[], str | None] | None:
+        """A check the data plane runs before posting each write of an instruction received now.
+
+        The directory fences a rank whose lease is gone at lease deadline + max_write_s; this worker's
+        deadline (renewal send time + TTL) is never after the directory's, so posting only while it holds
+        (and only under the lease the instruction came with) keeps every write inside that fence.
+        """
+        registration = getattr(self._directory, "registration", None)
+        if registration is None:
+            return None
+        generation = registration.registration_count
+
+        def guard() -> str | None:
+            if registration.holds_lease(generation, registration.ttl_s * _LEASE_MARGIN):
+                return None
+            return "the lease this push was instructed under is no longer held (lapsed, or the directory forgot it)"
+
+        return guard
+
     def _enforce_bounds(self, now: float) -> None:
         """Held requests never wait past push_timeout_s; then their writes are cancelled and the blocks freed."""
         for live in list(self._live.values()):
@@ -678,10 +703,11 @@ class PushOwner:
             if waited > self._config.push_timeout_s and not live.push.terminal:
                 self._stop(live, PushOutcome.FAILED,
                            f"push not finished within push_timeout_s={self._config.push_timeout_s}")
-            if waited > 2 * self._config.push_timeout_s and not live.settled:
-                # The data plane bounds every handle by push_timeout_s; one it still reports in flight now is
-                # lost to it. Release the blocks anyway rather than hold them for ever.
-                _log.error("writes still in flight after twice push_timeout_s; releasing the blocks anyway",
+            if waited > self._config.push_timeout_s + self._config.max_write_s + 1.0 and not live.settled:
+                # Writes were cancelled at push_timeout_s; none waits for its event past it and every posted one
+                # ends within max_write_s, so the data plane holds none by now. One it still reports in flight is
+                # lost to its bookkeeping: release the blocks rather than hold them for ever.
+                _log.error("writes still in flight past push_timeout_s + max_write_s; releasing the blocks anyway",
                            transfer_id=live.push.transfer_id, in_flight=live.push.in_flight)
                 live.push.abandon_in_flight()
                 self._settle_if_ended(live)

@@ -50,13 +50,14 @@ class WriterQuiet:
 def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
     """The data-plane settings the connector config asks for.
 
-    A posted WRITE (or its wait for the layer's ready event) may take as long as the prefill side holds
-    the blocks for it (push_timeout_s); past that the data plane fails it and the transfer fails.
+    A write may wait for its layer's ready event as long as the prefill side holds the blocks (push_timeout_s);
+    once posted it ends within max_write_s (the block-lifetime fence relies on it: docs/connector.md).
     """
     return NixlConfig(backends=config.nixl_backends, enable_prog_thread=config.nixl_enable_prog_thread,
                       num_threads=config.nixl_num_threads, poll_max_s=config.nixl_poll_max_s,
-                      notif_poll_s=config.nixl_notif_poll_s, transfer_timeout_s=config.push_timeout_s,
-                      post_timeout_s=config.push_timeout_s).validate()
+                      notif_poll_s=config.nixl_notif_poll_s, transfer_timeout_s=config.max_write_s,
+                      post_timeout_s=config.push_timeout_s, fault_hold_posted_s=config.fault_hold_posted_write_s,
+                      fault_hold_after_writes=config.fault_hold_after_writes).validate()
 
 
 def create_agent(config: ConnectorConfig, kv_caches: dict[str, Any], block_size_tokens: int, num_kv_heads: int,
@@ -94,14 +95,18 @@ class PushTransport:
         self._agent.add_peer(agent_name, bytes(metadata), KVLayoutSpec.from_proto(layout_proto))
 
     def submit(self, transfer_id: str, peer_agent: str, write: PlannedWrite, notification: bytes, ready_event: Any,
-               trace_context: str) -> None:
-        """Queue one planned write; raises (nothing queued) when the data plane refuses it."""
+               trace_context: str, post_guard: Callable[[], str | None] | None = None) -> None:
+        """Queue one planned write; raises (nothing queued) when the data plane refuses it.
+
+        post_guard (I/O thread, at post time): None to post, else why the write may no longer be posted.
+        """
         from kvpush.connector.dataplane.writer import WriteRequest
 
         self._writer.submit(WriteRequest(
             transfer_id=transfer_id, peer_agent=peer_agent, layers=(write.layer,), src_block_ids=write.src_block_ids,
             dst_block_ids=write.dst_block_ids, token_start=write.token_start, token_end=write.token_end,
-            notify=notification if write.notify else None, ready_event=ready_event, trace_context=trace_context))
+            notify=notification if write.notify else None, ready_event=ready_event, trace_context=trace_context,
+            post_guard=post_guard))
 
     def when_computed(self, event: Any, callback: Callable[[float], None]) -> None:
         """Call `callback(unix time)` from the I/O thread once the GPU passed `event` (see PushWriter.when_complete)."""

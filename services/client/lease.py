@@ -18,6 +18,7 @@ Callbacks run on the client's event loop and must not block: `load_callback() ->
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import grpc
@@ -49,6 +50,10 @@ class EngineRegistration:
         # The directory process that granted the lease; another one in a renewal means it restarted.
         self.directory_incarnation_id = ""
         self.ttl_s = 10.0
+        # Monotonic time until which the directory surely holds this lease: the send time of the last accepted
+        # registration or renewal + ttl (the directory counts from its receipt, later). 0: none held. A worker
+        # that must act only under its lease (a prefill worker posting WRITEs) checks it with `holds_lease`.
+        self.valid_until = 0.0
         self.renewal_count = 0
         self.registration_count = 0
         self._task: asyncio.Task | None = None
@@ -77,12 +82,23 @@ class EngineRegistration:
         await asyncio.wait_for(self._registered.wait(), timeout_s)
         return self.lease_id
 
+    def holds_lease(self, registration_count: int, margin_s: float = 0.0) -> bool:
+        """True while the lease granted by registration number `registration_count` is surely still held.
+
+        Thread-safe (reads two numbers). False once a later registration replaced it (the directory had
+        forgotten or dropped it) or once `valid_until - margin_s` passed without a renewal.
+        """
+        return (registration_count == self.registration_count
+                and time.monotonic() < self.valid_until - margin_s)
+
     async def _register(self) -> None:
+        sent = time.monotonic()
         response = await self.client.register_engine(self.request)
         self.lease_id = response.lease_id
         self.directory_incarnation_id = response.directory_incarnation_id
         self.ttl_s = response.ttl.ToNanoseconds() / 1e9 or self.ttl_s
-        self.registration_count += 1
+        self.registration_count += 1  # first: a write of the previous lease checks the count, then the time
+        self.valid_until = sent + self.ttl_s
         self._registered.set()
         log.info("engine registered", engine_id=self.engine_id, tp_rank=self.tp_rank, ttl_s=self.ttl_s)
         if self.on_registered is not None:
@@ -124,6 +140,7 @@ class EngineRegistration:
                     request = dpb.RenewLeaseRequest(lease_id=self.lease_id)
                     if load is not None:
                         request.load.CopyFrom(load)
+                    sent = time.monotonic()
                     await asyncio.wait_for(call.write(request), self.client.config.timeout_s)
                     response = await asyncio.wait_for(call.read(), self.client.config.timeout_s)
                     if response is grpc.aio.EOF:
@@ -136,6 +153,7 @@ class EngineRegistration:
                     attempt = 0
                     self.renewal_count += 1
                     self.ttl_s = response.ttl.ToNanoseconds() / 1e9 or self.ttl_s
+                    self.valid_until = sent + self.ttl_s
                     self._registered.set()
                     if self.on_lease_renewed is not None:
                         self.on_lease_renewed(self.lease_id, self.ttl_s)
@@ -145,6 +163,7 @@ class EngineRegistration:
                 code = error.code() if isinstance(error, grpc.aio.AioRpcError) else getattr(
                     error, "code", grpc.StatusCode.DEADLINE_EXCEEDED)
                 if code == grpc.StatusCode.NOT_FOUND:
+                    self.valid_until = 0.0
                     self._lost("lease unknown to the directory")
                     try:
                         await self._register()

@@ -53,7 +53,7 @@ class _Transport:
     def ensure_peer(self, agent_name, metadata, layout) -> None:
         pass
 
-    def submit(self, transfer_id, peer_agent, write, notification, ready_event, trace_context) -> None:
+    def submit(self, transfer_id, peer_agent, write, notification, ready_event, trace_context, post_guard=None) -> None:
         self.writes.append((write.layer, write.token_start, write.token_end, ready_event,
                             threading.current_thread().name))
 
