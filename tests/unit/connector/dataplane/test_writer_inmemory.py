@@ -192,3 +192,52 @@ class _Gate:
 
     def query(self) -> bool:
         return self._event.is_set()
+
+
+def test_a_write_whose_post_guard_refuses_is_never_posted_and_fails_its_transfer():
+    """post_guard (the prefill worker's lease) is asked at post time: a refusal posts nothing and fails the transfer."""
+    fab, prefill, decode, writer, out, _, (dl, da) = _pair()
+    try:
+        refusal = ["lease gone"]
+        request = WriteRequest("t1", decode.agent_name, (0,), (3, 5), (7, 2), 0, 2 * BS,
+                               post_guard=lambda: refusal[0])
+        writer.submit(request)
+        assert out.wait(lambda: out.transfers)
+        assert out.requests[0].outcome is PushOutcome.FAILED and "not posted: lease gone" in out.requests[0].error
+        assert out.transfers[0].outcome is PushOutcome.FAILED
+        assert not da[0].any(), "a refused write moved bytes"
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_held_posted_write_cannot_be_cancelled_and_lands_late():
+    """Fault knob fault_hold_posted_s: the write counts as in flight, cancel waits for it, its bytes land after the hold."""
+    fab, prefill, decode, writer, out, (pl, pa), (dl, da) = _pair(fault_hold_posted_s=0.5, max_group_writes=1)
+    try:
+        started = time.monotonic()
+        writer.submit(_request(decode.agent_name, 0))
+        time.sleep(0.1)
+        cancelled = writer.cancel("t1")
+        assert not cancelled.done() and not da[0].any(), "the held write moved before its hold ended"
+        final = cancelled.result(BOUND_S)
+        assert time.monotonic() - started >= 0.5
+        assert block_bytes(dl, da, 0, 7) == block_bytes(pl, pa, 0, 3)  # it landed, after the cancel
+        assert final.write_count == 1
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_held_write_past_the_write_bound_is_aborted_and_lands_nothing():
+    """A posted write still in flight at transfer_timeout_s (max_write_s) is aborted: nothing of it lands later."""
+    fab, prefill, decode, writer, out, _, (dl, da) = _pair(fault_hold_posted_s=5.0, transfer_timeout_s=0.3)
+    try:
+        writer.submit(_request(decode.agent_name, 0))
+        assert out.wait(lambda: out.transfers)
+        assert out.requests[0].outcome is PushOutcome.FAILED and "not done within 0.3s" in out.requests[0].error
+        time.sleep(0.2)
+        assert not da[0].any()
+    finally:
+        prefill.stop()
+        decode.stop()
