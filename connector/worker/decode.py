@@ -84,6 +84,8 @@ class DecodeWorker:
         self._receives: dict[str, _Receive] = {}
         self._by_transfer: dict[str, str] = {}
         self._early: dict[str, _Signal] = {}   # signals for transfers no receive waits for (yet)
+        # Refused allocations end their own request only (another request may name the same transfer id).
+        self._refused: dict[str, _Signal] = {}
         self._load_errors: set[int] = set()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._empty_step = False  # the current step schedules no tokens (see get_finished / collect)
@@ -121,8 +123,8 @@ class DecodeWorker:
         for request_id, reason in meta.failed_receives:
             receive = self._receives.get(request_id)
             if receive is not None:
-                self._signal(receive.start.transfer_id,
-                             _Signal(ReceiveOutcome.FAILED, f"allocation refused: {reason}", "allocation", now))
+                self._refused[request_id] = _Signal(ReceiveOutcome.FAILED, f"allocation refused: {reason}",
+                                                    "allocation", now)
         for request_id in meta.cancelled_receives:
             receive = self._receives.get(request_id)
             if receive is not None and not receive.aborted:
@@ -143,6 +145,12 @@ class DecodeWorker:
             if now >= receive.deadline:
                 self._on_deadline(receive, now)
         finished: set[str] = set()
+        for request_id, signal in list(self._refused.items()):
+            del self._refused[request_id]
+            receive = self._receives.get(request_id)
+            if receive is not None:
+                finished.add(request_id)
+                self._end_receive(receive, signal)
         for request_id, receive in list(self._receives.items()):
             signal = self._early.get(receive.start.transfer_id)
             if signal is None or signal.not_before > now:
@@ -216,7 +224,8 @@ class DecodeWorker:
     def _end_receive(self, receive: _Receive, signal: _Signal) -> None:
         start = receive.start
         self._receives.pop(start.request_id, None)
-        self._by_transfer.pop(start.transfer_id, None)
+        if self._by_transfer.get(start.transfer_id) == start.request_id:
+            self._by_transfer.pop(start.transfer_id)
         waited = time.monotonic() - receive.started_at
         receive.span.set_attributes({"kvpush.outcome": signal.outcome.value, "kvpush.signal": signal.source,
                                      "kvpush.wait_s": round(waited, 6), "kvpush.aborted": receive.aborted})
