@@ -73,7 +73,7 @@ def _spec(name: str, role: str | None, engine_id: str, model_dir: Path, director
             config["kv_load_failure_policy"] = policy
     extra_args = _args(role == "prefill")
     if blocks is not None:
-        extra_args += ["--num-gpu-blocks-override", str(blocks)]
+        extra_args += ["--num-gpu-blocks-override", str(blocks + 1)]  # vLLM keeps one as its null block
     return EngineSpec(name=name, model_dir=model_dir, port=port, kv_transfer_config=config,
                       env={"UCX_NET_DEVICES": "lo"}, enable_prefix_caching=role == "prefill",
                       max_model_len=DECODE_MAX_MODEL_LEN if blocks is not None else 4096, extra_args=extra_args,

@@ -169,3 +169,63 @@ def test_a_receive_past_its_bound_is_cancelled_then_released_as_load_errors():
         finally:
             client.close()
             decode.shutdown()
+
+
+def test_a_write_stalled_past_expiry_lands_before_decode_reuses_the_blocks():
+    """Block lifetime, bytes: a posted WRITE held past its transfer's expiry keeps decode waiting until it landed;
+    the next transfer into the same decode blocks then leaves exactly its own KV there (no late byte of the first)."""
+    fabric_name, _ = new_fabric()
+    hold_s = 0.8
+
+    def holding_agent(config, kv_caches, block_size, heads, head_size, agent_name):
+        agent = TransferAgent(agent_name, nixl_config(fabric_name, fault_hold_posted_s=hold_s))
+        agent.register(kv_caches, block_size, heads, head_size)
+        return agent.start()
+
+    with directory_on_loopback() as address:
+        p_caches, d_caches = _caches(True), _caches(False)
+        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1,
+                                    "p-agent", create_agent=holding_agent)
+        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1,
+                                   "d-agent", create_agent=_in_memory_agent(fabric_name))
+        client = SyncDirectoryClient(ChannelConfig(address=address))
+        try:
+            prompt, dst = 40, (11, 3, 7)
+
+            def push(request: str, src: tuple[int, ...], ttl_s: float | None) -> tuple[str, set[int], float]:
+                transfer_id = client.plan_transfer(prompt_token_count=prompt, ttl_s=ttl_s).transfer.transfer_id
+                decode.link.report_allocation(transfer_id, list(dst), prompt, 0, lambda reason: None)
+                decode.half.begin_step(KVPushMetadata(receives=[ReceiveStart(f"d{request}", transfer_id, dst, prompt, 0)]))
+                prefill.half.begin_step(KVPushMetadata(prefill_chunks=[
+                    PrefillChunk(f"p{request}", transfer_id, 0, prompt, prompt, src)]))
+                for name in p_caches:
+                    prefill.half.save_kv_layer(name)
+                prefill.half.wait_for_save()
+                prefill.half.begin_step(KVPushMetadata(held_prefills=[f"p{request}"]))
+                started = time.monotonic()
+                outcome: dict = {}
+
+                def step() -> bool:
+                    finished, errors = decode.half.collect()
+                    if f"d{request}" in finished:
+                        outcome["errors"] = errors
+                        outcome["at"] = time.monotonic()
+                    prefill.half.get_finished_sending({f"p{request}"})
+                    return "at" in outcome
+
+                _until(step, f"decode to finish receiving {request}")
+                return transfer_id, outcome["errors"], outcome["at"] - started
+
+            first, errors, waited = push("a", (4, 9, 2), ttl_s=0.3)
+            assert errors == set(dst) and client.get_transfer(first).state == tpb.TRANSFER_STATE_EXPIRED
+            assert waited >= hold_s, f"decode was told after {waited:.2f}s, before the held writes landed"
+            second, errors, _ = push("b", (5, 8, 13), ttl_s=None)
+            assert errors == set() and client.get_transfer(second).state == tpb.TRANSFER_STATE_COMPLETE
+            time.sleep(hold_s)  # anything of the first still in flight would have landed by now
+            for name in p_caches:
+                for s, d in zip((5, 8, 13), dst):
+                    assert torch.equal(d_caches[name][d], p_caches[name][s]), (name, s, d)
+        finally:
+            client.close()
+            prefill.shutdown()
+            decode.shutdown()
