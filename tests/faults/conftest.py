@@ -4,7 +4,8 @@ One session-scoped `FaultStack` starts, in parallel, on 127.0.0.1 (the tiny 4-la
   * `prefill`: a plain KVPushConnector prefill engine;
   * `holder`: a prefill engine whose data plane holds every posted WRITE after a transfer's first for
     HOLD_S before its bytes move (`fault_hold_posted_write_s`): a WRITE stuck in the network, in flight
-    past the failure the test injects, landing late;
+    past the failure the test injects, landing late; it plans no write after a transfer's third
+    (`fault_stall_after_writes`), so its transfers never complete and always end in the fault;
   * `decode`: kv_load_failure_policy "fail", prefix caching off and only DECODE_BLOCKS KV blocks, so a
     request that follows a failed one is allocated the failed one's blocks (a late write would land in it);
   * `decode_victim`: a second decode engine, SIGKILLed by a test;
@@ -187,7 +188,8 @@ def fault_stack(session_log_dir) -> FaultStack:
     specs = [
         _spec("fault-prefill", "prefill", PREFILL_ID, model_dir, address),
         _spec("fault-holder", "prefill", HOLDER_ID, model_dir, address,
-              extra={"fault_hold_posted_write_s": HOLD_S, "fault_hold_after_writes": 1}),
+              extra={"fault_hold_posted_write_s": HOLD_S, "fault_hold_after_writes": 1,
+                     "fault_stall_after_writes": 3}),
         _spec("fault-decode", "decode", DECODE_ID, model_dir, address, policy="fail", blocks=DECODE_BLOCKS),
         _spec("fault-decode-victim", "decode", VICTIM_ID, model_dir, address, policy="fail"),
         _spec("fault-colocated", None, "", model_dir, address),
