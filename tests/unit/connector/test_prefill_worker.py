@@ -49,6 +49,7 @@ class _Transport:
         self.writes: list[tuple[int, int, int, object, str]] = []
         self.watched: list[tuple[object, object]] = []
         self.cancelled: list[str] = []
+        self.guards: list = []
 
     def ensure_peer(self, agent_name, metadata, layout) -> None:
         pass
@@ -56,6 +57,7 @@ class _Transport:
     def submit(self, transfer_id, peer_agent, write, notification, ready_event, trace_context, post_guard=None) -> None:
         self.writes.append((write.layer, write.token_start, write.token_end, ready_event,
                             threading.current_thread().name))
+        self.guards.append(post_guard)
 
     def when_computed(self, event, callback) -> None:
         self.watched.append((event, callback))
@@ -311,3 +313,25 @@ def test_a_rejection_that_says_the_transfer_is_gone_stops_it():
     loop.run()
     (result,) = directory.session.results
     assert result.status == dpb.WRITE_RESULT_STATUS_FAILED and "gone" in result.error_message
+
+
+def test_writes_are_posted_only_under_the_lease_their_instruction_came_with():
+    """Each write carries a post guard: it allows posting while the lease holds, refuses once it lapsed or was replaced."""
+    from kvpush.services.client.lease import EngineRegistration
+
+    worker, transport, directory, loop = _worker()
+    registration = EngineRegistration(client=None, request=dpb.RegisterEngineRequest(engine_id="p"))
+    registration.ttl_s, registration.registration_count = 10.0, 1
+    registration.valid_until = time.monotonic() + 10.0
+    directory.registration = registration
+    worker.begin_step(_step(40))
+    worker.on_instruction(_instruction(40))
+    worker.save_kv_layer(LAYERS[0])
+    loop.run()
+    (guard,) = transport.guards
+    assert guard() is None
+    registration.valid_until = time.monotonic() + 0.3  # within the 5 % margin of a 10 s TTL: no longer posted
+    assert "no longer held" in guard()
+    registration.valid_until = time.monotonic() + 10.0
+    registration.registration_count = 2  # the directory forgot the lease; a new one replaced it
+    assert "no longer held" in guard()
