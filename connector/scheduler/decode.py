@@ -53,6 +53,9 @@ class _Receive:
     """A decode request between allocation and finished_recving."""
 
     transfer_id: str
+    # The directory refused this request's allocation: it owns nothing of the transfer (another request of the
+    # same transfer id may), so it never cancels it, and no write targets its blocks.
+    refused: bool = False
 
 
 class DecodeScheduler:
@@ -128,6 +131,7 @@ class DecodeScheduler:
             except queue.Empty:
                 break
             if request_id in self._receiving:
+                self._receiving[request_id].refused = True
                 meta.failed_receives.append((request_id, reason))
         return meta
 
@@ -141,6 +145,9 @@ class DecodeScheduler:
             return False, None
         receive = self._receiving.get(request_id)
         if receive is None:
+            return False, None
+        if receive.refused:
+            del self._receiving[request_id]
             return False, None
         self._directory.cancel_transfer(receive.transfer_id, "decode request aborted while waiting for KV")
         self._pending_cancels.append(request_id)

@@ -38,6 +38,7 @@ from kvpush.localstack.processes import (
 from kvpush.localstack.stack import kv_transfer_config
 from kvpush.localstack.vllm_bench import kv_cache_usage, wait_kv_usage_zero
 from kvpush.services.client.config import ChannelConfig
+from kvpush.services.client.errors import DirectoryCallError
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.integration.connector.conftest import BLOCK_SIZE, MAX_BATCHED_TOKENS, MODEL_SPEC
@@ -119,8 +120,17 @@ class FaultStack:
         return self._references[key]
 
     def plan(self, prompt_len: int, prefill_id: str, decode_id: str = DECODE_ID, ttl_s: float | None = None) -> str:
-        return self.client.plan_transfer(prompt_token_count=prompt_len, prefill_engine_id=prefill_id,
-                                         decode_engine_id=decode_id, ttl_s=ttl_s).transfer.transfer_id
+        """PlanTransfer pinned to the engines. Decode's free blocks reach the directory with its renewals (every
+        TTL/3): right after a request that filled decode, a plan may be refused for up to that long."""
+        deadline = time.monotonic() + LEASE_TTL_S
+        while True:
+            try:
+                return self.client.plan_transfer(prompt_token_count=prompt_len, prefill_engine_id=prefill_id,
+                                                 decode_engine_id=decode_id, ttl_s=ttl_s).transfer.transfer_id
+            except DirectoryCallError as error:
+                if "RESOURCE_EXHAUSTED" not in str(error) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def legs(self, prompt: list[int], max_tokens: int, prefill: EngineHandle, prefill_id: str,
              decode: EngineHandle | None = None, decode_id: str = DECODE_ID, ttl_s: float | None = None,

@@ -57,7 +57,7 @@ def _reuse_and_check(fault_stack, seed: int) -> None:
     tokens = fault_stack.tokens(fault_stack.request(fault_stack.decode, prompt, FILL_MAX_TOKENS))
     assert tokens == fault_stack.reference(prompt, FILL_MAX_TOKENS), "a late write landed in reused blocks"
     # The directory plans by the free blocks decode reported at its last step, and the fill request's last step
-    # still held them all: one small step more reports them free again (else the next plan is RESOURCE_EXHAUSTED).
+    # still held them all: one small step more reports them free again (else the next plans are refused).
     fault_stack.tokens(fault_stack.request(fault_stack.decode, prompt_of(8, seed=seed), 1))
 
 

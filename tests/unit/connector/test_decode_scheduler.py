@@ -74,7 +74,8 @@ def test_allocation_is_reported_and_the_receive_handed_to_the_workers():
 
 
 def test_a_refused_report_fails_the_receive_and_an_abort_cancels_the_transfer():
-    """An unknown transfer id is refused by the directory: the next step fails that receive. Aborting a
+    """An unknown transfer id is refused by the directory: the next step fails that receive, whose end then
+    cancels nothing (a duplicate of another request's transfer id must not cancel that one). Aborting a
     waiting request cancels its transfer at the directory and keeps the blocks until the workers confirm."""
     with directory_on_loopback() as address:
         client = SyncDirectoryClient(ChannelConfig(address=address))
@@ -94,6 +95,9 @@ def test_a_refused_report_fails_the_receive_and_an_abort_cancels_the_transfer():
 
             ((request_id, reason),) = _until(refused, "the refusal")
             assert request_id == "r-ghost" and "NOT_FOUND" in reason
+            # A request whose allocation was refused owns nothing of the transfer: finishing it cancels nothing.
+            assert scheduler.request_finished(ghost, [1, 2, 3]) == (False, None)
+            assert scheduler.receiving_count() == 0
             transfer_id = client.plan_transfer(prompt_token_count=40).transfer.transfer_id
             waiting = _request("r2", transfer_id)
             scheduler.on_new_request(waiting)
