@@ -140,8 +140,10 @@ class DecodeScheduler:
         request_id = request.request_id
         leg = self._legs.pop(request_id, None)
         if leg is not None:
-            # Never allocated: nothing can be written here, but prefill should stop pushing.
-            self._directory.cancel_transfer(leg.transfer_id, "decode request finished before allocation")
+            # Never allocated: nothing can be written here, but prefill should stop pushing (unless another request
+            # of this engine received that transfer id: a duplicate leg must not end the original's transfer).
+            if not self._received_by_another(leg.transfer_id, request_id):
+                self._directory.cancel_transfer(leg.transfer_id, "decode request finished before allocation")
             return False, None
         receive = self._receiving.get(request_id)
         if receive is None:
@@ -152,6 +154,10 @@ class DecodeScheduler:
         self._directory.cancel_transfer(receive.transfer_id, "decode request aborted while waiting for KV")
         self._pending_cancels.append(request_id)
         return True, None
+
+    def _received_by_another(self, transfer_id: str, request_id: str) -> bool:
+        return any(receive.transfer_id == transfer_id and not receive.refused and other != request_id
+                   for other, receive in self._receiving.items())
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         """Forget receives the workers reported finished (completed, failed or cancelled)."""
