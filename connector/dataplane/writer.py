@@ -432,7 +432,7 @@ class PushWriter:
             self._fail_transfer(transfer, f"not posted: {refused}")
             return
         if not write.hold_done:
-            transfer.posts += 1
+            transfer.posts += len(write.members)  # writes, not handles: ready writes may share one
             if self._config.fault_hold_posted_s > 0 and transfer.posts > self._config.fault_hold_after_writes:
                 # Fault injection: posted now, its bytes move later (see _check_in_flight).
                 write.posted_at = time.monotonic()
