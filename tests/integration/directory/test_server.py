@@ -213,7 +213,11 @@ def test_stream_level_errors_end_the_stream():
 
 
 def test_prefill_stream_break_fails_transfer_and_decode_learns():
-    """When the prefill stream breaks mid-transfer, the transfer fails and the decode watch hears it."""
+    """When the prefill stream breaks mid-transfer, the transfer fails; decode hears it once prefill confirmed it stopped.
+
+    The prefill worker is alive (its lease holds), so a write it posted may still land: the end waits for its
+    confirmation on the next session (or for its lease to go and its fence to pass).
+    """
     async def body():
         async with running_directory() as directory:
             channel, s = stub(directory.address)
@@ -225,9 +229,16 @@ def test_prefill_stream_break_fails_transfer_and_decode_learns():
             await s.ReportAllocation(allocation(tid))
             assert (await read(prefill)).instruction.transfer_id == tid
             prefill.cancel()
+            await asyncio.sleep(0.3)  # the directory notices the broken stream
+            pending = await s.GetTransfer(dpb.GetTransferRequest(transfer_id=tid))
+            assert pending.transfer.state == tpb.TRANSFER_STATE_STREAMING  # decided, not yet terminal
+            prefill = await open_prefill(s, "p1", p_lease)
+            assert (await read(prefill)).cancellation.transfer_id == tid
+            await prefill.write(dpb.StreamPrefillRequest(result=result(tid, dpb.WRITE_RESULT_STATUS_FAILED)))
             event = (await read(watch)).events[0]
             assert event.transfer_id == tid and event.state == tpb.TRANSFER_STATE_FAILED
             assert "prefill stream" in event.reason
+            await prefill.done_writing()
             await channel.close()
     run(body())
 
@@ -277,7 +288,14 @@ def test_killed_decode_engine_fails_its_transfers_within_the_lease():
                 elapsed = loop.time() - killed_at
                 assert message.cancellation.transfer_id == tid and "lease expired" in message.cancellation.reason
                 assert elapsed < 5.0 + 3.0  # lease TTL, plus the reaper period, plus slack for a busy 2-core machine
-                got = (await s.GetTransfer(dpb.GetTransferRequest(transfer_id=tid))).transfer
+                # Prefill still holds its lease: the transfer is terminal once it confirms it stopped writing.
+                await prefill.write(dpb.StreamPrefillRequest(result=result(tid, dpb.WRITE_RESULT_STATUS_CANCELLED)))
+                deadline = loop.time() + 5
+                while True:
+                    got = (await s.GetTransfer(dpb.GetTransferRequest(transfer_id=tid))).transfer
+                    if got.state != tpb.TRANSFER_STATE_STREAMING or loop.time() > deadline:
+                        break
+                    await asyncio.sleep(0.05)
                 assert got.state == tpb.TRANSFER_STATE_FAILED
                 await prefill.done_writing()
             finally:
