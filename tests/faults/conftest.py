@@ -1,6 +1,6 @@
 """Real-engine fault fixtures: a directory with short leases and vLLM CPU engines whose failures tests inject.
 
-One session-scoped `FaultStack` starts, in parallel, on 127.0.0.1 (the tiny 4-layer float32 model):
+One package-scoped `FaultStack` (tests/conftest.py runs this suite first, then tears it down) starts, in parallel, on 127.0.0.1 (the tiny 4-layer float32 model):
   * `prefill`: a plain KVPushConnector prefill engine;
   * `holder`: a prefill engine whose data plane holds every posted WRITE after a transfer's first for
     HOLD_S before its bytes move (`fault_hold_posted_write_s`): a WRITE stuck in the network, in flight
@@ -188,7 +188,7 @@ def is_openai_error(result: HttpResult) -> bool:
     return result.status >= 400 and isinstance(error, dict) and bool(error.get("message"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # torn down after the suite's last test: its 5 engines never overlap the others'
 def fault_stack(session_log_dir) -> FaultStack:
     """Directory (short leases), prefill, holder prefill, decode, victim decode and colocated engines."""
     model_dir = ensure_tiny_model(MODEL_SPEC)
