@@ -264,6 +264,10 @@ def push_timing(record: dict, layer_count: int) -> dict[str, Any]:
         "first_write_start_ms_from_prefill_end": _ms_from(first_write, prefill_end),
         "layer_write_end_ms_from_prefill_end": [
             _ms_from(ts(write.get("end_time")), prefill_end) for write in timing.get("layer_writes") or []],
+        # Posted late (the I/O thread) or posted on time and landing late (the GPU): the post of each layer's
+        # last write, against prefill end.
+        "layer_write_post_ms_from_prefill_end": [
+            _ms_from(ts(write.get("post_time")), prefill_end) for write in timing.get("layer_writes") or []],
     }
 
 

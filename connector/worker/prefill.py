@@ -511,7 +511,7 @@ class PushOwner:
         if live is None:
             return
         if done.start_time is not None:
-            live.push.write_started(done.start_time)
+            live.push.write_started(done.start_time, layer=done.layer)
         self._timeline_dirty.add(live.push.request_id)
         live.push.write_finished(done.outcome, done.error, done.end_time, done.post_duration_s,
                                  done.descriptor_count, done.bytes_written, layer=done.layer)
@@ -726,7 +726,10 @@ def timing_proto(timeline: PushTimeline) -> tpb.TransferTiming:
             stamp.FromNanoseconds(int(value * 1e9))
             getattr(proto, name).CopyFrom(stamp)
     for layer in sorted(timeline.layer_write_end_times):
-        proto.layer_writes.add(layer=layer).end_time.FromNanoseconds(int(timeline.layer_write_end_times[layer] * 1e9))
+        write = proto.layer_writes.add(layer=layer)
+        write.end_time.FromNanoseconds(int(timeline.layer_write_end_times[layer] * 1e9))
+        if layer in timeline.layer_write_post_times:
+            write.post_time.FromNanoseconds(int(timeline.layer_write_post_times[layer] * 1e9))
     proto.post_duration.CopyFrom(duration_pb2.Duration(seconds=int(timeline.post_duration_s),
                                                        nanos=int((timeline.post_duration_s % 1) * 1e9)))
     return proto

@@ -65,6 +65,8 @@ class PushTimeline:
     write_end_times: list[float] = field(default_factory=list, repr=False)
     # layer -> when its last write ended (the directory's per-layer timeline: TransferTiming.layer_writes).
     layer_write_end_times: dict[int, float] = field(default_factory=dict, repr=False)
+    # layer -> when its last write was posted (with the end: posted late, or posted on time and slow to land).
+    layer_write_post_times: dict[int, float] = field(default_factory=dict, repr=False)
     settled: bool = False                         # True in the one timeline published when the push was settled
 
     def as_dict(self) -> dict[str, Any]:
@@ -73,11 +75,12 @@ class PushTimeline:
 
     def snapshot(self) -> PushTimeline:
         """A copy to hand to another thread (the per-write list left out)."""
-        return dataclasses.replace(self, write_end_times=[], layer_write_end_times=dict(self.layer_write_end_times))
+        return dataclasses.replace(self, write_end_times=[], layer_write_end_times=dict(self.layer_write_end_times),
+                                   layer_write_post_times=dict(self.layer_write_post_times))
 
 
 # Per-write and per-layer detail: in the rank's TransferTiming, not in the response's push timeline.
-_PER_WRITE = ("write_end_times", "layer_write_end_times")
+_PER_WRITE = ("write_end_times", "layer_write_end_times", "layer_write_post_times")
 
 
 class PushTransfer:
@@ -113,6 +116,7 @@ class PushTransfer:
         self._layers_fully_planned = 0
         self._layer_writes_in_flight = [0] * layer_count
         self._layer_last_end_time: list[float | None] = [None] * layer_count
+        self._layer_last_post_time: list[float | None] = [None] * layer_count
         self._writes_planned = 0
         self._writes_landed = 0
         self._notify_planned = False
@@ -241,10 +245,13 @@ class PushTransfer:
         """The data plane reported that none of this transfer's handles is in flight."""
         self.writer_quiet = True
 
-    def write_started(self, start_time: float) -> None:
-        """Record a post (the earliest one is the first write start)."""
+    def write_started(self, start_time: float, layer: int | None = None) -> None:
+        """Record a post of `layer` (when known): the earliest is the first write start, a layer keeps its latest."""
         if self.timeline.first_write_start_time is None or start_time < self.timeline.first_write_start_time:
             self.timeline.first_write_start_time = start_time
+        if layer is not None and 0 <= layer < self.layer_count:
+            last = self._layer_last_post_time[layer]
+            self._layer_last_post_time[layer] = start_time if last is None else max(last, start_time)
 
     def write_finished(self, outcome: PushOutcome, error: str = "", end_time: float | None = None,
                        post_duration_s: float = 0.0, descriptor_count: int = 0, bytes_written: int = 0,
@@ -291,6 +298,8 @@ class PushTransfer:
                 and (self._layer_last_end_time[layer] or end) < end)
         timeline.layer_write_end_times = {layer: end for layer, end in enumerate(self._layer_last_end_time)
                                           if end is not None}
+        timeline.layer_write_post_times = {layer: post for layer, post in enumerate(self._layer_last_post_time)
+                                           if post is not None and layer in timeline.layer_write_end_times}
         timeline.state = PUSH_ACTIVE if self.outcome is None else self.outcome.value
         timeline.reason = self.reason
         return timeline

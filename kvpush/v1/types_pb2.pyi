@@ -230,9 +230,11 @@ class TransferTiming(_message.Message):
     def __init__(self, first_write_start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_write_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., prefill_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., post_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., write_count: _Optional[int] = ..., descriptor_count: _Optional[int] = ..., layers_written_before_prefill_end_count: _Optional[int] = ..., writes_before_prefill_end_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., layer_writes: _Optional[_Iterable[_Union[LayerWrite, _Mapping]]] = ...) -> None: ...
 
 class LayerWrite(_message.Message):
-    __slots__ = ("layer", "end_time")
+    __slots__ = ("layer", "end_time", "post_time")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     END_TIME_FIELD_NUMBER: _ClassVar[int]
+    POST_TIME_FIELD_NUMBER: _ClassVar[int]
     layer: int
     end_time: _timestamp_pb2.Timestamp
-    def __init__(self, layer: _Optional[int] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    post_time: _timestamp_pb2.Timestamp
+    def __init__(self, layer: _Optional[int] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., post_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

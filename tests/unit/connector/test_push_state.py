@@ -160,3 +160,23 @@ def test_stop_keeps_the_first_reason():
     push.stop(PushOutcome.FAILED, "first")
     push.stop(PushOutcome.CANCELLED, "second")
     assert (push.outcome, push.reason) == (PushOutcome.FAILED, "first")
+
+
+def test_each_layer_keeps_when_its_last_write_was_posted_and_ended():
+    """Post and end times per layer tell a write posted late from one posted on time that landed late."""
+    push = _push(512, layers=2)
+    _instruct(push)
+    for layer in (0, 1):
+        push.mark_ready(layer, 256)
+    early = push.next_writes()
+    for layer in (0, 1):
+        push.mark_ready(layer, 512)
+    late = push.next_writes()
+    for write, (post, end) in zip(early + late, ((1.0, 1.5), (1.1, 1.6), (2.0, 8.0), (7.0, 7.5))):
+        push.write_submitted()
+        push.write_started(post, layer=write.layer)
+        push.write_finished(PushOutcome.DONE, end_time=end, layer=write.layer)
+    timing = push.finalize_timeline()
+    assert timing.layer_write_post_times == {0: 2.0, 1: 7.0}
+    assert timing.layer_write_end_times == {0: 8.0, 1: 7.5}
+    assert timing.first_write_start_time == 1.0
