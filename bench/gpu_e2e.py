@@ -105,6 +105,11 @@ class Stack:
                        "--max-num-seqs", str(args.max_num_seqs)]
         if self.on_gpu and args.kv_cache_gib:
             engine_args += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
+        if args.tp > 1:
+            engine_args += ["--tensor-parallel-size", str(args.tp)]
+        devices = getattr(args, f"{name}_gpus", "")
+        if devices:
+            env = {**env, "CUDA_VISIBLE_DEVICES": devices}
         # One host: on CPU keep UCX on loopback (kvpush.localstack.stack); on a GPU, cuda_ipc moves the KV.
         host_env = GPU_ENV if self.on_gpu else {"UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
         return EngineSpec(name=name, model_dir=self.model_dir, served_model_name=SERVED_NAME, port=free_port(),
@@ -660,6 +665,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="fixed KV cache per engine (GPU), so engines start together; 0 = size by profiling, "
                             "one engine at a time")
         p.add_argument("--engine-timeout-s", type=float, default=420.0)
+        # Separate cards (a multi-GPU machine): CUDA_VISIBLE_DEVICES per engine, e.g. --prefill-gpus 0
+        # --decode-gpus 1 (the KV then crosses NVLink), or 0,1 / 2,3 with --tp 2. Empty: every engine on card 0.
+        p.add_argument("--prefill-gpus", default="", help="CUDA_VISIBLE_DEVICES of the prefill engine")
+        p.add_argument("--decode-gpus", default="", help="CUDA_VISIBLE_DEVICES of the decode engine")
+        p.add_argument("--colocated-gpus", default="", help="CUDA_VISIBLE_DEVICES of the colocated engine")
+        p.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size of every engine")
         p.add_argument("--log-dir", default="")
     e2e = sub.choices["e2e"]
     e2e.add_argument("--output-tokens", type=int, default=32)
