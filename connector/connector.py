@@ -212,7 +212,16 @@ class KVPushConnector(KVConnectorBase_V1):
         return errors
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """Push timelines of transfers that ended (prefill), for the response's kv_transfer_params."""
+        """Push timelines of transfers that ended (prefill), for the response's kv_transfer_params; prefill's
+        first tokens of the receives this step completed (decode), for the requests' first step.
+
+        Caller: worker thread, once per step, after get_finished (so the tokens come with their finished_recving).
+        """
+        if not self.config.is_prefill and self._worker is not None:
+            from kvpush.connector.metadata import KVPushWorkerMetadata
+
+            tokens = self._worker.take_first_tokens()
+            return KVPushWorkerMetadata(first_tokens=tokens) if tokens else None
         if self.config.is_prefill and self._worker is not None:
             meta = self._worker.build_worker_meta()
             if meta is not None:

@@ -135,6 +135,12 @@ class DecodeWorkerHalf(Protocol):
         idle_step_wait_s. Failure: a receive past transfer_timeout_s is cancelled, then released failed.
         """
 
+    def take_first_tokens(self) -> dict[str, int]:
+        """Prefill's first tokens of the receives completed since the last call (request id -> token).
+
+        Caller: build_connector_worker_meta, once per step after get_finished. Blocks: never. Failure: none.
+        """
+
 
 @dataclass
 class WorkerParts:

@@ -25,7 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 # Wire version history:
 #   1: prefill chunks, decode receives, decode cancellations, prefill holds, preemptions; worker timings.
 #   2: worker timelines keyed by request, then TP rank (PushTimeline fields), combined by the scheduler.
-WIRE_VERSION = 2
+#   3: first token from prefill: chunks say whether the transfer reports it, holds carry it, receives say
+#      whether they wait for it, decode workers report it.
+WIRE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class PrefillChunk:
     block_ids: tuple[int, ...]
     cached_token_count: int = 0
     trace_context: str = ""
+    # The transfer's DONE result waits for the token this request samples after the prompt, and carries it.
+    sends_first_token: bool = False
 
     @property
     def is_last(self) -> bool:
@@ -62,6 +66,8 @@ class ReceiveStart:
     prompt_token_count: int
     prefix_hit_token_count: int
     trace_context: str = ""
+    # The receive completes only with prefill's first token (the directory's COMPLETE event carries it).
+    awaits_first_token: bool = False
 
     def pushed_block_ids(self, block_size_tokens: int) -> tuple[int, ...]:
         """The blocks the push writes (those after decode's own prefix hit): the ones a failure invalidates."""
@@ -88,6 +94,8 @@ class KVPushMetadata(KVConnectorMetadata):
     prefill_chunks: chunks computed this step (prefill engines).
     held_prefills: request ids whose blocks the scheduler now holds for pushes (request_finished returned True);
         the worker reports each in finished_sending exactly once.
+    first_tokens: for held requests whose chunks said `sends_first_token`, the token each sampled after its
+        prompt (absent: it finished without one, e.g. aborted); the transfer's DONE result carries it.
     preempted: request ids preempted this step; their transfers fail (their blocks were freed).
     receives: decode requests that started waiting for pushed KV this step.
     cancelled_receives: decode requests aborted while waiting; reported finished once the transfer is terminal.
@@ -98,6 +106,7 @@ class KVPushMetadata(KVConnectorMetadata):
     wire_version: int = WIRE_VERSION
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     held_prefills: list[str] = field(default_factory=list)
+    first_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     receives: list[ReceiveStart] = field(default_factory=list)
     cancelled_receives: list[str] = field(default_factory=list)
@@ -116,7 +125,8 @@ class KVPushMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVPushWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker → scheduler data for one step: the push timelines that changed, by request id, then TP rank.
+    """Worker → scheduler data for one step: the push timelines that changed, by request id, then TP rank
+    (prefill), and the first tokens that came with completed receives, by request id (decode).
 
     A timeline is `PushTimeline.as_dict()` (a snapshot: a later one of the same rank supersedes it key by
     key; None means "not known yet"). `aggregate` only unions the ranks' entries; what the ranks mean
@@ -124,11 +134,15 @@ class KVPushWorkerMetadata(KVConnectorWorkerMetadata):
     """
 
     timelines: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    # Decode: request id -> prefill's first token, reported with (or before) the request's finished_recving.
+    first_tokens: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Add another rank's timelines to these (each rank's entry kept as it is)."""
+        """Add another rank's timelines and first tokens to these (each rank's entry kept as it is)."""
         if not isinstance(other, KVPushWorkerMetadata):
             return self
+        for request_id, token in other.first_tokens.items():
+            self.first_tokens.setdefault(request_id, token)  # every rank got the same COMPLETE event
         for request_id, by_rank in other.timelines.items():
             mine = self.timelines.setdefault(request_id, {})
             for rank, timeline in by_rank.items():

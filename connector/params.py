@@ -1,10 +1,16 @@
 """The `kv_transfer_params` a request carries into kvpush engines, parsed strictly.
 
-Prefill leg: {"transfer_id": T, "do_remote_decode": true, "traceparent": "00-..."} (max_tokens=1).
-Decode leg:  {"transfer_id": T, "do_remote_prefill": true, "traceparent": "00-...", "first_token_id": 17}.
-`first_token_id` (decode leg, optional): the token the prefill leg produced and the client already has;
-the decode engine's `ForcePrefillFirstToken` logits processor (connector/first_token.py) makes it the
-request's first sampled token.
+Prefill leg: {"transfer_id": T, "do_remote_decode": true, "traceparent": "00-...",
+              "first_token_from_prefill": true} (max_tokens=1).
+Decode leg:  {"transfer_id": T, "do_remote_prefill": true, "traceparent": "00-...",
+              "first_token_from_prefill": true} or {..., "first_token_id": 17}.
+First token from prefill (docs/gateway.md), the token the prefill leg sampled and the client already has
+becomes the decode request's first sampled token (the decode engine's `ForcePrefillFirstToken` logits
+processor, connector/first_token.py, forces it). Two ways to name it:
+- `first_token_from_prefill: true` on both legs (both legs sent at once): prefill's workers report the token
+  with the transfer's DONE result, the directory passes it to decode with the COMPLETE event, and decode's
+  scheduler half writes it into the request's `first_token_id` before the request's first step.
+- `first_token_id` (decode leg): the token itself, for a decode leg sent after the prefill leg returned.
 Both legs carry the same transfer id, minted by the directory's PlanTransfer. A request without these
 params is an ordinary local request and the connector leaves it alone.
 """
@@ -17,6 +23,8 @@ from typing import Any
 
 # Transfer ids are minted by the directory; bound them so a bad client cannot make us log megabytes.
 _MAX_TRANSFER_ID_CHARS = 128
+# Both legs: the first token travels from prefill to decode with the transfer's completion (module docstring).
+FIRST_TOKEN_FROM_PREFILL_KEY = "first_token_from_prefill"
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
@@ -32,6 +40,9 @@ class TransferParams:
     is_prefill_leg: bool
     traceparent: str = ""
     first_token_id: int | None = None  # decode leg: the token its first step must sample (None: sample freely)
+    # Prefill leg: report the sampled token with the transfer's completion. Decode leg: wait for it with the
+    # completion and sample it first.
+    first_token_from_prefill: bool = False
 
 
 def parse_transfer_params(params: Any) -> TransferParams | None:
@@ -59,5 +70,9 @@ def parse_transfer_params(params: Any) -> TransferParams | None:
         if isinstance(first_token_id, bool) or not isinstance(first_token_id, int) or first_token_id < 0:
             raise TransferParamsError(
                 f"kv_transfer_params.first_token_id must be a non-negative token id, got {str(first_token_id)[:32]!r}")
+    from_prefill = params.get(FIRST_TOKEN_FROM_PREFILL_KEY, False)
+    if not isinstance(from_prefill, bool):
+        raise TransferParamsError(f"kv_transfer_params.{FIRST_TOKEN_FROM_PREFILL_KEY} must be a boolean, "
+                                  f"got {str(from_prefill)[:32]!r}")
     return TransferParams(transfer_id=transfer_id, is_prefill_leg=prefill_leg, traceparent=traceparent,
-                          first_token_id=first_token_id)
+                          first_token_id=first_token_id, first_token_from_prefill=from_prefill)

@@ -9,7 +9,11 @@ Life cycle of a decode-leg request (kv_transfer_params: transfer_id + do_remote_
      without waiting; queue a `ReceiveStart` for the workers. A refused report comes back on the
      client's thread and is queued as a failed receive for the next step's metadata.
   3. The workers report the request in finished_recving (completion, or failure with load-error blocks
-     so vLLM's kv_load_failure_policy applies); `update_connector_output` forgets it.
+     so vLLM's kv_load_failure_policy applies); `update_connector_output` forgets it. First token from
+     prefill (`first_token_from_prefill` on the leg): the workers report prefill's token with (or before)
+     the completion; it is written into the request's `kv_transfer_params.first_token_id` at once, before
+     vLLM schedules the request's first step (the next `schedule()`), so the `ForcePrefillFirstToken`
+     logits processor, which reads it when the request joins the batch, forces it.
   4. Abort while waiting: `request_finished` submits CancelTransfer and tells the workers, which report
      the request finished only once the directory confirms the transfer is terminal (no write in
      flight) or transfer_timeout_s passed; until then vLLM keeps the blocks (WAITING_FOR_REMOTE_KVS).
@@ -24,7 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
+from kvpush.connector.first_token import FIRST_TOKEN_KEY
+from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, ReceiveStart
 from kvpush.connector.params import TransferParams, TransferParamsError, parse_transfer_params
 from kvpush.observability import get_logger
 
@@ -53,6 +58,7 @@ class _Receive:
     """A decode request between allocation and finished_recving."""
 
     transfer_id: str
+    request: "Request"
     # The directory refused this request's allocation: it owns nothing of the transfer (another request of the
     # same transfer id may), so it never cancels it, and no write targets its blocks.
     refused: bool = False
@@ -110,10 +116,11 @@ class DecodeScheduler:
                 f"request {request.request_id} has {len(block_ids)} blocks for {prompt_tokens} prompt tokens")
         block_ids = list(block_ids[:needed_blocks])
         request_id = request.request_id
-        self._receiving[request_id] = _Receive(leg.transfer_id)
+        self._receiving[request_id] = _Receive(leg.transfer_id, request)
         self._pending_receives.append(ReceiveStart(
             request_id=request_id, transfer_id=leg.transfer_id, block_ids=tuple(block_ids),
-            prompt_token_count=prompt_tokens, prefix_hit_token_count=prefix_hit, trace_context=leg.traceparent))
+            prompt_token_count=prompt_tokens, prefix_hit_token_count=prefix_hit, trace_context=leg.traceparent,
+            awaits_first_token=leg.first_token_from_prefill and leg.first_token_id is None))
 
         def on_refused(reason: str, request_id: str = request_id) -> None:
             self._refusals.put((request_id, reason))
@@ -160,7 +167,14 @@ class DecodeScheduler:
                    for other, receive in self._receiving.items())
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        """Forget receives the workers reported finished (completed, failed or cancelled)."""
+        """Attach prefill's first tokens; forget receives the workers reported finished (completed, failed or
+        cancelled)."""
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, KVPushWorkerMetadata):
+            for request_id, token in worker_meta.first_tokens.items():
+                receive = self._receiving.get(request_id)
+                if receive is not None:
+                    attach_first_token(receive.request, token)
         for request_id in connector_output.finished_recving or ():
             self._receiving.pop(request_id, None)
 
@@ -171,3 +185,16 @@ class DecodeScheduler:
     def receiving_count(self) -> int:
         """How many requests wait for pushed KV (for tests and metrics)."""
         return len(self._receiving)
+
+
+def attach_first_token(request: "Request", token: int) -> None:
+    """Make `token` the request's first sampled token: `kv_transfer_params.first_token_id`, read by the
+    `ForcePrefillFirstToken` logits processor when the request joins the batch.
+
+    `request.kv_transfer_params` is the very dict in `sampling_params.extra_args`, which vLLM sends to the
+    workers only when it first schedules the request (after its KV arrived), so the processor sees the token.
+    """
+    params = request.kv_transfer_params
+    if not isinstance(params, dict):  # never for a decode leg: on_new_request parsed this dict
+        return
+    params[FIRST_TOKEN_KEY] = token

@@ -9,7 +9,10 @@ Life cycle of a prefill-leg request (kv_transfer_params: transfer_id + do_remote
      tokens came from this engine's prefix cache (ready at once, never recomputed, still pushed).
   3. `request_finished`: if any chunk went to the workers, return (True, params): vLLM keeps the
      blocks until the workers report the request in finished_sending (pushes done, failed, cancelled or
-     timed out). The params carry the transfer id and the push timeline known so far.
+     timed out). The params carry the transfer id and the push timeline known so far. A leg with
+     `first_token_from_prefill` also hands the workers the token it sampled after the prompt (with the
+     hold, in the next step's metadata): the transfer's DONE result carries it to the directory, which
+     passes it to decode with the COMPLETE event.
   4. `update_connector_output`: finished_sending releases the hold; worker timelines are merged.
 `has_pending_push_work` is True while any hold is open, so the engine keeps stepping (and the workers
 keep reporting) after its last request finished. Nothing here touches the network.
@@ -55,6 +58,7 @@ class _TrackedPrefill:
     chunks_sent: int = 0
     preempted: bool = False
     block_ids: list[int] = field(default_factory=list)  # the request's blocks, as of this step
+    sends_first_token: bool = False  # first_token_from_prefill: DONE carries the token sampled after the prompt
     timeline: dict[str, Any] = field(default_factory=dict)
 
 
@@ -71,6 +75,7 @@ class PrefillScheduler:
         # after update_from_output returns, so timelines the workers report in that same step still land.
         self._response_params: dict[str, dict[str, Any]] = {}
         self._newly_held: list[str] = []
+        self._newly_held_first_tokens: dict[str, int] = {}
         # Each rank's latest push timeline of a request, until its blocks are released.
         self._rank_timelines: dict[str, dict[int, dict[str, Any]]] = {}
 
@@ -84,7 +89,8 @@ class PrefillScheduler:
             return
         if params is None or not params.is_prefill_leg:
             return
-        self._tracked[request.request_id] = _TrackedPrefill(request, params.transfer_id, params.traceparent)
+        self._tracked[request.request_id] = _TrackedPrefill(request, params.transfer_id, params.traceparent,
+                                                            sends_first_token=params.first_token_from_prefill)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """A prefill engine never loads external KV."""
@@ -106,6 +112,7 @@ class PrefillScheduler:
             self._track_block_ids(scheduler_output)
             self._add_chunks(scheduler_output, meta)
         meta.held_prefills, self._newly_held = self._newly_held, []
+        meta.first_tokens, self._newly_held_first_tokens = self._newly_held_first_tokens, {}
         return meta
 
     def _track_block_ids(self, scheduler_output: "SchedulerOutput") -> None:
@@ -152,7 +159,7 @@ class PrefillScheduler:
                 token_end=token_end, prompt_token_count=prompt_tokens,
                 block_ids=tuple(block_ids[:needed_blocks]),
                 cached_token_count=token_start if tracked.chunks_sent == 0 else 0,
-                trace_context=tracked.traceparent,
+                trace_context=tracked.traceparent, sends_first_token=tracked.sends_first_token,
             ))
             if tracked.chunks_sent == 0:
                 tracked.timeline["prefill_start_time"] = now
@@ -178,6 +185,11 @@ class PrefillScheduler:
                    blocks=len(block_ids))
         self._held[request.request_id] = time.monotonic()
         self._newly_held.append(request.request_id)
+        if tracked.sends_first_token:
+            # vLLM appended the sampled token before finishing the request (max_tokens=1 on a prefill leg).
+            outputs = list(request.output_token_ids or ())
+            if outputs and isinstance(outputs[0], int) and outputs[0] >= 0:
+                self._newly_held_first_tokens[request.request_id] = outputs[0]
         self._response_params[request.request_id] = params
         return True, params
 

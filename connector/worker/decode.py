@@ -8,7 +8,11 @@ and the directory client thread only enqueue into `_inbox`, drained at every hoo
   2. `begin_step`: a `ReceiveStart` from the scheduler starts waiting for the transfer, with a
      deadline of transfer_timeout_s. Signals that arrived earlier (fast prefill) are applied now.
   3. Completion is whichever comes first: prefill's NIXL notification (sent only after every write
-     landed) or the directory's COMPLETE event. The request is reported in finished_recving.
+     landed) or the directory's COMPLETE event. The request is reported in finished_recving. A receive
+     that `awaits_first_token` (first token from prefill) completes only with the directory's word (its
+     COMPLETE event, or a lookup of the COMPLETE transfer), which carries the token prefill sampled after
+     the prompt; the token goes to the scheduler half in the same step's worker metadata (`first_tokens`),
+     which makes it the request's first sampled token.
   4. Failure: a FAILED / EXPIRED / CANCELLED event (the directory sends one only once no write of the
      transfer can land: docs/connector.md, Block lifetime), a refused allocation report, or the deadline
      (then CancelTransfer, and the failure waits for the directory's terminal state) -> the request is
@@ -59,6 +63,7 @@ class _Signal:
     received_at: float
     # Monotonic time before which the blocks must not be released (a write may still land): 0 for at once.
     not_before: float = 0.0
+    first_token_id: int | None = None  # COMPLETE from the directory: prefill's first token, when it sent one
 
 
 @dataclass
@@ -84,6 +89,9 @@ class DecodeWorker:
         self._receives: dict[str, _Receive] = {}
         self._by_transfer: dict[str, str] = {}
         self._early: dict[str, _Signal] = {}   # signals for transfers no receive waits for (yet)
+        # The directory's signal for a transfer whose notification came first: it ends a receive that awaits
+        # prefill's first token (the notification carries none).
+        self._after_notification: dict[str, _Signal] = {}
         # Refused allocations end their own request only (another request may name the same transfer id).
         self._refused: dict[str, _Signal] = {}
         self._load_errors: set[int] = set()
@@ -91,6 +99,8 @@ class DecodeWorker:
         self._empty_step = False  # the current step schedules no tokens (see get_finished / collect)
         self.completed_count = 0
         self.failed_count = 0
+        # Completed receives' first tokens from prefill, for this step's worker metadata (request id -> token).
+        self._first_tokens: dict[str, int] = {}
 
     # ---------------------------------------------------------------- callbacks from other threads
 
@@ -104,7 +114,8 @@ class DecodeWorker:
         outcome = ReceiveOutcome.from_transfer_state(event.state)
         if outcome is None:
             return
-        signal = _Signal(outcome, event.reason, "event", time.monotonic())
+        signal = _Signal(outcome, event.reason, "event", time.monotonic(),
+                         first_token_id=event.first_token_id if event.HasField("first_token_id") else None)
         self._inbox.put(lambda: self._signal(event.transfer_id, signal))
 
     def on_gap(self, last_sequence_number: int) -> None:
@@ -135,7 +146,7 @@ class DecodeWorker:
     def collect(self) -> tuple[set[str], set[int]]:
         """Requests finished receiving this step, and the block ids of those that failed (load errors)."""
         if (self._empty_step and self._receives
-                and not any(r.start.transfer_id in self._early for r in self._receives.values())):
+                and not any(self._ending_signal(r) is not None for r in self._receives.values())):
             # Nothing computed this step: wait (bounded) for a transfer signal rather than spin vLLM's loop.
             self._empty_step = False
             wait_for_actions(self._inbox, self._config.idle_step_wait_s, _log, "decode")
@@ -152,15 +163,21 @@ class DecodeWorker:
                 finished.add(request_id)
                 self._end_receive(receive, signal)
         for request_id, receive in list(self._receives.items()):
-            signal = self._early.get(receive.start.transfer_id)
+            signal = self._ending_signal(receive)
             if signal is None or signal.not_before > now:
                 continue
-            del self._early[receive.start.transfer_id]
+            self._early.pop(receive.start.transfer_id, None)
+            self._after_notification.pop(receive.start.transfer_id, None)
             finished.add(request_id)
             self._end_receive(receive, signal)
         errors, self._load_errors = self._load_errors, set()
         self._prune_early(now)
         return finished, errors
+
+    def take_first_tokens(self) -> dict[str, int]:
+        """First tokens of receives completed since the last call (request id -> token), for the scheduler."""
+        tokens, self._first_tokens = self._first_tokens, {}
+        return tokens
 
     def waiting_count(self) -> int:
         """Requests waiting for pushed KV (for tests and metrics)."""
@@ -186,11 +203,31 @@ class DecodeWorker:
         self._by_transfer[start.transfer_id] = start.request_id
 
     def _signal(self, transfer_id: str, signal: _Signal) -> None:
-        """Keep the first decisive signal per transfer; one that may release at once replaces a held one."""
+        """Keep the first decisive signal per transfer; one that may release at once replaces a held one.
+
+        After a notification, the directory's first signal is kept beside it: only the directory's COMPLETE
+        carries prefill's first token, and a receive that awaits one ends on the directory's word.
+        """
         held = self._early.get(transfer_id)
-        if held is not None and not (held.not_before > signal.not_before and signal.not_before <= time.monotonic()):
-            return
-        self._early[transfer_id] = signal
+        if held is None:
+            self._early[transfer_id] = signal
+        elif held.source == "notification" and signal.source != "notification":
+            self._after_notification.setdefault(transfer_id, signal)
+        elif held.not_before > signal.not_before and signal.not_before <= time.monotonic():
+            self._early[transfer_id] = signal
+
+    def _ending_signal(self, receive: _Receive) -> _Signal | None:
+        """The signal that may end this receive, if any (the caller checks its not_before).
+
+        A notification cannot end a receive that awaits prefill's first token (it carries no token): the
+        directory's COMPLETE, sent with prefill's DONE result, follows it. The deadline bounds that wait.
+        """
+        signal = self._early.get(receive.start.transfer_id)
+        if signal is None:
+            return None
+        if receive.start.awaits_first_token and signal.source == "notification" and not receive.aborted:
+            return self._after_notification.get(receive.start.transfer_id)
+        return signal
 
     def _unconfirmed_release_s(self) -> float:
         """How long after a cancel decode waits for the directory before releasing blocks unconfirmed (point 6)."""
@@ -236,6 +273,13 @@ class DecodeWorker:
             return
         if signal.outcome is ReceiveOutcome.COMPLETE:
             self.completed_count += 1
+            if start.awaits_first_token:
+                if signal.first_token_id is not None:
+                    self._first_tokens[start.request_id] = signal.first_token_id
+                    receive.span.set_attributes({"kvpush.first_token_id": signal.first_token_id})
+                else:  # prefill finished without a token (its request aborted): decode samples freely
+                    _log.warning("transfer complete without prefill's first token; decode samples its own",
+                                 transfer_id=start.transfer_id, request_id=start.request_id, signal=signal.source)
             receive.span.end(ok=True)
             _log.info("receive complete", transfer_id=start.transfer_id, request_id=start.request_id,
                       signal=signal.source, wait_s=round(waited, 4))
@@ -256,6 +300,7 @@ class DecodeWorker:
         for transfer_id in [t for t, s in self._early.items() if s.received_at < horizon
                             and t not in self._by_transfer]:
             del self._early[transfer_id]
+            self._after_notification.pop(transfer_id, None)
 
     def _reread_all(self) -> None:
         for transfer_id in list(self._by_transfer):
@@ -271,7 +316,9 @@ class DecodeWorker:
                     return  # other errors: the deadline still bounds the wait
                 outcome = ReceiveOutcome.from_transfer_state(transfer.state)
                 if outcome is not None:
-                    signal = _Signal(outcome, transfer.failure_reason, "lookup", time.monotonic())
+                    signal = _Signal(outcome, transfer.failure_reason, "lookup", time.monotonic(),
+                                     first_token_id=transfer.first_token_id if transfer.HasField("first_token_id")
+                                     else None)
                     self._inbox.put(lambda: self._signal(transfer_id, signal))
 
             self._directory.get_transfer(transfer_id, done)

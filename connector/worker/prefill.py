@@ -28,7 +28,9 @@ Life cycle of one transfer on a prefill worker:
   5. `wait_for_save` -> `StepSaved`: the step's readiness batch is queued to the directory.
   6. Write outcomes (I/O thread). When every write landed the data plane notifies decode; the transfer
      is settled (`PushOwner._settle`, the only place): WriteResult to the directory, span ended,
-     timeline published.
+     timeline published. A transfer whose chunks say `sends_first_token` settles DONE only once its hold
+     arrived, which carries the token the request sampled after the prompt: the WriteResult reports it
+     (first token from prefill). A hold that never comes is bounded by push_timeout_s.
   7. A held request is `Released` once its transfer is settled (DONE / FAILED / CANCELLED with no write
      in flight), or after push_timeout_s (writes cancelled first); `get_finished_sending` reports it
      once vLLM has also passed it in finished_req_ids. A prompt aborted before it was computed, a
@@ -320,6 +322,9 @@ class _Live:
     writer_cancelled: bool = False
     # Set with the instruction: None to post a write, else why not (the lease it came under is gone).
     post_guard: Callable[[], str | None] | None = None
+    sends_first_token: bool = False          # DONE waits for the hold, which carries the token (module docstring)
+    first_token_id: int | None = None        # the token the request sampled after its prompt (from the hold)
+    quiet_since: float | None = None         # monotonic time the push ended with nothing in flight
 
 
 class PushOwner:
@@ -363,6 +368,7 @@ class PushOwner:
                 self._publish(Released(request_id))  # nothing of it is pushed here (a reused transfer id)
                 continue
             live.held_since = time.monotonic()
+            live.first_token_id = meta.first_tokens.get(request_id)
             if not live.push.fully_computed:
                 self._stop(live, PushOutcome.FAILED, "prefill request finished before its prompt was computed")
         for live in list(self._live.values()):
@@ -381,7 +387,8 @@ class PushOwner:
                                       {"kvpush.request_id": chunk.request_id,
                                        "kvpush.prompt_token_count": chunk.prompt_token_count,
                                        "kvpush.cached_token_count": chunk.cached_token_count})
-            live = _Live(push, span.traceparent() or chunk.trace_context, span)  # writes: children of the push
+            live = _Live(push, span.traceparent() or chunk.trace_context, span,  # writes: children of the push
+                         sends_first_token=chunk.sends_first_token)
             self._live[chunk.request_id] = live
             self._by_transfer[chunk.transfer_id] = chunk.request_id
         if live.push.terminal:
@@ -627,6 +634,12 @@ class PushOwner:
         the transfer landed (NIXL does not order handles), so decode never starts on partial KV.
         """
         if not live.settled and live.push.terminal and live.push.quiescent:
+            if (live.sends_first_token and live.held_since is None and live.push.outcome is PushOutcome.DONE
+                    and not live.cancel_requested):
+                # DONE must carry the token the request samples after its prompt; it comes with the hold.
+                if live.quiet_since is None:
+                    live.quiet_since = time.monotonic()
+                return
             self._settle(live)
         if live.settled and live.held_since is not None:
             self._release(live)
@@ -638,9 +651,10 @@ class PushOwner:
         timeline = push.finalize_timeline()
         if push.has_instruction or live.cancel_requested:
             live.result_sent = True
-            self._send_result(push.transfer_id, push.outcome, push.reason if push.outcome is not PushOutcome.DONE
-                              else "", timeline if push.outcome is PushOutcome.DONE else None,
-                              push.layers_written(), timeline.bytes_written)
+            done = push.outcome is PushOutcome.DONE
+            self._send_result(push.transfer_id, push.outcome, push.reason if not done else "",
+                              timeline if done else None, push.layers_written(), timeline.bytes_written,
+                              live.first_token_id if done and live.sends_first_token else None)
         values = {k: v for k, v in timeline.as_dict().items() if v is not None}
         live.span.set_attributes({**{f"kvpush.{k}": v for k, v in values.items() if k not in ("state", "reason")},
                                   "kvpush.state": push.outcome.value})
@@ -665,12 +679,15 @@ class PushOwner:
         self._publish(TimelineChanged(live.push.request_id, live.push.finalize_timeline().snapshot()))
 
     def _send_result(self, transfer_id: str, outcome: PushOutcome, error: str = "",
-                     timeline: PushTimeline | None = None, layers_written: int = 0, bytes_written: int = 0) -> None:
+                     timeline: PushTimeline | None = None, layers_written: int = 0, bytes_written: int = 0,
+                     first_token_id: int | None = None) -> None:
         if self._directory.session is None:
             return
         result = dpb.WriteResult(transfer_id=transfer_id, status=outcome.write_result_status,
                                  error_message=error[:1000], layers_written_count=layers_written,
                                  bytes_written=bytes_written)
+        if first_token_id is not None:
+            result.first_token_id = first_token_id
         if timeline is not None:
             result.timing.CopyFrom(timing_proto(timeline))
         self._directory.session.send_result(result)
@@ -697,6 +714,14 @@ class PushOwner:
     def _enforce_bounds(self, now: float) -> None:
         """Held requests never wait past push_timeout_s; then their writes are cancelled and the blocks freed."""
         for live in list(self._live.values()):
+            if live.quiet_since is not None and live.held_since is None and not live.settled \
+                    and now - live.quiet_since > self._config.push_timeout_s:
+                # Every write landed but the request never finished (a leg without max_tokens=1): report DONE
+                # without the token rather than keep decode waiting for ever.
+                _log.warning("first token not known within push_timeout_s; DONE reported without it",
+                             transfer_id=live.push.transfer_id, request_id=live.push.request_id)
+                live.sends_first_token = False
+                self._settle_if_ended(live)
             if live.held_since is None:
                 continue
             waited = now - live.held_since

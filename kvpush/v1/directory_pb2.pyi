@@ -169,20 +169,22 @@ class LayerReadyBatch(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[LayerReady, _Mapping]]] = ...) -> None: ...
 
 class WriteResult(_message.Message):
-    __slots__ = ("transfer_id", "status", "layers_written_count", "bytes_written", "error_message", "timing")
+    __slots__ = ("transfer_id", "status", "layers_written_count", "bytes_written", "error_message", "timing", "first_token_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_WRITTEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     status: WriteResultStatus
     layers_written_count: int
     bytes_written: int
     error_message: str
     timing: _types_pb2.TransferTiming
-    def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[WriteResultStatus, str]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., error_message: _Optional[str] = ..., timing: _Optional[_Union[_types_pb2.TransferTiming, _Mapping]] = ...) -> None: ...
+    first_token_id: int
+    def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[WriteResultStatus, str]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., error_message: _Optional[str] = ..., timing: _Optional[_Union[_types_pb2.TransferTiming, _Mapping]] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "lease_id", "directory_incarnation_id")
@@ -281,18 +283,20 @@ class WatchTransfersRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., after_sequence_number: _Optional[int] = ..., directory_incarnation_id: _Optional[str] = ..., replay_retained: _Optional[bool] = ...) -> None: ...
 
 class TransferEvent(_message.Message):
-    __slots__ = ("sequence_number", "transfer_id", "state", "reason", "bytes_written")
+    __slots__ = ("sequence_number", "transfer_id", "state", "reason", "bytes_written", "first_token_id")
     SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     sequence_number: int
     transfer_id: str
     state: _types_pb2.TransferState
     reason: str
     bytes_written: int
-    def __init__(self, sequence_number: _Optional[int] = ..., transfer_id: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.TransferState, str]] = ..., reason: _Optional[str] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+    first_token_id: int
+    def __init__(self, sequence_number: _Optional[int] = ..., transfer_id: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.TransferState, str]] = ..., reason: _Optional[str] = ..., bytes_written: _Optional[int] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class WatchTransfersResponse(_message.Message):
     __slots__ = ("events", "directory_incarnation_id")

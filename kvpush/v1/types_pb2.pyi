@@ -144,7 +144,7 @@ class EngineWorker(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., active_transfer_count: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model: _Optional[str] = ..., unreachable_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., unreachable_reason: _Optional[str] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "state", "prefill_engine_id", "decode_engine_id", "prompt_token_count", "prefix_hit_token_count", "decode_block_ids", "layers_written_count", "bytes_written", "failure_reason", "create_time", "allocate_time", "first_ready_time", "dispatch_time", "end_time", "deadline", "trace_context", "rank_timings", "layer_timings")
+    __slots__ = ("transfer_id", "request_id", "state", "prefill_engine_id", "decode_engine_id", "prompt_token_count", "prefix_hit_token_count", "decode_block_ids", "layers_written_count", "bytes_written", "failure_reason", "create_time", "allocate_time", "first_ready_time", "dispatch_time", "end_time", "deadline", "trace_context", "rank_timings", "layer_timings", "first_token_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class Transfer(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     RANK_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LAYER_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     state: TransferState
@@ -185,7 +186,8 @@ class Transfer(_message.Message):
     trace_context: str
     rank_timings: _containers.RepeatedCompositeFieldContainer[RankTiming]
     layer_timings: _containers.RepeatedCompositeFieldContainer[LayerTiming]
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failure_reason: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., allocate_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_ready_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., dispatch_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., trace_context: _Optional[str] = ..., rank_timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ...) -> None: ...
+    first_token_id: int
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failure_reason: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., allocate_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_ready_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., dispatch_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., trace_context: _Optional[str] = ..., rank_timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class LayerTiming(_message.Message):
     __slots__ = ("layer", "ready_time", "written_time")

@@ -258,6 +258,8 @@ class TransferRecord:
     rank_fences: dict[int, float] = field(default_factory=dict)
     # layer -> when prefill first reported it ready (any rank).
     layer_ready_walls: dict[int, float] = field(default_factory=dict)
+    # The token prefill sampled after the prompt, from its DONE results (first token from prefill); None if unsent.
+    first_token_id: int | None = None
 
     @property
     def terminal(self) -> bool:
@@ -281,6 +283,8 @@ class TransferRecord:
             failure_reason=self.failure_reason,
             trace_context=self.trace_context,
         )
+        if self.first_token_id is not None:
+            msg.first_token_id = self.first_token_id
         if self.allocation is not None:
             msg.prompt_token_count = self.allocation.prompt_token_count
             msg.prefix_hit_token_count = self.allocation.prefix_hit_token_count

@@ -10,7 +10,9 @@ Life cycle of a transfer (terminal states never change again):
    arrive in either order. The first makes it ALLOCATED (or records readiness while PLANNED);
    when both are known it becomes STREAMING and ONE `PushInstruction` goes to the outbox of
    every prefill rank. Later readiness only records progress.
-3. `report_result()` per prefill rank: DONE from every rank -> COMPLETE; FAILED -> FAILED.
+3. `report_result()` per prefill rank: DONE from every rank -> COMPLETE; FAILED -> FAILED. A DONE
+   may carry the token prefill sampled after the prompt (first token from prefill); the COMPLETE
+   event then carries it to decode, whose first sampled token is forced to it.
 4. Every other end (a cancel, a broken prefill session, a lost engine, the transfer's deadline) is
    first *decided* (`Ending`, prefill told to stop) and becomes terminal only once no WRITE of it can
    still land in decode's blocks (`_end_when_no_write_can_land`): every dispatched prefill rank
@@ -422,11 +424,19 @@ class DirectoryState:
                 return fx  # duplicate
             raise FailedPrecondition(
                 f"rank {tp_rank} already reported {dpb.WriteResultStatus.Name(record.quiescent[tp_rank])}")
+        if result.HasField("first_token_id"):
+            if status != dpb.WRITE_RESULT_STATUS_DONE:
+                raise InvalidArgument("first_token_id is set only with WRITE_RESULT_STATUS_DONE")
+            if record.first_token_id is not None and record.first_token_id != result.first_token_id:
+                raise InvalidArgument(f"rank {tp_rank} reports first_token_id {result.first_token_id}; another "
+                                      f"rank reported {record.first_token_id}")
         record.layers_written[tp_rank] = max(record.layers_written.get(tp_rank, 0), result.layers_written_count)
         record.bytes_written[tp_rank] = max(record.bytes_written.get(tp_rank, 0), result.bytes_written)
         if status == dpb.WRITE_RESULT_STATUS_PROGRESS:
             return fx
         record.quiescent[tp_rank] = status
+        if result.HasField("first_token_id"):
+            record.first_token_id = result.first_token_id
         if result.HasField("timing"):
             record.timing[tp_rank] = copy_message(result.timing)
         if status == dpb.WRITE_RESULT_STATUS_FAILED:
@@ -513,9 +523,12 @@ class DirectoryState:
         self._event_sequence += 1
         log = self._watch_logs.setdefault(record.decode_engine_id,
                                           WatchLog(self.limits.retained_watch_events_per_engine))
-        log.append(dpb.TransferEvent(
+        event = dpb.TransferEvent(
             sequence_number=self._event_sequence, transfer_id=record.transfer_id, state=state, reason=reason,
-            bytes_written=record.total_bytes_written()))
+            bytes_written=record.total_bytes_written())
+        if state == tpb.TRANSFER_STATE_COMPLETE and record.first_token_id is not None:
+            event.first_token_id = record.first_token_id  # decode's first sampled token must be it
+        log.append(event)
         fx.watch_engines.add(record.decode_engine_id)
         self._terminal_order.append(record.transfer_id)
         while len(self._terminal_order) > self.limits.retained_terminal_transfers:

@@ -223,6 +223,8 @@ def check_result(result: dpb.WriteResult, limits: Limits) -> None:
     _non_negative(result.layers_written_count, "layers_written_count")
     _non_negative(result.bytes_written, "bytes_written")
     require_text(result.error_message, "error_message")
+    if result.HasField("first_token_id"):
+        _non_negative(result.first_token_id, "first_token_id")
     if result.HasField("timing"):
         check_timing(result.timing)
     if result.status not in dpb.WriteResultStatus.values() or result.status == dpb.WRITE_RESULT_STATUS_UNSPECIFIED:

@@ -132,3 +132,13 @@ def test_decode_leg_first_token_id_is_parsed_strictly():
                 {"transfer_id": "t", "do_remote_prefill": True, "first_token_id": "7"}):
         with pytest.raises(TransferParamsError, match="first_token_id"):
             parse_transfer_params(bad)
+
+
+def test_first_token_from_prefill_is_a_boolean_on_either_leg():
+    """first_token_from_prefill is read on both legs and refused when not a boolean."""
+    for leg in ("do_remote_prefill", "do_remote_decode"):
+        assert parse_transfer_params({"transfer_id": "t", leg: True, "first_token_from_prefill": True}) \
+            .first_token_from_prefill
+        assert not parse_transfer_params({"transfer_id": "t", leg: True}).first_token_from_prefill
+        with pytest.raises(TransferParamsError, match="first_token_from_prefill"):
+            parse_transfer_params({"transfer_id": "t", leg: True, "first_token_from_prefill": "yes"})

@@ -109,3 +109,33 @@ def test_a_refused_report_fails_the_receive_and_an_abort_cancels_the_transfer():
         finally:
             link.close()
             client.close()
+
+
+def test_prefill_first_token_is_attached_before_the_request_is_scheduled():
+    """A first_token_from_prefill leg: the receive waits for the token; the workers' token (worker metadata, with
+    the finished receive) lands in the request's kv_transfer_params.first_token_id, the very dict vLLM hands the
+    logits processor in the request's sampling params."""
+    from kvpush.connector.first_token import forced_first_token
+    from kvpush.connector.metadata import KVPushWorkerMetadata
+
+    with directory_on_loopback() as address:
+        client = SyncDirectoryClient(ChannelConfig(address=address))
+        link = DirectoryLink(connector_config(address, "decode", "d"))
+        try:
+            client.register_engine(register_request("p", PREFILL))
+            client.register_engine(register_request("d", DECODE))
+            transfer_id = client.plan_transfer(prompt_token_count=40).transfer.transfer_id
+            scheduler = DecodeScheduler(connector_config(address, "decode", "d"), BS, link)
+            request = _request("r1", transfer_id)
+            request.kv_transfer_params["first_token_from_prefill"] = True
+            scheduler.on_new_request(request)
+            scheduler.update_state_after_alloc(request, _blocks(5, 6, 7), 40)
+            (receive,) = scheduler.build_connector_meta(SchedulerOutput.make_empty()).receives
+            assert receive.awaits_first_token
+            assert forced_first_token(request.sampling_params) is None
+            scheduler.update_connector_output(KVConnectorOutput(
+                finished_recving={"r1"}, kv_connector_worker_meta=KVPushWorkerMetadata(first_tokens={"r1": 99})))
+            assert forced_first_token(request.sampling_params) == 99 and scheduler.receiving_count() == 0
+        finally:
+            link.close()
+            client.close()

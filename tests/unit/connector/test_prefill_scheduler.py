@@ -75,3 +75,26 @@ def test_a_request_that_never_reached_the_workers_is_not_held():
     scheduler.on_new_request(request)
     held, params = scheduler.request_finished(request, [])
     assert not held and params["transfer_id"] == "t1" and not scheduler.has_pending_push_work()
+
+
+def test_a_first_token_leg_hands_its_sampled_token_to_the_workers_with_the_hold():
+    """first_token_from_prefill: chunks say the transfer reports the token; the hold carries the token vLLM
+    appended before finishing the request; a plain leg's hold carries none."""
+    scheduler, request = _scheduler(), _request()
+    request.kv_transfer_params["first_token_from_prefill"] = True
+    scheduler.on_new_request(request)
+    (chunk,) = scheduler.build_connector_meta(_output(40, new=request, new_blocks=[7, 3, 9])).prefill_chunks
+    assert chunk.sends_first_token
+    request.append_output_token_ids(1234)
+    held, _ = scheduler.request_finished(request, [7, 3, 9])
+    meta = scheduler.build_connector_meta(_output(0))
+    assert held and meta.held_prefills == ["r1"] and meta.first_tokens == {"r1": 1234}
+    assert scheduler.build_connector_meta(_output(0)).first_tokens == {}
+
+    plain_scheduler, plain = _scheduler(), _request()
+    plain_scheduler.on_new_request(plain)
+    (chunk,) = plain_scheduler.build_connector_meta(_output(40, new=plain, new_blocks=[7, 3, 9])).prefill_chunks
+    assert not chunk.sends_first_token
+    plain.append_output_token_ids(1234)
+    plain_scheduler.request_finished(plain, [7, 3, 9])
+    assert plain_scheduler.build_connector_meta(_output(0)).first_tokens == {}

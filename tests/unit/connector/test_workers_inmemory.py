@@ -229,3 +229,59 @@ def test_a_write_stalled_past_expiry_lands_before_decode_reuses_the_blocks():
             client.close()
             prefill.shutdown()
             decode.shutdown()
+
+
+def test_first_token_from_prefill_comes_with_complete_not_before():
+    """A first-token transfer: every write lands and decode hears the notification, yet decode does not finish
+    receiving (and the directory is not COMPLETE) until prefill's hold brings the sampled token; then DONE carries
+    it, the COMPLETE event brings it to decode, and decode hands it on with the finished receive."""
+    fabric_name, _ = new_fabric()
+    with directory_on_loopback() as address:
+        p_caches, d_caches = _caches(True), _caches(False)
+        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1, "p-agent",
+                                    create_agent=_in_memory_agent(fabric_name))
+        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
+                                   create_agent=_in_memory_agent(fabric_name))
+        client = SyncDirectoryClient(ChannelConfig(address=address))
+        try:
+            prompt, src, dst = 40, (4, 9, 2), (11, 3, 7)
+            transfer_id = client.plan_transfer(prompt_token_count=prompt).transfer.transfer_id
+            decode.link.report_allocation(transfer_id, list(dst), prompt, 0, lambda reason: None)
+            decode.half.begin_step(KVPushMetadata(receives=[
+                ReceiveStart("rd", transfer_id, dst, prompt, 0, awaits_first_token=True)]))
+            prefill.half.begin_step(KVPushMetadata(prefill_chunks=[
+                PrefillChunk("rp", transfer_id, 0, prompt, prompt, src, sends_first_token=True)]))
+            for name in p_caches:
+                prefill.half.save_kv_layer(name)
+            prefill.half.wait_for_save()
+            finished: set[str] = set()
+
+            def landed() -> bool:
+                finished.update(decode.half.collect()[0])
+                return all(torch.equal(d_caches[name][d], p_caches[name][s])
+                           for name in p_caches for s, d in zip(src, dst))
+
+            _until(landed, "every write to land")
+            time.sleep(0.2)  # the notification has had time to arrive: it must not end the receive
+            finished.update(decode.half.collect()[0])
+            assert finished == set() and decode.half.take_first_tokens() == {}
+            assert client.get_transfer(transfer_id).state == tpb.TRANSFER_STATE_STREAMING
+            prefill.half.begin_step(KVPushMetadata(held_prefills=["rp"], first_tokens={"rp": 0}))
+            tokens: dict[str, int] = {}
+            released: set[str] = set()
+
+            def step() -> bool:
+                finished.update(decode.half.collect()[0])
+                tokens.update(decode.half.take_first_tokens())
+                released.update(prefill.half.get_finished_sending({"rp"}))
+                return "rd" in finished and "rp" in released
+
+            _until(step, "decode to finish receiving with the token and prefill to release")
+            assert tokens == {"rd": 0}  # token 0 is a token like any other
+            transfer = client.get_transfer(transfer_id)
+            assert transfer.state == tpb.TRANSFER_STATE_COMPLETE and transfer.HasField("first_token_id")
+            assert transfer.first_token_id == 0
+        finally:
+            client.close()
+            prefill.shutdown()
+            decode.shutdown()

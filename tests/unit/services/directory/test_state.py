@@ -594,3 +594,37 @@ def test_unreachable_reports_are_checked_and_stale_ones_ignored():
     d.state.register(register_request("d1", DECODE))
     assert d.state.report_unreachable("d1", tid, "refused") is False
     assert d.state.unreachable_report("d1") is None
+
+
+def test_first_token_from_prefill_travels_with_complete():
+    """A DONE carrying prefill's first token: the record and the COMPLETE event carry it to decode; a failed
+    transfer's event never does; a token on a non-DONE result or a rank disagreeing is refused, changing nothing."""
+    d = Directory(tp_size=2)
+    tid = d.allocated()
+    d.ready(tid, 0, 4)
+    d.ready(tid, 0, 4, rank=1)
+    with pytest.raises(InvalidArgument, match="only with"):
+        d.state.report_result("p1", 0, result(tid, PROGRESS, first_token_id=7))
+    d.state.report_result("p1", 0, result(tid, DONE, first_token_id=7))
+    with pytest.raises(InvalidArgument, match="another rank reported 7"):
+        d.state.report_result("p1", 1, result(tid, DONE, first_token_id=8))
+    assert d.transfer(tid).state == S.TRANSFER_STATE_STREAMING and d.events() == []
+    d.state.report_result("p1", 1, result(tid, DONE, first_token_id=7))
+    (event,) = d.events()
+    assert event.state == S.TRANSFER_STATE_COMPLETE and event.HasField("first_token_id") and event.first_token_id == 7
+    assert d.transfer(tid).to_proto().first_token_id == 7
+
+
+def test_complete_without_first_token_has_none_and_failure_drops_it():
+    """A plain DONE leaves first_token_id unset (token 0 is a real token, so presence is what counts)."""
+    d = Directory()
+    plain = d.allocated()
+    d.ready(plain, 0, 4)
+    d.state.report_result("p1", 0, result(plain, DONE))
+    failed = d.plan()
+    d.state.report_allocation(allocation(failed, block_ids=(4, 5, 6)))
+    d.ready(failed, 0, 4)
+    d.state.report_result("p1", 0, result(failed, FAILED, error="post failed"))
+    events = d.events()
+    assert [e.HasField("first_token_id") for e in events] == [False, False]
+    assert not d.transfer(plain).to_proto().HasField("first_token_id")
