@@ -107,8 +107,8 @@ class LocalStack:
     serve_metrics: bool = True
     metrics_ports: dict[str, int] = field(default_factory=dict)
     gateway_port: int | None = None  # None: a free one
-    # The gateway streams prefill's first token (`--first-token-from-prefill`, off by default in the gateway).
-    first_token_from_prefill: bool = False
+    # The gateway streams prefill's first token (`--first-token-from-prefill`, the gateway's default).
+    first_token_from_prefill: bool = True
     # Decode engines: the first is DECODE_ENGINE_ID, the others decode-1, decode-2, ...
     decode_engine_count: int = 1
     decodes: list[EngineHandle] = field(default_factory=list)
@@ -144,8 +144,8 @@ class LocalStack:
             self._wait_engines(started)
             self.gateway = start_gateway(self.log_dir, directory_address=self.directory.address,
                                          progress=self.progress, port=self.gateway_port,
-                                         extra_args=(("--first-token-from-prefill",) if self.first_token_from_prefill
-                                                     else ()) + tuple(self.gateway_args),
+                                         extra_args=(() if self.first_token_from_prefill
+                                                     else ("--no-first-token-from-prefill",)) + tuple(self.gateway_args),
                                          env={**self._env("kvpush-gateway"),
                                               **(self.pki.client_env("operator") if self.pki else {})})
             self._say(f"[stack] gateway ready at {self.gateway.url} ({time.monotonic() - started:.0f} s in all)")

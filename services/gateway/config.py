@@ -38,11 +38,10 @@ class GatewayConfig:
     api_key: str = ""
     # Count text and chat prompts' tokens with a prefill engine's /tokenize before planning (free-block check).
     count_prompt_tokens: bool = True
-    # Stream prefill's token to the client when the prefill leg returns (kvpush mode, streamed requests;
-    # decode engines need the ForcePrefillFirstToken logits processor). See docs/gateway.md.
-    # Off by default: its decode leg leaves only when the prefill leg returns, so prefill holds the KV until
-    # decode allocates, and under load that costs more TTFT than it saves (docs/gateway.md).
-    first_token_from_prefill: bool = False
+    # Stream prefill's token to the client when the prefill leg returns (kvpush mode, streamed requests and
+    # max_tokens=1; decode engines need the ForcePrefillFirstToken logits processor). Both legs still leave at
+    # once: prefill's token reaches decode with the transfer's completion. See docs/gateway.md.
+    first_token_from_prefill: bool = True
     # Failover: how many times one request is planned again after an engine could not be reached (refused,
     # reset, closed before any response byte), each time reporting that engine to the directory, which
     # leaves it out of plans until it renews its lease. Only before any byte reached the client. 0: never.
@@ -99,11 +98,11 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--count-prompt-tokens", action=argparse.BooleanOptionalAction, default=True,
                         help="count text/chat prompt tokens with a prefill engine's /tokenize before planning, so the "
                              "directory checks decode's free blocks (default on)")
-    parser.add_argument("--first-token-from-prefill", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--first-token-from-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="stream the prefill leg's token at once and force decode's first token to it "
                              "(kvpush mode; decode engines need --logits-processors "
-                             "kvpush.connector.first_token:ForcePrefillFirstToken). Off by default: the decode "
-                             "leg then starts only after the prefill leg, which costs TTFT under load")
+                             "kvpush.connector.first_token:ForcePrefillFirstToken). On by default; "
+                             "--no-first-token-from-prefill streams decode's tokens only")
     parser.add_argument("--max-failovers", type=int, default=2,
                         help="times one request is planned again on other engines after an engine could not be "
                              "reached (refused, reset, closed before answering), before any byte reached the "

@@ -9,9 +9,9 @@ Life cycle (concurrent routes: kvpush, nixl-push):
      decode's first chunk; only then are headers sent to the client, so a failed prefill still gets
      a clean error status; after that, chunks pass through as they come.
 Sequential routes (nixl-pull) run the prefill leg first and build the decode leg from its answer.
-First token from prefill (kvpush, on by default; `first_token`): a streamed request, or one with
-max_tokens=1, runs the prefill leg first; its token goes to the client as soon as the leg returns, and
-the decode leg, sent then with `first_token_id`, continues from the second token.
+First token from prefill (kvpush, on by default; `first_token`): a streamed request sends both legs at
+once as well; prefill's token goes to the client as soon as its leg returns, reaches decode with the
+transfer's completion, and decode continues from the second token. max_tokens=1 needs the prefill leg only.
 A client that disconnects cancels the handler, which cancels both legs and the transfer.
 Failover: a leg whose engine cannot be reached (`errors.EngineUnreachable`: refused, reset, closed before any
 response byte) ends that attempt (the other leg and the transfer are cancelled as for any failure), the engine
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -283,49 +284,60 @@ class Dispatcher:
 
     async def _first_token(self, http_request: web.Request, request: ClientRequest, route: Route,
                            headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
-        """Prefill leg, its token to the client at once, then decode from the second token (module docstring)."""
+        """Both legs at once; prefill's token to the client when its leg returns; decode from the second token.
+
+        The decode leg says `first_token_from_prefill`: its engine waits for prefill's token, which comes with
+        the transfer's COMPLETE event, and samples it first (module docstring; docs/gateway.md).
+        """
         assert route.decode_params is not None
+        if first_token.client_max_tokens(request) == 1:
+            return await self._prefill_only(http_request, request, route, headers, outcome)
         started = time.monotonic()
-        answer = await self._prefill(request, route, headers, outcome, want_token=True)
+        prefill_route = dataclasses.replace(route, prefill_params={**route.prefill_params,
+                                                                   first_token.FROM_PREFILL_KEY: True})
+        prefill_task = asyncio.create_task(self._prefill(request, prefill_route, headers, outcome, want_token=True))
+        decode_url = route.decode_url + request.path
+        decode_params = {**route.decode_params, first_token.FROM_PREFILL_KEY: True}
+        stream_task = asyncio.create_task(self._open_decode_stream(decode_url, request, decode_params, headers))
         try:
-            token = first_token.prefill_token(request, answer)
-        except ValueError as error:
-            raise bad_gateway(f"prefill engine at {route.prefill_url}: {error}") from error
+            answer = await _prefill_unless_decode_fails(prefill_task, stream_task)
+            try:
+                token = first_token.prefill_token(request, answer)
+            except ValueError as error:
+                raise bad_gateway(f"prefill engine at {route.prefill_url}: {error}") from error
+        except BaseException:
+            for task in (prefill_task, stream_task):
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                (await asyncio.gather(stream_task, return_exceptions=True))
+            if stream_task.done() and not stream_task.cancelled() and stream_task.exception() is None:
+                stream_task.result().release()
+            raise
         if first_token.prefill_finished(request, token):
-            # Prefill's answer is the whole answer: no decode leg. Decode never allocated, so ending the
-            # transfer frees prefill's blocks and changes nothing on decode.
-            outcome.kv_delivered = True  # nothing left for a later failure to cancel
-            await asyncio.shield(self._router.cancel(route, "first token only: the prefill leg finished the request"))
-            if not request.stream:
-                answer.pop("kv_transfer_params", None)
-                if not request.body.get("return_token_ids"):
-                    for choice in answer.get("choices") or []:
-                        choice.pop("token_ids", None)
-                        choice.pop("prompt_token_ids", None)
-                    answer.pop("prompt_token_ids", None)
-                return self._json_response(answer, route, outcome)
+            # Prefill's answer is the whole answer (EOS or a stop on its first token): end the stream now and stop
+            # the decode leg, whose engine would only produce the same token.
             out = await self._open_client_stream(http_request, route, outcome)
             await out.write(first_token.first_events(request, token))
             outcome.first_token_ms = (time.monotonic() - started) * 1000
             await out.write_eof()
+            await self._stop_decode_leg(stream_task, route, "the prefill leg finished the request")
             return out
-        decode_url = route.decode_url + request.path
         held_back = first_token.hold_back_reason(request, token)
         if held_back:
             # The token's text cannot go out alone; decode's stream, first token forced, is passed whole.
-            params = {**route.decode_params, first_token.FIRST_TOKEN_KEY: token.token_id}
-            response, first_chunk = await self._first_chunk(decode_url, request, params, headers)
+            response = await stream_task
+            try:
+                first_chunk = await response.content.readany()
+            except BaseException:
+                response.release()
+                raise
             return await self._pass_through(http_request, response, first_chunk, route, outcome, None)
         out = await self._open_client_stream(http_request, route, outcome)
         await out.write(first_token.first_events(request, token))
         outcome.first_token_ms = (time.monotonic() - started) * 1000
         rewriter = first_token.DecodeStreamRewriter(request, token)
         try:
-            with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
-                span.set_attribute("server.address", decode_url)
-                decode = decode_body(request, _leg_params(route.decode_params), first_token_id=token.token_id)
-                response = await legs.open_stream(self._session, "decode", decode_url, decode, _leg_headers(headers),
-                                                  self._config.decode_timeout_s, self._config.connect_timeout_s)
+            response = await stream_task
             try:
                 async for chunk in response.content.iter_any():
                     outcome.kv_delivered = True
@@ -355,6 +367,52 @@ class Dispatcher:
             await out.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
         await out.write_eof()
         return out
+
+    async def _prefill_only(self, http_request: web.Request, request: ClientRequest, route: Route,
+                            headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
+        """max_tokens=1: prefill's answer is the whole answer; no decode leg, the transfer is cancelled."""
+        started = time.monotonic()
+        answer = await self._prefill(request, route, headers, outcome, want_token=True)
+        try:
+            token = first_token.prefill_token(request, answer)
+        except ValueError as error:
+            raise bad_gateway(f"prefill engine at {route.prefill_url}: {error}") from error
+        # Decode never allocated, so ending the transfer frees prefill's blocks and changes nothing on decode.
+        outcome.kv_delivered = True  # nothing left for a later failure to cancel
+        await asyncio.shield(self._router.cancel(route, "first token only: the prefill leg finished the request"))
+        if not request.stream:
+            answer.pop("kv_transfer_params", None)
+            if not request.body.get("return_token_ids"):
+                for choice in answer.get("choices") or []:
+                    choice.pop("token_ids", None)
+                    choice.pop("prompt_token_ids", None)
+                answer.pop("prompt_token_ids", None)
+            return self._json_response(answer, route, outcome)
+        out = await self._open_client_stream(http_request, route, outcome)
+        await out.write(first_token.first_events(request, token))
+        outcome.first_token_ms = (time.monotonic() - started) * 1000
+        await out.write_eof()
+        return out
+
+    async def _open_decode_stream(self, url: str, request: ClientRequest, params: dict,
+                                  headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """The first-token decode leg, opened (its engine answers the headers at once; tokens follow)."""
+        with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("server.address", url)
+            span.set_attribute("kvpush.first_token_from_prefill", True)
+            body = decode_body(request, _leg_params(params), want_token_ids=True)
+            return await legs.open_stream(self._session, "decode", url, body, _leg_headers(headers),
+                                          self._config.decode_timeout_s, self._config.connect_timeout_s)
+
+    async def _stop_decode_leg(self, stream_task: asyncio.Task, route: Route, reason: str) -> None:
+        """Close the decode leg (vLLM aborts the request, its connector cancels the transfer) and cancel the
+        transfer here too; the client already has its whole answer."""
+        stream_task.cancel()
+        done = await asyncio.gather(stream_task, return_exceptions=True)
+        if isinstance(done[0], aiohttp.ClientResponse):
+            done[0].release()
+            done[0].close()
+        await asyncio.shield(self._router.cancel(route, reason))
 
     async def _open_client_stream(self, http_request: web.Request, route: Route,
                                   outcome: Outcome) -> web.StreamResponse:
@@ -525,3 +583,14 @@ async def _both_until_second(prefill_task: asyncio.Task, stream_task: asyncio.Ta
         elif not stream_task.cancelled() and stream_task.exception() is None and prefill_task.done() \
                 and not prefill_task.cancelled() and prefill_task.exception() is not None:
             stream_task.result()[0].release()
+
+
+async def _prefill_unless_decode_fails(prefill_task: asyncio.Task, stream_task: asyncio.Task) -> dict[str, Any]:
+    """The prefill leg's answer; the decode leg failing first (it cannot answer before prefill's token) is raised."""
+    pending = {prefill_task, stream_task}
+    while True:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if stream_task in done and stream_task.exception() is not None:
+            raise stream_task.exception()  # type: ignore[misc]
+        if prefill_task in done:
+            return prefill_task.result()

@@ -1,15 +1,17 @@
 """First token from prefill: the prefill leg's token goes to the client at once; decode's copy is dropped.
 
-With `--first-token-from-prefill` (off by default, docs/gateway.md) a streamed kvpush request runs:
-  1. the prefill leg (max_tokens=1, `return_token_ids`) returns its token, text and logprobs;
+With `--first-token-from-prefill` (the default, docs/gateway.md) a streamed kvpush request runs:
+  1. both legs leave at once, each with `kv_transfer_params.first_token_from_prefill`; the prefill leg
+     (max_tokens=1, `return_token_ids`) returns its token, text and logprobs;
   2. `first_events` turns that answer into the stream's first SSE event(s), sent to the client at once;
-     when the prefill already finished the request (max_tokens=1, EOS, a stop token or string) they
-     end the stream, and the transfer is cancelled: no decode leg is needed;
-  3. the decode leg carries `kv_transfer_params.first_token_id`, so the decode engine's
-     `ForcePrefillFirstToken` logits processor samples exactly that token first;
+     when the prefill already finished the request (EOS, a stop token or string) they end the stream
+     and the decode leg is closed;
+  3. prefill's token reaches the decode engine with the transfer's COMPLETE event (not in the decode
+     request), and decode's `ForcePrefillFirstToken` logits processor samples exactly that token first;
   4. `DecodeStreamRewriter` passes decode's events on without that first token: its token id (checked
      against prefill's), its text, its logprobs entry and the chat role chunk, so the client sees every
      token once and one first token. Usage and finish_reason are decode's, which count the forced token.
+max_tokens=1 is answered from the prefill leg alone (no decode leg; the transfer is cancelled).
 
 `hold_back_reason` names the cases where the prefill's text must not go out early (it may be the start
 of a stop string, an incomplete character, a tool call): the stream then comes whole from decode, whose
@@ -24,6 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.services.gateway.validation import CHAT_COMPLETIONS, ClientRequest
+
+
+# kv_transfer_params key on both legs: the token travels from prefill to decode with the transfer's completion
+# (kvpush.connector.params reads the same one).
+FROM_PREFILL_KEY = "first_token_from_prefill"
 
 
 class FirstTokenMismatch(Exception):

@@ -152,15 +152,19 @@ def tokenize_body(request: ClientRequest) -> dict:
     return body
 
 
-def decode_body(request: ClientRequest, kv_transfer_params: dict, *, first_token_id: int | None = None) -> dict:
+def decode_body(request: ClientRequest, kv_transfer_params: dict, *, first_token_id: int | None = None,
+                want_token_ids: bool = False) -> dict:
     """The decode leg: the client's request unchanged except for the transfer params.
 
     `first_token_id`: the token the client already has; the decode engine is made to sample it first
     (`kv_transfer_params.first_token_id`) and asked for token ids, so the gateway can check and drop it.
+    `want_token_ids`: ask for token ids (first token from prefill with the transfer: the gateway checks the
+    first one against prefill's and drops it).
     """
     body = copy.deepcopy(request.body)
     if first_token_id is not None:
         kv_transfer_params = {**kv_transfer_params, "first_token_id": first_token_id}
+    if first_token_id is not None or want_token_ids:
         body["return_token_ids"] = True
     body["kv_transfer_params"] = kv_transfer_params
     return body

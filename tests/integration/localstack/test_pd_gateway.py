@@ -143,7 +143,8 @@ def test_decode_engine_forces_the_first_token(local_stack):
 
 def test_streamed_first_token_from_prefill_equals_colocated(local_stack):
     """Streamed through the gateway, greedy: every token once, ids/text/usage equal the colocated engine's,
-    the first token's logprob is there once, and the first token reached the client before the transfer ended."""
+    the first token's logprob is there once; the token reached decode with the transfer's completion (the
+    record carries it) and decode allocated before the client had the first token (both legs at once)."""
     import time as _time
 
     prompt = _ids(300, seed=3)
@@ -168,7 +169,11 @@ def test_streamed_first_token_from_prefill_equals_colocated(local_stack):
     assert finish == ["length"]
     transfer = _transfer(local_stack, streamed.headers["x-kvpush-transfer-id"])
     assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
-    assert first_event_wall < transfer.end_time.ToDatetime().timestamp() + 1e-3
+    # Prefill's token travelled to decode with the transfer's completion, not in the decode request.
+    assert transfer.HasField("first_token_id") and transfer.first_token_id == want["token_ids"][0]
+    # Both legs left at once (the decode leg did not wait for prefill's answer): decode allocated before the
+    # prefill leg's answer reached the client, so the push ran during prefill, not after it.
+    assert transfer.allocate_time.ToNanoseconds() / 1e9 < first_event_wall
 
 
 def test_seeded_sampling_through_the_gateway_is_one_consistent_sequence(local_stack):

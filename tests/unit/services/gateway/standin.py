@@ -5,9 +5,9 @@ so these tests put a scripted HTTP server where an engine would be; the same pat
 vLLM engines in tests/integration/localstack. Each instance runs its own event loop thread.
 
 `behaviour(leg)` is called for every POST with the recorded leg and returns (status, body, delay_s);
-a `stream: true` request is answered with SSE events: `stream_tokens` (paced by `token_delay_s`, the first
-after `first_event_delay_s`) and an optional leading `stream_error`. A body with `drop_connection` closes the
-connection without answering (a killed engine), after `delay_s`.
+a `stream: true` request is answered with SSE events: `stream_events` (whole events) or `stream_tokens` (paced by
+`token_delay_s`, the first after `first_event_delay_s`) and an optional leading `stream_error`. A body with
+`drop_connection` closes the connection without answering (a killed engine), after `delay_s`.
 """
 
 from __future__ import annotations
@@ -124,7 +124,11 @@ class StandInEngine:
                 await asyncio.sleep(body["first_event_delay_s"])
             if "stream_error" in body:  # vLLM fails a started stream with an error event after a 200
                 await response.write(f"data: {json.dumps({'error': body['stream_error']})}\n\n".encode())
-            for index, token in enumerate(body.get("stream_tokens", ["a", "b"])):
+            for event in body.get("stream_events", ()):  # whole events, as vLLM would send them
+                if body.get("token_delay_s"):
+                    await asyncio.sleep(body["token_delay_s"])
+                await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            for index, token in enumerate(body.get("stream_tokens", ["a", "b"] if "stream_events" not in body else [])):
                 if index and body.get("token_delay_s"):
                     await asyncio.sleep(body["token_delay_s"])
                 await response.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': token}]})}\n\n".encode())

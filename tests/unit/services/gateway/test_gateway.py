@@ -34,7 +34,7 @@ def _layout() -> tpb.KVLayout:
 class Deployment:
     """A directory, a stand-in prefill and decode engine registered there, and a gateway in front."""
 
-    def __init__(self, log_dir: Path, otlp_env: dict[str, str]) -> None:
+    def __init__(self, log_dir: Path, otlp_env: dict[str, str], first_token_from_prefill: bool = False) -> None:
         self.prefill = StandInEngine("prefill").start()
         self.decode = StandInEngine("decode").start()
         self.directory = start_directory(log_dir)
@@ -45,9 +45,10 @@ class Deployment:
                 agent_metadata=b"standin-metadata", layout=_layout(), endpoint=engine.url, model="tiny"))
         self.gateway = start_gateway(log_dir, directory_address=self.directory.address, env=otlp_env,
                                      extra_args=["--prefill-timeout", "4", "--decode-timeout", "4",
-                                                 # the concurrent path; first token from prefill: test_first_token.py
-                                                 # and tests/integration/localstack (real engines)
-                                                 "--no-first-token-from-prefill"])
+                                                 # the concurrent path; first token from prefill (the default):
+                                                 # test_first_token_gateway.py and tests/integration/localstack
+                                                 *(() if first_token_from_prefill
+                                                   else ("--no-first-token-from-prefill",))])
 
     def reset(self) -> None:
         for engine in (self.prefill, self.decode):
