@@ -1,0 +1,207 @@
+"""kvpush's fixed cost per request: its TTFT broken into hops from the traces and the transfer's record.
+
+What runs: the local stack (tiny model, loopback, first token from prefill on: the gateway's default), every
+process exporting its spans over OTLP to a real receiver in this process (tests/fixtures/otlp.py). Requests go
+one at a time (low load), alternating two kinds on the same random token-id prompt of `--prompt-tokens`:
+  * kvpush     streamed through the gateway (greedy, `--max-tokens`);
+  * p_alone    the same prompt straight to the prefill engine, streamed, max_tokens=1, no kv_transfer_params:
+               the P leg alone, on the same engine in the same conditions.
+TTFT = request sent -> first SSE event at the client. Per kvpush request the hops come from its trace (gateway
+spans, the engines' kvpush.push / kvpush.receive) and its directory record (plan, allocation, first readiness,
+instruction, end; prefill's write and prefill-end times), all wall clock on one machine:
+
+  gateway_in        client sent -> gateway.request starts
+  before_plan       gateway.request start -> gateway.plan starts (validation, prompt count)
+  plan              gateway.plan (PlanTransfer round trip)
+  legs_sent         gateway.plan end -> gateway.prefill_leg starts
+  decode_allocated  prefill leg sent -> the directory has decode's allocation (decode's HTTP, scheduling, report)
+  first_ready       prefill leg sent -> the directory has prefill's first ready layer
+  instruction       max(allocation, first ready) -> push instruction dispatched
+  writes            first WRITE posted -> last WRITE landed (prefill's timing)
+  prefill_compute   prefill leg sent -> prefill's forward of the last layer ended
+  completion        last WRITE landed -> the directory ends the transfer (DONE, which waits for the token)
+  decode_notified   transfer end -> decode's kvpush.receive ends (COMPLETE event to decode's worker)
+  prefill_answer    prefill's forward ended -> gateway.prefill_leg ends (sampling, vLLM's HTTP answer), split in
+    prefill_finished  prefill's forward ended -> its scheduler finished the request (sampling, output processing)
+    answer_http       the request finished -> gateway.prefill_leg ends (vLLM's API server, HTTP)
+  to_client         gateway.prefill_leg end -> first event at the client
+Figures: each hop's median, TTFT medians of both kinds and the headline "kvpush TTFT - P leg alone" (median of the
+per-pair differences). JSON to bench/results/hops-<UTC time>.json.
+
+    python bench/hops_bench.py [--iterations 30] [--prompt-tokens 512] [--max-tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvpush.localstack.client import stream_completion  # noqa: E402
+from kvpush.localstack.model import TinyModelSpec  # noqa: E402
+from kvpush.localstack.stack import LocalStack  # noqa: E402
+from kvpush.services.client import SyncDirectoryClient  # noqa: E402
+from tests.fixtures.otlp import OTLPReceiver, ReceivedSpan  # noqa: E402
+
+HOPS = ("gateway_in", "before_plan", "plan", "legs_sent", "decode_allocated", "first_ready", "instruction",
+        "writes", "prefill_compute", "completion", "decode_notified", "prefill_answer", "prefill_finished",
+        "answer_http", "to_client")
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(length)]
+
+
+def _s(timestamp) -> float | None:
+    """Seconds since the epoch of a protobuf Timestamp; None when unset."""
+    nanos = timestamp.ToNanoseconds()
+    return nanos / 1e9 if nanos else None
+
+
+def _ms(later: float | None, earlier: float | None) -> float | None:
+    return None if later is None or earlier is None else round((later - earlier) * 1000, 3)
+
+
+def _span(spans: list[ReceivedSpan], name: str) -> ReceivedSpan | None:
+    found = [s for s in spans if s.name == name]
+    return min(found, key=lambda s: s.start_time_unix_nano) if found else None
+
+
+def hops_of(sent_wall: float, ttft_s: float, transfer, spans: list[ReceivedSpan],
+            request_finished: float | None = None) -> dict[str, float | None]:
+    """One request's hops (module docstring) from its spans and directory record."""
+    def start(name):
+        span = _span(spans, name)
+        return span.start_time_unix_nano / 1e9 if span else None
+
+    def end(name):
+        span = _span(spans, name)
+        return span.end_time_unix_nano / 1e9 if span else None
+
+    timing = transfer.rank_timings[0].timing if transfer.rank_timings else None
+    first_write = _s(timing.first_write_start_time) if timing else None
+    last_write = _s(timing.last_write_end_time) if timing else None
+    prefill_end = _s(timing.prefill_end_time) if timing else None
+    allocated, first_ready = _s(transfer.allocate_time), _s(transfer.first_ready_time)
+    legs = start("gateway.prefill_leg")
+    return {
+        "gateway_in": _ms(start("gateway.request"), sent_wall),
+        "before_plan": _ms(start("gateway.plan"), start("gateway.request")),
+        "plan": _ms(end("gateway.plan"), start("gateway.plan")),
+        "legs_sent": _ms(legs, end("gateway.plan")),
+        "decode_allocated": _ms(allocated, legs),
+        "first_ready": _ms(first_ready, legs),
+        "instruction": _ms(_s(transfer.dispatch_time), max(allocated or 0, first_ready or 0) or None),
+        "writes": _ms(last_write, first_write),
+        "prefill_compute": _ms(prefill_end, legs),
+        "completion": _ms(_s(transfer.end_time), last_write),
+        "decode_notified": _ms(end("kvpush.receive"), _s(transfer.end_time)),
+        "prefill_answer": _ms(end("gateway.prefill_leg"), prefill_end),
+        "prefill_finished": _ms(request_finished, prefill_end),
+        "answer_http": _ms(end("gateway.prefill_leg"), request_finished),
+        "to_client": _ms(sent_wall + ttft_s, end("gateway.prefill_leg")),
+    }
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--gap-s", type=float, default=0.3, help="pause between requests (low load)")
+    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    receiver = OTLPReceiver().start()
+    log_dir = args.log_dir or Path("/tmp") / f"kvpush-hops-{int(time.time())}"
+    stack = LocalStack(spec=TinyModelSpec(), log_dir=log_dir, progress=lambda m: print(m, file=sys.stderr),
+                       engine_env={"UCX_NET_DEVICES": "lo", **receiver.env("kvpush-engine")},
+                       service_env=receiver.env("kvpush-service"), with_colocated=False)
+    stack.start()
+    pairs: list[dict] = []
+    try:
+        client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=2))
+        body = {"model": "tiny", "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
+        for i in range(args.warmup + args.iterations):
+            prompt = _prompt(args.prompt_tokens, seed=1000 + i)
+            order = ("kvpush", "p_alone") if i % 2 == 0 else ("p_alone", "kvpush")
+            pair: dict = {}
+            for kind in order:
+                time.sleep(args.gap_s)
+                sent_wall = time.time()
+                if kind == "kvpush":
+                    result = stream_completion(stack.gateway_url + "/v1/completions", {**body, "prompt": prompt},
+                                               timeout_s=120)
+                    pair["transfer_id"] = result.headers.get("x-kvpush-transfer-id", "")
+                    pair["sent_wall"] = sent_wall
+                    params = json.loads(result.headers.get("x-kvpush-prefill-params") or "{}")
+                    pair["request_finished_wall"] = (params.get("push_timeline") or {}).get("request_finished_time")
+                else:
+                    result = stream_completion(stack.prefill.url + "/v1/completions",
+                                               {**body, "prompt": prompt, "max_tokens": 1}, timeout_s=120)
+                if result.status != 200 or result.error:
+                    raise RuntimeError(f"{kind} request failed: {result.status} {result.error}")
+                pair[f"{kind}_ttft_ms"] = round(result.ttft_s * 1000, 3)
+            if i >= args.warmup:
+                pairs.append(pair)
+        # Spans leave in batches; wait (bounded) until every measured request's receive span arrived.
+        wanted = {p["transfer_id"] for p in pairs}
+        receiver.wait_for(lambda spans: wanted <= {s.attributes.get("kvpush.transfer_id") for s in spans
+                                                   if s.name == "kvpush.receive"}, timeout_s=60)
+        spans = receiver.spans()
+        for pair in pairs:
+            transfer = client.get_transfer(pair["transfer_id"])
+            (request_span,) = [s for s in spans if s.name == "gateway.request"
+                               and s.attributes.get("kvpush.transfer_id") == pair["transfer_id"]]
+            trace = [s for s in spans if s.trace_id == request_span.trace_id]
+            pair["hops_ms"] = hops_of(pair["sent_wall"], pair["kvpush_ttft_ms"] / 1000, transfer, trace,
+                                      pair.get("request_finished_wall"))
+            pair["first_token_in_record"] = transfer.HasField("first_token_id")
+            pair["excess_ms"] = round(pair["kvpush_ttft_ms"] - pair["p_alone_ttft_ms"], 3)
+        client.close()
+    finally:
+        stack.stop()
+        receiver.stop()
+    result = {
+        "bench": "hops", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": {"model": "tiny (localstack TinyModelSpec)", "link": "loopback", "prompt_tokens": args.prompt_tokens,
+                   "max_tokens": args.max_tokens, "iterations": args.iterations, "first_token_from_prefill": True,
+                   "load": "one request at a time", "machine": "2 cores shared with other work"},
+        "median_ms": {
+            "kvpush_ttft": _median(p["kvpush_ttft_ms"] for p in pairs),
+            "p_alone_ttft": _median(p["p_alone_ttft_ms"] for p in pairs),
+            "kvpush_minus_p_alone": _median(p["excess_ms"] for p in pairs),
+            **{hop: _median(p["hops_ms"][hop] for p in pairs) for hop in HOPS},
+        },
+        "first_token_in_record": sum(p["first_token_in_record"] for p in pairs),
+        "pairs": pairs,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"hops-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    path.write_text(text + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
