@@ -1,0 +1,48 @@
+"""bench/hops_bench.py's pure part: one request's hops from its spans and its directory record."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.otlp import ReceivedSpan
+
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "hops_bench.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("hops_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _span(name: str, start_s: float, end_s: float) -> ReceivedSpan:
+    return ReceivedSpan("svc", name, "t", "s", "", {}, [], 0, int(start_s * 1e9), int(end_s * 1e9))
+
+
+def _stamp(target, seconds: float) -> None:
+    target.FromNanoseconds(int(seconds * 1e9))
+
+
+def test_hops_are_the_differences_of_span_and_record_times():
+    hops = _module()
+    base = 1_800_000_000.0
+    transfer = tpb.Transfer()
+    for field, offset in (("allocate_time", 0.012), ("first_ready_time", 0.010), ("dispatch_time", 0.0125),
+                          ("end_time", 0.020)):
+        _stamp(getattr(transfer, field), base + offset)
+    timing = transfer.rank_timings.add(tp_rank=0).timing
+    _stamp(timing.first_write_start_time, base + 0.013)
+    _stamp(timing.last_write_end_time, base + 0.016)
+    _stamp(timing.prefill_end_time, base + 0.015)
+    spans = [_span("gateway.request", base + 0.001, base + 0.05), _span("gateway.plan", base + 0.0012, base + 0.003),
+             _span("gateway.prefill_leg", base + 0.0032, base + 0.025), _span("kvpush.receive", base + 0.012,
+                                                                                base + 0.021)]
+    got = hops.hops_of(base, 0.026, transfer, spans, request_finished=base + 0.017)
+    assert got == {"gateway_in": 1.0, "before_plan": 0.2, "plan": 1.8, "legs_sent": 0.2, "decode_allocated": 8.8,
+                   "first_ready": 6.8, "instruction": 0.5, "writes": 3.0, "prefill_compute": 11.8, "completion": 4.0,
+                   "decode_notified": 1.0, "prefill_answer": 10.0, "prefill_finished": 2.0, "answer_http": 8.0,
+                   "to_client": 1.0}
+    assert set(got) == set(hops.HOPS)
