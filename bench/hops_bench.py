@@ -162,10 +162,14 @@ def main(argv=None) -> int:
                 pair[f"{kind}_ttft_ms"] = round(result.ttft_s * 1000, 3)
             if i >= args.warmup:
                 pairs.append(pair)
-        # Spans leave in batches; wait (bounded) until every measured request's receive span arrived.
+        # Spans leave in batches, per process; wait (bounded) until every measured request's spans arrived.
         wanted = {p["transfer_id"] for p in pairs}
-        receiver.wait_for(lambda spans: wanted <= {s.attributes.get("kvpush.transfer_id") for s in spans
-                                                   if s.name == "kvpush.receive"}, timeout_s=60)
+
+        def arrived(spans) -> bool:
+            return all(wanted <= {s.attributes.get("kvpush.transfer_id") for s in spans if s.name == name}
+                       for name in ("gateway.request", "kvpush.receive", "kvpush.push"))
+
+        receiver.wait_for(arrived, timeout_s=60)
         spans = receiver.spans()
         for pair in pairs:
             transfer = client.get_transfer(pair["transfer_id"])
