@@ -8,6 +8,8 @@ Variants (one after the other, so only one pair of engines loads the cores at a 
   nixl-push            vLLM NixlPushConnector, both legs at once
   nixl-push-fair       the same with the sleeping progress thread
   kvpush               KVPushConnector + directory, both legs at once (--no-first-token-from-prefill)
+  kvpush-processor     kvpush with the ForcePrefillFirstToken logits processor loaded on decode but the
+                       gateway's first token off: separates the processor's cost from the first token's
   kvpush-first-token   the same with the gateway's first token from prefill (the default) and the
                        ForcePrefillFirstToken logits processor on decode
 Every variant runs the same `vllm bench serve` (random dataset, `--ignore-eos`, seed 0) over each
@@ -47,7 +49,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PACED_SITE = Path(__file__).resolve().parent / "nixl_paced"
 PACED_DELAY_US = 100
 VARIANTS = ("colocated", "nixl-pull", "nixl-pull-fair", "nixl-push", "nixl-push-fair", "kvpush",
-            "kvpush-first-token")
+            "kvpush-processor", "kvpush-first-token")
+# Variants whose decode engines load the ForcePrefillFirstToken logits processor.
+PROCESSOR_VARIANTS = ("kvpush-processor", "kvpush-first-token")
 
 
 def say(message: str) -> None:
@@ -94,7 +98,7 @@ def run_variant(args, variant: str, model_dir: Path, topology, log_dir: Path, sc
                 directory = start_directory(log_dir, host="0.0.0.0" if topology.network else "127.0.0.1",
                                             extra_args=DIRECTORY_ARGS)
                 port = directory.port
-            decode_args = DECODE_ENGINE_ARGS if variant == "kvpush-first-token" else ()
+            decode_args = DECODE_ENGINE_ARGS if variant in PROCESSOR_VARIANTS else ()
             prefill, decode = ttft_bench.start_pd_engines(args, model_dir, connector, topology, log_dir, port,
                                                           decode_args=decode_args, env=variant_env(variant))
             engines = [prefill, decode]
@@ -126,7 +130,7 @@ def add_ratios(result: dict) -> None:
     """kvpush(-first-token) over each baseline, per rate, for TTFT mean/p99 and TPOT mean."""
     variants = result["variants"]
     ratios: dict[str, Any] = {}
-    for mine in ("kvpush", "kvpush-first-token"):
+    for mine in ("kvpush", "kvpush-processor", "kvpush-first-token"):
         for base in ("nixl-pull-fair", "nixl-pull", "nixl-push-fair", "colocated"):
             for rate in map(str, result["settings"]["rates"]):
                 a = variants.get(mine, {}).get("points", {}).get(rate, {})
