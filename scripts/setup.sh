@@ -20,6 +20,18 @@ $py -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $py -m pip install -q numpy
 $py -m pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1
 $py -m pip install -q -e '.[dev]'
+# etcd for directory replicas (docs/directory-replicas.md) and their tests: Debian's etcd-server (3.4).
+if ! command -v etcd >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null; } \
+      || echo "[setup] could not install etcd-server: the directory replica tests will be skipped" >&2
+    # The package enables a system etcd on :2379; the tests start their own on free ports.
+    systemctl disable --now etcd >/dev/null 2>&1 || true
+  else
+    echo "[setup] etcd not installed (needs apt-get as root: apt-get install etcd-server); directory replica tests will be skipped" >&2
+  fi
+fi
 if command -v npm >/dev/null 2>&1; then
   npm ci --no-audit --no-fund --silent >/dev/null 2>&1 || npm install --no-audit --no-fund --silent >/dev/null
 fi

@@ -26,6 +26,32 @@ WRITE_RESULT_STATUS_DONE: WriteResultStatus
 WRITE_RESULT_STATUS_FAILED: WriteResultStatus
 WRITE_RESULT_STATUS_CANCELLED: WriteResultStatus
 
+class GetReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DirectoryReplica(_message.Message):
+    __slots__ = ("replica_id", "address")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class GetReplicasResponse(_message.Message):
+    __slots__ = ("replicas", "shard_count", "shard_owner_replica_ids", "replica_id", "directory_incarnation_id")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_OWNER_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[DirectoryReplica]
+    shard_count: int
+    shard_owner_replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    replica_id: str
+    directory_incarnation_id: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[DirectoryReplica, _Mapping]]] = ..., shard_count: _Optional[int] = ..., shard_owner_replica_ids: _Optional[_Iterable[str]] = ..., replica_id: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint", "model")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -110,6 +110,11 @@ class KVDirectoryServiceStub:
                 request_serializer=kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableRequest.SerializeToString,
                 response_deserializer=kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableResponse.FromString,
                 _registered_method=True)
+        self.GetReplicas = channel.unary_unary(
+                '/kvpush.v1.KVDirectoryService/GetReplicas',
+                request_serializer=kvpush_dot_v1_dot_directory__pb2.GetReplicasRequest.SerializeToString,
+                response_deserializer=kvpush_dot_v1_dot_directory__pb2.GetReplicasResponse.FromString,
+                _registered_method=True)
 
 
 class KVDirectoryServiceServicer:
@@ -250,6 +255,18 @@ class KVDirectoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetReplicas(self, request, context):
+        """GetReplicas lists the directory replicas sharing one etcd and which one serves each transfer shard;
+        clients route transfer calls (ReportAllocation, CancelTransfer, GetTransfer, readiness and results)
+        by it. A directory without replicas answers with itself and shard_count 1. A replica asked about a
+        transfer of a shard it does not serve answers FAILED_PRECONDITION (or UNAVAILABLE while the shard has
+        no owner) with a google.rpc.ErrorInfo of domain "kvpush.dev", reason SHARD_NOT_OWNED or
+        SHARD_HAS_NO_OWNER and metadata shard, shard_count, owner_replica_id, owner_address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVDirectoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -317,6 +334,11 @@ def add_KVDirectoryServiceServicer_to_server(servicer, server):
                     servicer.ReportEngineUnreachable,
                     request_deserializer=kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableRequest.FromString,
                     response_serializer=kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableResponse.SerializeToString,
+            ),
+            'GetReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReplicas,
+                    request_deserializer=kvpush_dot_v1_dot_directory__pb2.GetReplicasRequest.FromString,
+                    response_serializer=kvpush_dot_v1_dot_directory__pb2.GetReplicasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -681,6 +703,33 @@ class KVDirectoryService:
             '/kvpush.v1.KVDirectoryService/ReportEngineUnreachable',
             kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableRequest.SerializeToString,
             kvpush_dot_v1_dot_directory__pb2.ReportEngineUnreachableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpush.v1.KVDirectoryService/GetReplicas',
+            kvpush_dot_v1_dot_directory__pb2.GetReplicasRequest.SerializeToString,
+            kvpush_dot_v1_dot_directory__pb2.GetReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -57,6 +58,16 @@ _SERVE_FLAGS: dict[str, tuple[str, object, type]] = {
     "renew_stream_idle_s": ("KVPUSH_DIRECTORY_RENEW_STREAM_IDLE_S", 30.0, float),
     "max_open_streams": ("KVPUSH_DIRECTORY_MAX_OPEN_STREAMS", 20_000, int),
     "metrics_port": ("KVPUSH_DIRECTORY_METRICS_PORT", 0, int),
+    # Replicas on etcd (docs/directory-replicas.md): empty endpoints = one process, everything in memory.
+    "etcd_endpoints": ("KVPUSH_DIRECTORY_ETCD_ENDPOINTS", "", str),
+    "replica_id": ("KVPUSH_DIRECTORY_REPLICA_ID", "", str),
+    "advertise_address": ("KVPUSH_DIRECTORY_ADVERTISE_ADDRESS", "", str),
+    "shard_count": ("KVPUSH_DIRECTORY_SHARD_COUNT", 16, int),
+    "session_ttl_s": ("KVPUSH_DIRECTORY_SESSION_TTL_S", 3, int),
+    "etcd_prefix": ("KVPUSH_DIRECTORY_ETCD_PREFIX", "/kvpush", str),
+    "etcd_tls_root_cert": ("KVPUSH_DIRECTORY_ETCD_TLS_ROOT_CERT", "", str),
+    "etcd_tls_client_cert": ("KVPUSH_DIRECTORY_ETCD_TLS_CLIENT_CERT", "", str),
+    "etcd_tls_client_key": ("KVPUSH_DIRECTORY_ETCD_TLS_CLIENT_KEY", "", str),
 }
 
 
@@ -287,6 +298,17 @@ def _serve(args: argparse.Namespace) -> int:
             max_connection_age_ms=int(args.max_connection_age_s * 1000), metrics_port=args.metrics_port)
         if not 0 <= args.metrics_port <= 65535:
             raise ValueError(f"--metrics-port {args.metrics_port} is not a port (0: off)")
+        if args.etcd_endpoints:
+            from kvpush.services.directory.replica import ReplicaConfig
+
+            if args.shard_count < 1 or args.session_ttl_s < 1:
+                raise ValueError("--shard-count and --session-ttl-s must be at least 1")
+            config = dataclasses.replace(config, replica=ReplicaConfig(
+                etcd_endpoints=tuple(e.strip() for e in args.etcd_endpoints.split(",") if e.strip()),
+                advertise_address=args.advertise_address, replica_id=args.replica_id,
+                shard_count=args.shard_count, session_ttl_s=args.session_ttl_s, key_prefix=args.etcd_prefix,
+                etcd_root_cert_file=args.etcd_tls_root_cert, etcd_client_cert_file=args.etcd_tls_client_cert,
+                etcd_client_key_file=args.etcd_tls_client_key))
     except ValueError as error:
         print(f"kvpush: {error}", file=sys.stderr)
         return 2

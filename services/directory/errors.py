@@ -37,3 +37,16 @@ class ResourceExhausted(DirectoryError):
 
 class OutOfRange(DirectoryError):
     """A watch resumes from a sequence number the directory no longer retains (OUT_OF_RANGE)."""
+
+
+class Unavailable(DirectoryError):
+    """A replica cannot serve the call now: etcd unreachable, no shard to mint in (UNAVAILABLE: retry, elsewhere)."""
+
+
+class ShardMoved(DirectoryError):
+    """The transfer's shard is another replica's, or between owners (FAILED_PRECONDITION / UNAVAILABLE with
+    a google.rpc.ErrorInfo naming the owner: `shards.ShardRedirect`)."""
+
+    def __init__(self, message: str, redirect) -> None:
+        super().__init__(message)
+        self.redirect = redirect

@@ -4,6 +4,7 @@ engines, transfers and watch logs. Plain data with small helpers; `state.Directo
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import deque
@@ -260,6 +261,8 @@ class TransferRecord:
     layer_ready_walls: dict[int, float] = field(default_factory=dict)
     # The token prefill sampled after the prompt, from its DONE results (first token from prefill); None if unsent.
     first_token_id: int | None = None
+    # True while decode's blocks are known but not yet stored where a successor replica finds them.
+    dispatch_held: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -359,3 +362,53 @@ def copy_message(message):
     clone = type(message)()
     clone.CopyFrom(message)
     return clone
+
+
+@dataclass(frozen=True)
+class StoredTransfer:
+    """What etcd keeps of a live transfer so a replica taking its shard over can end it safely:
+    its parties, its deadline and decode's blocks. Per-layer progress is never stored (it stays in the
+    owner's memory). JSON on the wire, readable with `etcdctl get --prefix /kvpush/transfers/`."""
+
+    transfer_id: str
+    request_id: str
+    prefill_engine_id: str
+    decode_engine_id: str
+    tp_size: int
+    layer_count: int
+    trace_context: str
+    create_wall: float
+    deadline_wall: float
+    plan_prompt_token_count: int
+    allocation: Allocation | None = None
+    owned_blocks: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, record: TransferRecord) -> StoredTransfer:
+        """The stored form of a live record (its allocation only once dispatch may depend on it)."""
+        return cls(record.transfer_id, record.request_id, record.prefill_engine_id, record.decode_engine_id,
+                   record.tp_size, record.layer_count, record.trace_context, record.create_wall,
+                   record.deadline_wall, record.plan_prompt_token_count, record.allocation, record.owned_blocks)
+
+    def to_json(self) -> bytes:
+        """The etcd value."""
+        body = {k: getattr(self, k) for k in ("transfer_id", "request_id", "prefill_engine_id", "decode_engine_id",
+                                              "tp_size", "layer_count", "trace_context", "create_wall",
+                                              "deadline_wall", "plan_prompt_token_count")}
+        if self.allocation is not None:
+            body["allocation"] = {"block_ids": list(self.allocation.block_ids),
+                                  "prompt_token_count": self.allocation.prompt_token_count,
+                                  "prefix_hit_token_count": self.allocation.prefix_hit_token_count,
+                                  "owned_blocks": list(self.owned_blocks)}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, value: bytes) -> StoredTransfer:
+        """Parse an etcd value (ValueError when it is not one)."""
+        body = json.loads(value)
+        allocation = body.pop("allocation", None)
+        if allocation is None:
+            return cls(**body)
+        return cls(**body, allocation=Allocation(tuple(allocation["block_ids"]), allocation["prompt_token_count"],
+                                                 allocation["prefix_hit_token_count"]),
+                   owned_blocks=tuple(allocation["owned_blocks"]))

@@ -19,6 +19,7 @@ request far past the cap meets gRPC's RESOURCE_EXHAUSTED, also before any handle
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import uuid
@@ -32,6 +33,7 @@ from kvpush.observability import configure_logging, configure_tracing, get_logge
 from kvpush.services.directory import validation as check
 from kvpush.services.directory.auth import Authenticator
 from kvpush.services.directory.metrics import DirectoryMetrics, RpcMetricsInterceptor, TransferObservers
+from kvpush.services.directory.replica import Replica, ReplicaConfig
 from kvpush.services.directory.servicer import DirectoryServicer
 from kvpush.services.directory.state import Clock, DirectoryState, Limits
 from kvpush.services.directory.telemetry import TransferSpans
@@ -67,6 +69,8 @@ class DirectoryConfig:
     max_connection_age_grace_ms: int = 5_000
     # Prometheus /metrics over HTTP on this port of `host` (0: not served; the metrics still count).
     metrics_port: int = 0
+    # One of several replicas on etcd (docs/directory-replicas.md); None: one process, all in memory.
+    replica: ReplicaConfig | None = None
 
     @property
     def address(self) -> str:
@@ -210,7 +214,9 @@ class DirectoryServer:
         self._reaper: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Start serving and reaping."""
+        """Start serving and reaping (a replica joins etcd first: it serves no shard before its session)."""
+        if self.servicer.replica is not None:
+            await self.servicer.replica.start()
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -234,6 +240,8 @@ class DirectoryServer:
         """Drain streams, then stop the server within the grace period."""
         grace = self.config.grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
+        if self.servicer.replica is not None:  # hand the shards over once their transfers ended
+            await self.servicer.replica.stop(grace)
         self.servicer.begin_shutdown()
         if self._reaper is not None:
             self._reaper.cancel()
@@ -290,6 +298,11 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
         raise OSError(f"could not bind {config.address} (in use, or not an address of this host)") from error
     if port == 0:
         raise OSError(f"could not bind {config.address}")
+    if config.replica is not None:
+        replica_config = config.replica
+        if not replica_config.advertise_address:
+            replica_config = dataclasses.replace(replica_config, advertise_address=f"{config.host}:{port}")
+        servicer.replica = Replica(replica_config, state, servicer.deliver)
     return DirectoryServer(config, server, state, servicer, health_servicer, metrics), port
 
 

@@ -47,8 +47,12 @@ from kvpush.services.directory.errors import (
     OutOfRange,
     PermissionDenied,
     ResourceExhausted,
+    ShardMoved,
+    Unavailable,
 )
 from kvpush.services.directory.records import UnreachableReport
+from kvpush.services.directory.shards import SHARD_NOT_OWNED, status_trailer
+from kvpush.services.directory.replica import Replica, lease_key
 from kvpush.services.directory.state import DirectoryState, Effects, Worker
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
@@ -66,6 +70,7 @@ STATUS_BY_ERROR: dict[type[DirectoryError], grpc.StatusCode] = {
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 HELLO_TIMEOUT_S = 10.0
 WATCH_EVENTS_PER_MESSAGE = 1000
@@ -111,7 +116,19 @@ class ThrottledLog:
 
 def status_of(error: DirectoryError) -> grpc.StatusCode:
     """The status code for a domain error (INTERNAL for an unmapped one: a broken invariant)."""
+    if isinstance(error, ShardMoved):  # another replica owns it (follow), or nobody right now (retry)
+        return (grpc.StatusCode.FAILED_PRECONDITION if error.redirect.reason == SHARD_NOT_OWNED
+                else grpc.StatusCode.UNAVAILABLE)
     return STATUS_BY_ERROR.get(type(error), grpc.StatusCode.INTERNAL)
+
+
+def _rejection_status(code: grpc.StatusCode, error: DirectoryError) -> status_pb2.Status:
+    """An EventRejection's status; a shard redirect rides in its details (google.rpc.ErrorInfo)."""
+    if isinstance(error, ShardMoved):
+        status = status_pb2.Status()
+        status.ParseFromString(status_trailer(code, str(error), error.redirect)[0][1])
+        return status
+    return status_pb2.Status(code=code.value[0], message=str(error))
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -175,6 +192,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         self._watchers: dict[str, set[asyncio.Event]] = {}
         self._shutting_down = False
         self._renew_streams: set[asyncio.Event] = set()
+        # Set when this process is one of several replicas on etcd (services/directory/replica.py).
+        self.replica: Replica | None = None
 
     # ---------------------------------------------------------------- plumbing
 
@@ -209,7 +228,23 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
 
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, error: DirectoryError) -> None:
+        if isinstance(error, ShardMoved):
+            code = status_of(error)
+            await context.abort(code, str(error), trailing_metadata=status_trailer(code, str(error), error.redirect))
         await context.abort(status_of(error), str(error))
+
+    def _lease(self, lease_id: str) -> str:
+        """How the state knows a lease id: the id itself, or (replicas) its hash, as etcd stores it."""
+        return lease_key(lease_id) if self.replica is not None else lease_id
+
+    def _check_shard(self, transfer_id: str) -> None:
+        """ShardMoved unless this process serves the transfer's shard (always, without replicas)."""
+        if self.replica is None:
+            return
+        redirect = self.replica.redirect(transfer_id)
+        if redirect is not None:
+            owner = redirect.owner_address or "no replica right now"
+            raise ShardMoved(f"transfer {transfer_id} is in shard {redirect.shard}, served by {owner}", redirect)
 
     def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
         """The caller's principal; raises Unauthenticated (identities on, none proved)."""
@@ -225,14 +260,19 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             try:
                 check.check_register(request, self.limits)
                 self._principal(context).require_engine(request.engine_id)
-                worker, effects = self.state.register(request)
+                if self.replica is not None:
+                    lease_id, effects = await self.replica.register_engine(request)
+                    worker = self.state.lease_holder(lease_key(lease_id))
+                else:
+                    worker, effects = self.state.register(request)
+                    lease_id = worker.lease_id
             except DirectoryError as error:
                 self.refusals.info("registration", "registration refused", code=status_of(error).name,
                                    error=str(error))
                 await self._abort(context, error)
             self.deliver(effects)
             log.info("engine registered", role=tpb.EngineRole.Name(worker.role), agent_name=worker.agent_name)
-            return dpb.RegisterEngineResponse(lease_id=worker.lease_id, ttl=_duration(self.limits.lease_ttl_s),
+            return dpb.RegisterEngineResponse(lease_id=lease_id, ttl=_duration(self.limits.lease_ttl_s),
                                               directory_incarnation_id=self.incarnation_id)
 
     async def DeregisterEngine(self, request, context):
@@ -243,7 +283,10 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 check.require_id(request.lease_id, "lease_id", self.limits)
                 check.check_rank(request.tp_rank, "tp_rank")
                 self._principal(context).require_engine(request.engine_id)
-                effects = self.state.deregister(request.engine_id, request.tp_rank, request.lease_id)
+                if self.replica is not None:
+                    effects = await self.replica.deregister_engine(request.engine_id, request.tp_rank, request.lease_id)
+                else:
+                    effects = self.state.deregister(request.engine_id, request.tp_rank, request.lease_id)
             except DirectoryError as error:
                 await self._abort(context, error)
             self.deliver(effects)
@@ -303,8 +346,11 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                     load = request.load if request.HasField("load") else None
                     if load is not None:
                         check.check_load(load)
-                    principal.require_engine(self.state.lease_holder(request.lease_id).engine_id)
-                    self.state.renew(request.lease_id, load)
+                    principal.require_engine(self.state.lease_holder(self._lease(request.lease_id)).engine_id)
+                    if self.replica is not None:
+                        await self.replica.renew_engine(request.lease_id, load)
+                    else:
+                        self.state.renew(request.lease_id, load)
                 except DirectoryError as error:
                     self.refusals.info("renewal", "renewal refused", code=status_of(error).name, error=str(error))
                     await self._abort(context, error)
@@ -371,6 +417,29 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             log.warning("engine reported unreachable" if marked else "unreachable report about an earlier "
                         "registration ignored", reason=request.reason)
             return dpb.ReportEngineUnreachableResponse(marked=marked, directory_incarnation_id=self.incarnation_id)
+    async def GetReplicas(self, request, context):
+        """The replica set and shard map (this process alone, one shard, without replicas)."""
+        try:
+            self._principal(context)
+        except DirectoryError as error:
+            await self._abort(context, error)
+        response = dpb.GetReplicasResponse(directory_incarnation_id=self.incarnation_id)
+        replica = self.replica
+        if replica is None:
+            response.shard_count = 1
+            response.shard_owner_replica_ids.append("")
+            return response
+        response.replica_id = replica.replica_id
+        response.shard_count = replica.config.shard_count
+        for replica_id, address in sorted(replica.replica_addresses().items()):
+            response.replicas.append(dpb.DirectoryReplica(replica_id=replica_id, address=address))
+        for shard in range(replica.config.shard_count):
+            if replica.serves(shard):
+                response.shard_owner_replica_ids.append(replica.replica_id)
+            else:
+                owner = replica.owners.get(shard, "")
+                response.shard_owner_replica_ids.append("" if owner == replica.replica_id else owner)
+        return response
 
     # ---------------------------------------------------------------- transfers
 
@@ -380,6 +449,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             ttl = check.check_plan(request, self.limits)
             self._principal(context).require_operator("PlanTransfer")
             record = self.state.plan(request, ttl)
+            if self.replica is not None:
+                await self._store(record)
         except DirectoryError as error:
             self.refusals.info("plan", "plan refused", code=status_of(error).name, error=str(error),
                                request_id=request.request_id)
@@ -396,7 +467,11 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             try:
                 check.check_allocation(request, self.limits)
                 self._principal(context).require_engine(request.engine_id)
-                record, effects = self.state.report_allocation(request)
+                self._check_shard(request.transfer_id)
+                record, effects = self.state.report_allocation(request, hold_dispatch=self.replica is not None)
+                if record.dispatch_held:  # decode's blocks reach etcd before any instruction can go out
+                    await self._store(record)
+                    effects.prefill_outboxes |= self.state.release_dispatch(record).prefill_outboxes
             except DirectoryError as error:
                 self.refusals.info("allocation", "allocation refused", code=status_of(error).name, error=str(error))
                 await self._abort(context, error)
@@ -427,8 +502,19 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             await self._abort(context, error)
         return dpb.GetTransferResponse(transfer=record.to_proto(), directory_incarnation_id=self.incarnation_id)
 
+    async def _store(self, record) -> None:
+        """Store a live transfer in etcd (replicas); when that fails it ends CANCELLED here: Unavailable."""
+        try:
+            await self.replica.store(record)
+        except ConnectionError as error:
+            if not record.terminal:
+                _, effects = self.state.cancel(record.transfer_id, f"could not be stored in etcd: {error}")
+                self.deliver(effects)
+            raise Unavailable(f"transfer {record.transfer_id} could not be stored in etcd: {error}") from None
+
     def _require_party(self, context: grpc.aio.ServicerContext, transfer_id: str):
         """The transfer, if the caller is the operator or one of its engines (NotFound, PermissionDenied)."""
+        self._check_shard(transfer_id)
         principal = self._principal(context)
         record = self.state.get_transfer(transfer_id)
         principal.require_party((record.prefill_engine_id, record.decode_engine_id), f"transfer {transfer_id}")
@@ -545,7 +631,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             hello = first.hello
             check.check_hello(hello, self.limits)
             principal.require_engine(hello.engine_id)
-            session_id, effects = self.state.open_session(hello.engine_id, hello.tp_rank, hello.lease_id)
+            session_id, effects = self.state.open_session(hello.engine_id, hello.tp_rank, self._lease(hello.lease_id))
         except DirectoryError as error:
             await self._abort(context, error)
         key = (hello.engine_id, hello.tp_rank)
@@ -656,6 +742,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         for event in events:
             try:
                 check.check_layer_ready(event, self.limits)
+                self._check_shard(event.transfer_id)
                 valid.append(event)
             except DirectoryError as error:
                 self._reject(session, event.transfer_id, error)
@@ -669,6 +756,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
     def _apply_result(self, session: _PrefillSession, result: dpb.WriteResult) -> None:
         try:
             check.check_result(result, self.limits)
+            self._check_shard(result.transfer_id)
             effects = self.state.report_result(session.engine_id, session.tp_rank, result)
         except DirectoryError as error:
             self._reject(session, result.transfer_id, error)
@@ -695,7 +783,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             return
         session.rejections.append(dpb.StreamPrefillResponse(rejection=dpb.EventRejection(
             transfer_id=transfer_id[:self.limits.max_id_length],
-            status=status_pb2.Status(code=code.value[0], message=str(error))),
+            status=_rejection_status(code, error)),
             directory_incarnation_id=self.incarnation_id))
         self.pending_rejection_count += 1
         session.wake.set()

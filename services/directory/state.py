@@ -41,7 +41,7 @@ import math
 import re
 import uuid
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvpush.services.directory.errors import (
     DirectoryError,
@@ -65,6 +65,7 @@ from kvpush.services.directory.records import (
     Ending,
     EngineGroup,
     Limits,
+    StoredTransfer,
     TransferObserver,
     TransferRecord,
     UnreachableReport,
@@ -77,6 +78,11 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
 _SEQUENCE_TOKEN = re.compile("[0-9]{1,18}")
+
+
+def _transfer_of(message: dpb.StreamPrefillResponse) -> str:
+    kind = message.WhichOneof("message")
+    return getattr(message, kind).transfer_id if kind in ("instruction", "cancellation") else ""
 # Re-exported: callers build a state from these without importing `records`.
 __all__ = ["DirectoryState", "Clock", "Effects", "Limits", "TransferObserver", "TransferRecord", "Worker",
            "EngineGroup", "Allocation", "TERMINAL_STATES", "PREFILL", "DECODE"]
@@ -102,6 +108,8 @@ class DirectoryState:
         self._transfer_sequence = itertools.count(1)
         self._session_ids = itertools.count(1)
         self._last_reap: float | None = None
+        # Mints transfer ids; a directory replica replaces it to mint only ids of the shards it owns.
+        self.new_transfer_id: Callable[[], str] = lambda: uuid.uuid4().hex
 
     # ---------------------------------------------------------------- engines and leases
 
@@ -154,7 +162,11 @@ class DirectoryState:
             if record is None:
                 continue
             if worker.role == PREFILL and record.dispatched and worker.tp_rank not in record.quiescent:
-                record.rank_fences[worker.tp_rank] = worker.lease_deadline + self.limits.max_write_s
+                # A registration mirrored from etcd (replicas) has no deadline here: etcd ended it now, and it
+                # was renewed at most a TTL ago, so the worker posts nothing after now + TTL.
+                lease_end = (worker.lease_deadline if math.isfinite(worker.lease_deadline)
+                             else self.clock.monotonic() + self.limits.lease_ttl_s)
+                record.rank_fences[worker.tp_rank] = lease_end + self.limits.max_write_s
             self._decide_end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
         if not group.workers:
             log = self._watch_logs.get(worker.engine_id)
@@ -216,7 +228,7 @@ class DirectoryState:
               ttl: float) -> TransferRecord:
         wall = self.clock.wall()
         record = TransferRecord(
-            transfer_id=uuid.uuid4().hex, sequence=next(self._transfer_sequence), request_id=request.request_id,
+            transfer_id=self.new_transfer_id(), sequence=next(self._transfer_sequence), request_id=request.request_id,
             prefill_engine_id=prefill.engine_id, decode_engine_id=decode.engine_id, tp_size=prefill.tp_size,
             layer_count=prefill.layout().layer_count, trace_context=request.trace_context, create_wall=wall,
             deadline=self.clock.monotonic() + ttl, deadline_wall=wall + ttl,
@@ -231,8 +243,13 @@ class DirectoryState:
 
     # ---------------------------------------------------------------- decode allocation
 
-    def report_allocation(self, request: dpb.ReportAllocationRequest) -> tuple[TransferRecord, Effects]:
-        """Record decode's blocks; dispatch if readiness is already known. Identical repeats are no-ops."""
+    def report_allocation(self, request: dpb.ReportAllocationRequest,
+                          hold_dispatch: bool = False) -> tuple[TransferRecord, Effects]:
+        """Record decode's blocks; dispatch if readiness is already known. Identical repeats are no-ops.
+
+        hold_dispatch: no instruction goes out until `release_dispatch()` (a replica stores the blocks in
+        etcd first, so a replica taking the shard over knows every block a write may land in).
+        """
         record = self._transfer(request.transfer_id)
         if request.engine_id not in self.engines.groups:
             raise NotFound(f"engine {request.engine_id!r} is not registered")
@@ -277,10 +294,22 @@ class DirectoryState:
         record.allocation = allocation
         record.allocate_wall = self.clock.wall()
         record.state = tpb.TRANSFER_STATE_ALLOCATED
+        record.dispatch_held = hold_dispatch
         self.observer.on_allocated(record)
-        if record.first_ready_wall is not None:
+        if record.first_ready_wall is not None and not hold_dispatch:
             self._dispatch(record, fx)
         return record, fx
+
+    def release_dispatch(self, record: TransferRecord) -> Effects:
+        """End a `hold_dispatch`: dispatch now if readiness is known and the transfer is still live."""
+        fx = Effects()
+        if not record.dispatch_held:
+            return fx
+        record.dispatch_held = False
+        if (not record.terminal and record.ending is None and not record.dispatched
+                and record.first_ready_wall is not None):
+            self._dispatch(record, fx)
+        return fx
 
     def _transfer(self, transfer_id: str) -> TransferRecord:
         record = self._transfers.get(transfer_id)
@@ -377,7 +406,7 @@ class DirectoryState:
         if record.first_ready_wall is None:
             record.first_ready_wall = self.clock.wall()
             self.observer.on_first_ready(record)
-            if record.allocation is not None and record.ending is None:
+            if record.allocation is not None and record.ending is None and not record.dispatch_held:
                 self._dispatch(record, fx)
 
     def _dispatch(self, record: TransferRecord, fx: Effects) -> None:
@@ -575,6 +604,116 @@ class DirectoryState:
                     f"{record.transfer_id} within {self.limits.lease_ttl_s + self.limits.max_write_s}s; lease revoked",
                     fx)
                 fx.expired_lease_roles.append(worker.role)
+
+    # ---------------------------------------------------------------- replica hooks (services/directory/replica.py)
+
+    def mirror_register(self, request: dpb.RegisterEngineRequest, lease_key: str) -> Effects:
+        """Take in a registration stored in etcd (any replica's); etcd's lease, not the reaper, ends it.
+
+        Idempotent for the same lease key; another agent on the rank replaces the old worker (its transfers fail).
+        """
+        fx = Effects()
+        group = self.engines.groups.get(request.engine_id)
+        existing = group.workers.get(request.tp_rank) if group is not None else None
+        if existing is not None and existing.lease_id == lease_key:
+            return fx
+        now = self.clock.monotonic()
+        if existing is not None and existing.agent_name == request.agent_name:
+            self.engines.refresh(existing, request, now)
+            worker = existing
+        else:
+            if existing is not None:
+                self._remove_worker(existing, f"engine {request.engine_id} rank {request.tp_rank} re-registered", fx)
+            holder = self.engines.agents.get(request.agent_name)
+            if holder is not None:
+                self._remove_worker(holder, f"agent {request.agent_name} re-registered elsewhere", fx)
+            worker = self.engines.add(request, now)
+        self.engines.leases.pop(worker.lease_id, None)
+        worker.lease_id = lease_key
+        self.engines.leases[lease_key] = worker
+        worker.lease_deadline = math.inf  # etcd's lease ends it (`mirror_remove`), not the reaper
+        worker.lease_deadline_wall = self.clock.wall() + self.limits.lease_ttl_s  # for display: etcd knows
+        if request.role == DECODE:
+            self._watch_logs.setdefault(
+                request.engine_id, WatchLog(self.limits.retained_watch_events_per_engine)).gone_since = None
+        return fx
+
+    def mirror_remove(self, engine_id: str, tp_rank: int, reason: str) -> Effects:
+        """A registration left etcd (its lease lapsed or was revoked): as a lapsed lease here."""
+        fx = Effects()
+        group = self.engines.groups.get(engine_id)
+        worker = group.workers.get(tp_rank) if group is not None else None
+        if worker is not None:
+            self._remove_worker(worker, reason, fx)
+        return fx
+
+    def adopt(self, stored: StoredTransfer, in_flight_bound_s: float, reason: str) -> Effects:
+        """Take over a transfer from etcd after its shard moved here from a replica that is gone.
+
+        Without decode's blocks nothing can have been written: it goes on as if planned here. With them an
+        instruction may have gone out and prefill may be writing: prefill is told to stop and the transfer
+        FAILS once every rank is quiet, its prefill engine is gone, or `in_flight_bound_s` passed (EXPIRED);
+        only then are the blocks released.
+        """
+        fx = Effects()
+        if stored.transfer_id in self._transfers:
+            return fx
+        now, wall = self.clock.monotonic(), self.clock.wall()
+        record = TransferRecord(
+            transfer_id=stored.transfer_id, sequence=next(self._transfer_sequence), request_id=stored.request_id,
+            prefill_engine_id=stored.prefill_engine_id, decode_engine_id=stored.decode_engine_id,
+            tp_size=stored.tp_size, layer_count=stored.layer_count, trace_context=stored.trace_context,
+            create_wall=stored.create_wall, deadline=now + (stored.deadline_wall - wall),
+            deadline_wall=stored.deadline_wall, plan_prompt_token_count=stored.plan_prompt_token_count)
+        self._transfers[record.transfer_id] = record
+        self._live[record.transfer_id] = record
+        for engine_id in (record.prefill_engine_id, record.decode_engine_id):
+            group = self.engines.groups.get(engine_id)
+            if group is not None:
+                group.active_transfers.add(record.transfer_id)
+        if stored.allocation is not None:
+            record.allocation = stored.allocation
+            record.owned_blocks = stored.owned_blocks
+            index = self._owned_blocks.setdefault(record.decode_engine_id, {})
+            for block in record.owned_blocks:
+                index.setdefault(block, record.transfer_id)
+            record.allocate_wall = wall
+            record.state = tpb.TRANSFER_STATE_STREAMING
+            record.dispatched = True  # perhaps: the previous owner may have sent the instruction
+            record.deadline = min(record.deadline, now + in_flight_bound_s)
+            if record.prefill_engine_id not in self.engines.groups:
+                # Its lease is gone already (etcd ended it): its writes cannot land after max_write_s from now.
+                for rank in range(record.tp_size):
+                    record.rank_fences[rank] = now + self.limits.max_write_s
+            self._decide_end(record, tpb.TRANSFER_STATE_FAILED, reason, fx)
+        elif record.prefill_engine_id not in self.engines.groups or record.decode_engine_id not in self.engines.groups:
+            self._decide_end(record, tpb.TRANSFER_STATE_FAILED, f"{reason}; an engine of the transfer is gone", fx)
+        return fx
+
+    def forget(self, transfer_ids: Iterable[str]) -> int:
+        """Drop live transfers without telling anyone: their shard is no longer this replica's (a successor
+        adopts them from etcd and ends them towards both sides). Returns how many were dropped."""
+        dropped = 0
+        for transfer_id in list(transfer_ids):
+            record = self._live.pop(transfer_id, None)
+            if record is None:
+                continue
+            self._transfers.pop(transfer_id, None)
+            for engine_id in (record.prefill_engine_id, record.decode_engine_id):
+                group = self.engines.groups.get(engine_id)
+                if group is not None:
+                    group.active_transfers.discard(transfer_id)
+                    for worker in group.workers.values():
+                        worker.outbox = deque(m for m in worker.outbox if _transfer_of(m) != transfer_id)
+            index = self._owned_blocks.get(record.decode_engine_id)
+            if index is not None:
+                for block in record.owned_blocks:
+                    if index.get(block) == transfer_id:
+                        del index[block]
+                if not index:
+                    del self._owned_blocks[record.decode_engine_id]
+            dropped += 1
+        return dropped
 
     # ---------------------------------------------------------------- reading
 
