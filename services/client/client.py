@@ -5,6 +5,13 @@ exponential backoff and full jitter on UNAVAILABLE only, at most `max_attempts` 
 status raises `DirectoryCallError` at once. Streams live in their own helpers, built from here:
 `EngineRegistration` (lease keep-alive), `PrefillSession` (StreamPrefill), `watch_transfers`.
 
+Replicas (docs/directory-replicas.md): `ChannelConfig.address` may list several replicas
+("a:50051,b:50051"). Calls that name a transfer (ReportAllocation, CancelTransfer, GetTransfer) go to
+the replica serving its shard: a replica that does not serve it answers FAILED_PRECONDITION with a
+google.rpc.ErrorInfo naming the owner, and the client follows it at once (remembering the shard's
+owner); UNAVAILABLE (a replica down, a shard between owners) moves the call to the next replica after a
+backoff. Other calls and the streams go to the current home replica, which moves on the same way.
+
 Create the client on the event loop that will use it (grpc.aio channels are bound to a loop);
 from threads use `SyncDirectoryClient`, which owns a private loop thread.
 """
@@ -20,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.errors import DirectoryCallError
+from kvpush.services.directory.shards import SHARD_NOT_OWNED, ShardRedirect, shard_of, shard_redirect
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb
@@ -30,13 +38,59 @@ class DirectoryClient:
 
     def __init__(self, config: ChannelConfig | None = None) -> None:
         self.config = config or ChannelConfig.from_env()
-        self.channel = self.config.create_channel()
-        self.stub = dgrpc.KVDirectoryServiceStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        # Every replica address known (the configured ones first, then those replicas named), in order.
+        self.addresses: list[str] = list(self.config.addresses)
+        self._channels: dict[str, tuple[grpc.aio.Channel, dgrpc.KVDirectoryServiceStub]] = {}
+        self.home = self.addresses[0]
+        # shard -> the replica address serving it, learnt from redirects (replicas only)
+        self.shard_owners: dict[int, str] = {}
+        self.shard_count = 0
+        self.redirect_count = 0
+
+    def _connection(self, address: str) -> tuple[grpc.aio.Channel, dgrpc.KVDirectoryServiceStub]:
+        connection = self._channels.get(address)
+        if connection is None:
+            channel = self.config.create_channel(address)
+            connection = self._channels[address] = (channel, dgrpc.KVDirectoryServiceStub(channel))
+        return connection
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel to the home replica (the only one without replicas)."""
+        return self._connection(self.home)[0]
+
+    @property
+    def stub(self) -> dgrpc.KVDirectoryServiceStub:
+        """The stub on the home replica; streams are opened on it."""
+        return self._connection(self.home)[1]
+
+    def move_home(self, away_from: str | None = None) -> str:
+        """Make the next known replica the home one (after `away_from` failed); returns the new home."""
+        if len(self.addresses) > 1 and (away_from is None or away_from == self.home):
+            self.home = self.addresses[(self.addresses.index(self.home) + 1) % len(self.addresses)]
+        return self.home
+
+    def learn(self, redirect: ShardRedirect) -> None:
+        """Remember who serves a shard (a replica's redirect), and that replica's address."""
+        self.shard_count = redirect.shard_count or self.shard_count
+        if redirect.owner_address:
+            self.shard_owners[redirect.shard] = redirect.owner_address
+            if redirect.owner_address not in self.addresses:
+                self.addresses.append(redirect.owner_address)
+        else:
+            self.shard_owners.pop(redirect.shard, None)
+
+    def address_for(self, transfer_id: str) -> str:
+        """The replica a call about `transfer_id` goes to first (the home one until a redirect taught better)."""
+        if transfer_id and self.shard_count:
+            return self.shard_owners.get(shard_of(transfer_id, self.shard_count), self.home)
+        return self.home
 
     async def close(self) -> None:
-        """Close the channel (ends every stream opened on it)."""
-        await self.channel.close()
+        """Close every channel (ends every stream opened on them)."""
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()
 
     async def __aenter__(self) -> DirectoryClient:
         return self
@@ -44,18 +98,33 @@ class DirectoryClient:
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
-    async def _unary(self, method: str, request, timeout_s: float | None = None):
-        """Call one unary RPC with a deadline, retrying on UNAVAILABLE with backoff."""
-        call = getattr(self.stub, method)
+    async def _unary(self, method: str, request, timeout_s: float | None = None, transfer_id: str = ""):
+        """Call one unary RPC with a deadline: follow shard redirects, retry UNAVAILABLE elsewhere with backoff."""
         timeout = timeout_s or self.config.timeout_s
-        for attempt in range(self.config.max_attempts):
+        attempt = 0
+        redirects = 0
+        while True:
+            address = self.address_for(transfer_id)
+            call = getattr(self._connection(address)[1], method)
             try:
                 return await call(request, timeout=timeout, metadata=self.config.metadata)
             except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 == self.config.max_attempts:
+                redirect = shard_redirect(error)
+                if redirect is not None:
+                    self.learn(redirect)
+                if (error.code() == grpc.StatusCode.FAILED_PRECONDITION and redirect is not None
+                        and redirect.reason == SHARD_NOT_OWNED and redirect.owner_address != address
+                        and redirects < len(self.addresses) + 1):
+                    redirects += 1  # the owner is named: go there at once
+                    self.redirect_count += 1
+                    continue
+                attempt += 1
+                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.config.max_attempts:
                     raise DirectoryCallError.from_rpc_error(method, error) from None
-                await asyncio.sleep(self.config.backoff_s(attempt))
-        raise AssertionError("unreachable")
+                if redirect is None:  # the replica itself is down or stopping: try the next one
+                    self.move_home(address)
+                    self.shard_owners = {s: a for s, a in self.shard_owners.items() if a != address}
+                await asyncio.sleep(self.config.backoff_s(attempt - 1))
 
     # ---------------------------------------------------------------- engines
 
@@ -107,14 +176,15 @@ class DirectoryClient:
         """Report decode's blocks for a transfer; returns the transfer after the report."""
         response = await self._unary("ReportAllocation", dpb.ReportAllocationRequest(
             transfer_id=transfer_id, engine_id=engine_id, block_ids=block_ids,
-            prompt_token_count=prompt_token_count, prefix_hit_token_count=prefix_hit_token_count), timeout_s)
+            prompt_token_count=prompt_token_count, prefix_hit_token_count=prefix_hit_token_count), timeout_s,
+            transfer_id=transfer_id)
         return response.transfer
 
     async def cancel_transfer(self, transfer_id: str, reason: str = "",
                               timeout_s: float | None = None) -> tpb.Transfer:
         """Cancel a transfer; returns it (CANCELLED, or still live with the cancellation pending)."""
         response = await self._unary("CancelTransfer", dpb.CancelTransferRequest(
-            transfer_id=transfer_id, reason=reason), timeout_s)
+            transfer_id=transfer_id, reason=reason), timeout_s, transfer_id=transfer_id)
         return response.transfer
 
     async def report_engine_unreachable(self, engine_id: str, transfer_id: str = "", reason: str = "",
@@ -127,7 +197,8 @@ class DirectoryClient:
 
     async def get_transfer(self, transfer_id: str, timeout_s: float | None = None) -> tpb.Transfer:
         """One transfer."""
-        response = await self._unary("GetTransfer", dpb.GetTransferRequest(transfer_id=transfer_id), timeout_s)
+        response = await self._unary("GetTransfer", dpb.GetTransferRequest(transfer_id=transfer_id), timeout_s,
+                                     transfer_id=transfer_id)
         return response.transfer
 
     async def list_transfers(self, state: int = tpb.TRANSFER_STATE_UNSPECIFIED, engine_id: str = "",
@@ -145,10 +216,23 @@ class DirectoryClient:
                 break
         return transfers
 
+    async def get_replicas(self, timeout_s: float | None = None) -> dpb.GetReplicasResponse:
+        """The replica set and shard map; also learnt (every shard's owner) for routing."""
+        response = await self._unary("GetReplicas", dpb.GetReplicasRequest(), timeout_s)
+        by_id = {r.replica_id: r.address for r in response.replicas}
+        for address in by_id.values():
+            if address and address not in self.addresses:
+                self.addresses.append(address)
+        if response.replica_id:
+            self.shard_count = response.shard_count
+            self.shard_owners = {shard: by_id[owner] for shard, owner in enumerate(response.shard_owner_replica_ids)
+                                 if owner and by_id.get(owner)}
+        return response
+
     async def health(self, service: str = "", timeout_s: float | None = None) -> str:
         """The server's health status name for a service ("" = the whole server), e.g. "SERVING"."""
         try:
-            response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+            response = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                 timeout=timeout_s or self.config.timeout_s,
                                                 metadata=self.config.metadata)
         except grpc.aio.AioRpcError as error:

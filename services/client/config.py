@@ -6,7 +6,7 @@ mapping such as vLLM's `kv_connector_extra_config` (keys below, with or without 
 
 | field | env | dict key |
 | --- | --- | --- |
-| address | KVPUSH_DIRECTORY_ADDRESS | directory_address |
+| address | KVPUSH_DIRECTORY_ADDRESS | directory_address (one host:port, or replicas comma-separated) |
 | token | KVPUSH_DIRECTORY_TOKEN | directory_token |
 | root_cert_file | KVPUSH_DIRECTORY_TLS_ROOT_CERT | directory_tls_root_cert |
 | client_cert_file | KVPUSH_DIRECTORY_TLS_CLIENT_CERT | directory_tls_client_cert |
@@ -104,6 +104,11 @@ class ChannelConfig:
         return cls(**converted)
 
     @property
+    def addresses(self) -> list[str]:
+        """The directory addresses: one, or several replicas ("a:50051,b:50051")."""
+        return [a.strip() for a in self.address.split(",") if a.strip()]
+
+    @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Call metadata: the bearer token when one is set."""
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
@@ -112,8 +117,10 @@ class ChannelConfig:
         """Delay before retry `attempt` (0-based): exponential, capped, with full jitter."""
         return random.uniform(0, min(self.backoff_max_s, self.backoff_initial_s * (2 ** attempt)))
 
-    def create_channel(self) -> grpc.aio.Channel:
-        """A grpc.aio channel for this config (TLS when a root cert is set); call on the loop that uses it."""
+    def create_channel(self, address: str = "") -> grpc.aio.Channel:
+        """A grpc.aio channel to `address` (default: the first configured) with this config's TLS and options;
+        call on the loop that uses it."""
+        address = address or self.addresses[0]
         options = [
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
@@ -121,7 +128,7 @@ class ChannelConfig:
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ]
         if not self.root_cert_file:
-            return grpc.aio.insecure_channel(self.address, options=options)
+            return grpc.aio.insecure_channel(address, options=options)
         if self.server_name_override:
             options.append(("grpc.ssl_target_name_override", self.server_name_override))
         with open(self.root_cert_file, "rb") as handle:
@@ -133,4 +140,4 @@ class ChannelConfig:
             with open(self.client_cert_file, "rb") as handle:
                 cert = handle.read()
         credentials = grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=cert)
-        return grpc.aio.secure_channel(self.address, credentials, options=options)
+        return grpc.aio.secure_channel(address, credentials, options=options)

@@ -145,7 +145,9 @@ class EngineRegistration:
                     response = await asyncio.wait_for(call.read(), self.client.config.timeout_s)
                     if response is grpc.aio.EOF:
                         raise DirectoryCallError("RenewLease", await call.code(), await call.details() or "")
+                    # (Replicas share leases through etcd: another replica renewing ours is a takeover.)
                     if (response.directory_incarnation_id and self.directory_incarnation_id
+                            and len(self.client.addresses) == 1
                             and response.directory_incarnation_id != self.directory_incarnation_id):
                         # Another process renewed a lease it never granted: treat it as forgotten.
                         raise DirectoryCallError("RenewLease", grpc.StatusCode.NOT_FOUND, "the directory restarted")
@@ -173,6 +175,9 @@ class EngineRegistration:
                         log.warning("re-registration failed", engine_id=self.engine_id, error=str(register_error))
                 elif loop.time() - last_renewal > self.ttl_s:
                     self._lost(f"no renewal for {self.ttl_s}s ({code.name})")
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    # Replicas: renew on the next one; it takes over keeping the (etcd) lease alive.
+                    self.client.move_home()
                 delay = self.client.config.backoff_s(min(attempt, 10)) + 0.05
                 attempt += 1
                 if await self._sleep(delay):
