@@ -138,9 +138,22 @@ class Replica:
 
     # ---------------------------------------------------------------- life cycle
 
-    async def start(self) -> None:
-        """Join: session lease, replica key, registrations mirrored, background loops running."""
-        await self._new_session()
+    async def start(self, etcd_wait_s: float = 30.0) -> None:
+        """Join: session lease, replica key, registrations mirrored, background loops running.
+
+        etcd not answering yet (it starts alongside): retried for `etcd_wait_s`, then ConnectionError.
+        """
+        deadline = time.monotonic() + etcd_wait_s
+        while True:
+            try:
+                await self._new_session()
+                break
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"etcd at {','.join(self.config.etcd_endpoints)} did not answer "
+                                          f"within {etcd_wait_s}s: {error}") from None
+                log.info("waiting for etcd", endpoints=list(self.config.etcd_endpoints), error=str(error))
+                await asyncio.sleep(0.2)
         revision = await self._load_engines()
         self._tasks = [asyncio.create_task(self._keep_session(), name="kvpush-replica-session"),
                        asyncio.create_task(self._shard_loop(), name="kvpush-replica-shards"),

@@ -644,6 +644,7 @@ class DirectoryState:
         group = self.engines.groups.get(engine_id)
         worker = group.workers.get(tp_rank) if group is not None else None
         if worker is not None:
+            worker.lease_deadline = self.clock.monotonic()  # etcd ended it now: a write fence counts from here
             self._remove_worker(worker, reason, fx)
         return fx
 

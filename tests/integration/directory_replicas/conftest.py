@@ -59,6 +59,7 @@ def etcd(tmp_path) -> Iterator[Etcd]:
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "etcd.log", "wb"))
     try:
         _wait_port(client, 20)
+        # Replicas wait for etcd to answer (Replica.start retries), so a listening port is enough here.
         yield Etcd(f"127.0.0.1:{client}", process)
     finally:
         process.terminate()
