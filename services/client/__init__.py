@@ -5,6 +5,8 @@
 - `EngineRegistration`: register a worker and keep its lease alive (re-registers after restarts).
 - `PrefillSession`: StreamPrefill with batching and automatic reconnect.
 - `watch_transfers`: a decode engine's terminal events, resumed across reconnects.
+- `ReplicatedPrefillSession`, `watch_replicas`: the streams against directory replicas (one per replica,
+  routed by shard; `SyncDirectoryClient` and `watch_transfers` pick them when the directory is replicated).
 - `SyncDirectoryClient`: all of the above from threads, on a private event-loop thread.
 - `DirectoryCallError`: the exception every refused call raises (`.code`, `.details`).
 """
@@ -14,6 +16,7 @@ from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.errors import DirectoryCallError
 from kvpush.services.client.lease import EngineRegistration
 from kvpush.services.client.prefill import PrefillSession
+from kvpush.services.client.replicas import ReplicatedPrefillSession, watch_replicas
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.services.client.watch import watch_transfers
 
@@ -23,6 +26,8 @@ __all__ = [
     "DirectoryClient",
     "EngineRegistration",
     "PrefillSession",
+    "ReplicatedPrefillSession",
     "SyncDirectoryClient",
+    "watch_replicas",
     "watch_transfers",
 ]

@@ -54,6 +54,16 @@ class DirectoryClient:
             connection = self._channels[address] = (channel, dgrpc.KVDirectoryServiceStub(channel))
         return connection
 
+    def stub_for(self, address: str) -> dgrpc.KVDirectoryServiceStub:
+        """The stub on one replica's channel (opened on first use)."""
+        return self._connection(address)[1]
+
+    def owner_address(self, transfer_id: str) -> str | None:
+        """The replica known to serve the transfer's shard; None when unknown (replicas only)."""
+        if not self.shard_count:
+            return None
+        return self.shard_owners.get(shard_of(transfer_id, self.shard_count))
+
     @property
     def channel(self) -> grpc.aio.Channel:
         """The channel to the home replica (the only one without replicas)."""

@@ -21,8 +21,10 @@ from typing import Any, TypeVar
 
 from kvpush.services.client.client import DirectoryClient
 from kvpush.services.client.config import ChannelConfig
+from kvpush.services.client.errors import DirectoryCallError
 from kvpush.services.client.lease import EngineRegistration
 from kvpush.services.client.prefill import PrefillSession
+from kvpush.services.client.replicas import ReplicatedPrefillSession, replica_addresses
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
@@ -127,7 +129,13 @@ class SyncDirectoryClient:
     def open_prefill_session(self, registration: EngineRegistration, **callbacks) -> PrefillSession:
         """Open a `PrefillSession` on the loop; keyword callbacks and options as it takes."""
         async def start() -> PrefillSession:
-            session = PrefillSession(self.client, registration, **callbacks)
+            # A replicated directory: one session per replica, routed by shard (client/replicas.py).
+            try:
+                replicated = bool(await replica_addresses(self.client))
+            except DirectoryCallError:
+                replicated = False
+            session_type = ReplicatedPrefillSession if replicated else PrefillSession
+            session = session_type(self.client, registration, **callbacks)
             await session.start()
             return session
 

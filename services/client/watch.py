@@ -36,14 +36,35 @@ _FATAL = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTI
 
 async def watch_transfers(client: DirectoryClient, engine_id: str, after_sequence_number: int = 0,
                           on_gap: Callable[[int], None] | None = None) -> AsyncIterator[dpb.TransferEvent]:
-    """Yield TransferEvents of `engine_id` in order, forever; reconnects and resumes (module docstring)."""
+    """Yield TransferEvents of `engine_id` in order, forever; reconnects and resumes (module docstring).
+
+    A replicated directory: every replica is watched and their events merged (`replicas.watch_replicas`;
+    sequence numbers are then per replica, so `after_sequence_number` must be 0).
+    """
+    from kvpush.services.client.replicas import replica_addresses, watch_replicas
+
+    try:
+        replicated = bool(await replica_addresses(client))
+    except DirectoryCallError:
+        replicated = False  # unreachable now: the single-stream watch retries on its own
+    stream = (watch_replicas(client, engine_id, on_gap) if replicated and not after_sequence_number
+              else watch_one(client, engine_id, after_sequence_number, on_gap))
+    async for event in stream:
+        yield event
+
+
+async def watch_one(client: DirectoryClient, engine_id: str, after_sequence_number: int = 0,
+                    on_gap: Callable[[int], None] | None = None,
+                    address: str | None = None) -> AsyncIterator[dpb.TransferEvent]:
+    """The events of one directory process (`address`, default the client's home one), resumed across breaks."""
     last = after_sequence_number
     attempt = 0
     incarnation = ""  # the directory process `last` counts events of ("" before the first greeting)
     replay = False    # after a gap: replay everything the directory retained
     gap_incarnation = ""  # the incarnation a gap was seen in (same one again: only the gap, no restart)
     while True:
-        call = client.stub.WatchTransfers(
+        stub = client.stub if address is None else client.stub_for(address)
+        call = stub.WatchTransfers(
             dpb.WatchTransfersRequest(engine_id=engine_id, after_sequence_number=0 if replay else last,
                                       directory_incarnation_id="" if replay else incarnation,
                                       replay_retained=replay),

@@ -2,8 +2,9 @@
 
 `Engines` registers one prefill and one decode engine through a client that knows every replica (its
 registrations renew on one replica, and move to another when that one dies), opens the prefill's
-StreamPrefill and the decode's WatchTransfers on EVERY replica (each replica dispatches and reports only
-the transfers of its shards), and acts as the connector does: a Cancellation is answered CANCELLED.
+StreamPrefill and the decode's WatchTransfers on EVERY replica through the library's replicated streams
+(`ReplicatedPrefillSession`, `watch_transfers`: each replica dispatches and reports only the transfers of
+its shards), and acts as the connector does: a Cancellation is answered CANCELLED.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import asyncio
 import time
 from collections import defaultdict
 
-from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration, PrefillSession, watch_transfers
+from kvpush.services.client import (
+    ChannelConfig,
+    DirectoryClient,
+    EngineRegistration,
+    ReplicatedPrefillSession,
+    watch_transfers,
+)
 from kvpush.services.directory.shards import shard_of
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
@@ -28,9 +35,9 @@ class Engines:
         self.addresses = addresses
         self.routed = DirectoryClient(ChannelConfig(address=",".join(addresses), timeout_s=2.0, max_attempts=8))
         self.instructions: dict[str, dpb.PushInstruction] = {}
-        self.cancellations: dict[str, list[str]] = defaultdict(list)
-        self.events: dict[str, list[tuple[float, dpb.TransferEvent, str]]] = defaultdict(list)
-        self.sessions: dict[str, PrefillSession] = {}
+        self.cancellations: dict[str, list[float]] = defaultdict(list)
+        self.events: dict[str, list[tuple[float, dpb.TransferEvent]]] = defaultdict(list)
+        self.resets: list[float] = []
         self._clients: list[DirectoryClient] = []
         self._tasks: list[asyncio.Task] = []
         self.live_addresses = set(addresses)
@@ -42,26 +49,26 @@ class Engines:
         await self.prefill.start()
         await self.decode.start()
         await asyncio.sleep(0.5)  # every replica mirrors the registrations from etcd
-        for address in self.addresses:
-            client = DirectoryClient(ChannelConfig(address=address, timeout_s=2.0, max_attempts=2))
-            self._clients.append(client)
-            session = PrefillSession(client, self.prefill, on_instruction=self._instructed,
-                                     on_cancellation=lambda c, a=address: self._cancelled(a, c))
-            await session.start()
-            self.sessions[address] = session
-            self._tasks.append(asyncio.create_task(self._watch(client, address)))
+        for address in self.addresses:  # planning clients, one per replica (each mints in its own shards)
+            self._clients.append(DirectoryClient(ChannelConfig(address=address, timeout_s=2.0, max_attempts=2)))
+        # The client library's replicated streams: a session and a watch per replica, routed by shard.
+        self.session = ReplicatedPrefillSession(self.routed, self.prefill, on_instruction=self._instructed,
+                                                on_cancellation=self._cancelled,
+                                                on_reconnect=lambda: self.resets.append(time.monotonic()))
+        await self.session.start()
+        self._tasks.append(asyncio.create_task(self._watch()))
 
-    async def _watch(self, client: DirectoryClient, address: str) -> None:
-        async for event in watch_transfers(client, "d1", on_gap=lambda _last: None):
-            self.events[event.transfer_id].append((time.monotonic(), event, address))
+    async def _watch(self) -> None:
+        async for event in watch_transfers(self.routed, "d1", on_gap=lambda _last: None):
+            self.events[event.transfer_id].append((time.monotonic(), event))
 
     def _instructed(self, instruction: dpb.PushInstruction) -> None:
         self.instructions[instruction.transfer_id] = instruction
 
-    def _cancelled(self, address: str, cancellation: dpb.Cancellation) -> None:
+    def _cancelled(self, cancellation: dpb.Cancellation) -> None:
         # As the connector: stop writing, confirm no write is in flight.
-        self.cancellations[cancellation.transfer_id].append(address)
-        self.sessions[address].send_result(dpb.WriteResult(
+        self.cancellations[cancellation.transfer_id].append(time.monotonic())
+        self.session.send_result(dpb.WriteResult(
             transfer_id=cancellation.transfer_id, status=dpb.WRITE_RESULT_STATUS_CANCELLED))
 
     async def owners(self) -> tuple[int, dict[int, str]]:
@@ -85,8 +92,7 @@ class Engines:
         transfer_id = plan.transfer.transfer_id
         blocks = self._blocks(transfer_id, prompt_tokens)
         await self.routed.report_allocation(transfer_id, "d1", blocks, prompt_tokens)
-        owner = await self.owner_of(transfer_id)
-        self.sessions[owner].send_ready([dpb.LayerReady(
+        self.session.send_ready([dpb.LayerReady(
             transfer_id=transfer_id, layer_start=0, layer_end=LAYERS, token_start=0, token_end=prompt_tokens,
             source_block_ids=list(range(prompt_tokens // 16)), prompt_token_count=prompt_tokens)])
         return transfer_id
@@ -100,9 +106,8 @@ class Engines:
         return list(range(start % 4000, start % 4000 + count))
 
     async def finish(self, transfer_id: str) -> None:
-        """Prefill reports every layer written, to the transfer's owner."""
-        owner = await self.owner_of(transfer_id)
-        self.sessions[owner].send_result(dpb.WriteResult(
+        """Prefill reports every layer written (the session routes it to the transfer's owner)."""
+        self.session.send_result(dpb.WriteResult(
             transfer_id=transfer_id, status=dpb.WRITE_RESULT_STATUS_DONE, layers_written_count=LAYERS,
             bytes_written=1024))
 
@@ -128,8 +133,7 @@ class Engines:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for session in self.sessions.values():
-            await session.stop(1)
+        await self.session.stop(1)
         for registration in (self.prefill, self.decode):
             await registration.stop(deregister=False)
         for client in self._clients:
