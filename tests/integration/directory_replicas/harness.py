@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+
+import grpc
 from collections import defaultdict
 
 from kvpush.services.client import (
     ChannelConfig,
+    DirectoryCallError,
     DirectoryClient,
     EngineRegistration,
     ReplicatedPrefillSession,
@@ -86,9 +89,19 @@ class Engines:
     async def begin(self, prompt_tokens: int = 32) -> str:
         """Plan (on the replicas in turn: each mints ids of its own shards), allocate (routed) and announce
         every layer of one transfer; returns its id."""
-        live = [c for c in self._clients if c.home in self.live_addresses]
-        Engines._plans += 1
-        plan = await live[Engines._plans % len(live)].plan_transfer(prompt_token_count=prompt_tokens, ttl_s=30)
+        plan = None
+        for _ in range(20):  # a stopping replica mints nothing (UNAVAILABLE): plan on the next one
+            live = [c for c in self._clients if c.home in self.live_addresses]
+            Engines._plans += 1
+            try:
+                plan = await live[Engines._plans % len(live)].plan_transfer(prompt_token_count=prompt_tokens,
+                                                                            ttl_s=30)
+                break
+            except DirectoryCallError as error:
+                if error.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(0.05)
+        assert plan is not None, "no replica planned"
         transfer_id = plan.transfer.transfer_id
         blocks = self._blocks(transfer_id, prompt_tokens)
         await self.routed.report_allocation(transfer_id, "d1", blocks, prompt_tokens)
