@@ -18,6 +18,7 @@ Every unary call has a deadline (`timeout_s`); errors surface as `grpc.aio.AioRp
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -83,8 +84,20 @@ class EtcdStore:
             raise ValueError("at least one etcd endpoint is needed")
         self.endpoints = [e.removeprefix("http://").removeprefix("https://") for e in endpoints]
         self.timeout_s = timeout_s
-        # gRPC's ipv4: resolver spreads calls over every endpoint and fails over when one is down.
-        target = self.endpoints[0] if len(self.endpoints) == 1 else "ipv4:" + ",".join(self.endpoints)
+        # One endpoint: gRPC's DNS resolver takes every address the name has (a headless Service of the
+        # members). Several: IP literals, which gRPC's ipv4:/ipv6: resolver spreads calls over and fails over.
+        if len(self.endpoints) == 1:
+            target = self.endpoints[0]
+        else:
+            hosts = [e.rsplit(":", 1)[0].strip("[]") for e in self.endpoints]
+            try:
+                families = {ipaddress.ip_address(h).version for h in hosts}
+            except ValueError:
+                raise ValueError("several etcd endpoints must be IP addresses; give one DNS name that resolves "
+                                 "to every member instead (e.g. a headless Service)") from None
+            if len(families) != 1:
+                raise ValueError("etcd endpoints mix IPv4 and IPv6 addresses")
+            target = ("ipv4:" if families == {4} else "ipv6:") + ",".join(self.endpoints)
         options = [("grpc.lb_policy_name", "round_robin"), ("grpc.keepalive_time_ms", 5_000),
                    ("grpc.keepalive_timeout_ms", 2_000), ("grpc.keepalive_permit_without_calls", 1)]
         if root_cert_file:

@@ -102,7 +102,7 @@ def test_engine_kv_transfer_configs_are_accepted_by_the_connector(path: str) -> 
 def test_k8s_manifests_are_valid_kubernetes_objects():
     """Every k8s document validates (strictly: no unknown fields) against the Kubernetes OpenAPI schemas."""
     docs = _k8s_docs()
-    assert {d["kind"] for d in docs} == {"ConfigMap", "Secret", "Deployment", "Service"}
+    assert {d["kind"] for d in docs} == {"ConfigMap", "Secret", "Deployment", "Service", "StatefulSet"}
     for doc in docs:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
@@ -151,9 +151,9 @@ def test_k8s_containers_define_every_variable_they_use():
 
 
 def test_k8s_services_select_deployments_and_name_their_ports():
-    """Each Service selects a Deployment's pods and targets a port that container declares."""
+    """Each Service selects a Deployment's (or StatefulSet's) pods and targets a port that container declares."""
     docs = _k8s_docs()
-    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
     for service in (d for d in docs if d["kind"] == "Service"):
         matching = [d for d in deployments.values()
                     if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
@@ -172,6 +172,40 @@ def test_k8s_commands_pass_flags_their_programs_accept():
     gateway = deployments["kvpush-gateway"]["spec"]["template"]["spec"]["containers"][0]
     assert parse_gateway_args([*gateway["args"], "--directory", "d:50051"]).port == 8080
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/ping"
+
+
+def test_k8s_directory_replicas_share_the_manifests_etcd():
+    """N directory replicas point at the etcd members the manifests run; each advertises its own pod address."""
+    docs = _k8s_docs()
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    directory = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvpush-directory")
+    etcd = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "kvpush-etcd")
+    etcd_service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "kvpush-etcd")
+    assert directory["spec"]["replicas"] >= 2 and directory["spec"]["strategy"]["type"] == "RollingUpdate"
+    host, port = config["KVPUSH_DIRECTORY_ETCD_ENDPOINTS"].split(":")
+    assert host == etcd_service["metadata"]["name"] and etcd_service["spec"]["clusterIP"] == "None"
+    assert int(port) in {p["port"] for p in etcd_service["spec"]["ports"]}
+    command = etcd["spec"]["template"]["spec"]["containers"][0]["command"]
+    cluster = next(a for a in command if a.startswith("--initial-cluster="))
+    members = [m.split("=")[0] for m in cluster.split("=", 1)[1].split(",")]
+    assert members == [f"kvpush-etcd-{i}" for i in range(etcd["spec"]["replicas"])]
+    args = build_parser().parse_args(["directory", *directory["spec"]["template"]["spec"]["containers"][0]["args"]])
+    assert args.advertise_address == "$(POD_IP):50051" and args.replica_id == "$(POD_NAME)"
+    env = {e["name"] for e in directory["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert {"POD_IP", "POD_NAME"} <= env
+
+
+def test_compose_runs_directory_replicas_on_an_etcd_service():
+    """compose: an etcd service, two directory replicas on it, and clients that list both."""
+    services = _compose()["services"]
+    assert "etcd" in services
+    replicas = [n for n in services if n.startswith("directory")]
+    assert len(replicas) >= 2
+    for name in replicas:
+        args = build_parser().parse_args(["directory", *services[name]["command"]])
+        assert args.etcd_endpoints == "etcd:2379" and args.advertise_address == f"{name}:50051"
+        assert services[name]["depends_on"]["etcd"]["condition"] == "service_healthy"
+    assert services["gateway"]["environment"]["KVPUSH_DIRECTORY_ADDRESS"] == ",".join(f"{n}:50051" for n in replicas)
 
 
 # ---------------------------------------------------------------- images
