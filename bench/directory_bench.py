@@ -21,6 +21,12 @@ Scenarios in one run (same directory build, same machine), so ratios compare lik
 
 Usage:  python bench/directory_bench.py [--duration-s 10] [--prefill 4] [--decode 4] [--profile]
 Prints JSON and writes it to bench/results/directory_bench.json.
+
+Replicas (docs/directory-replicas.md): `--replica-counts 0,1,2,3` runs the in-memory directory alone (0)
+and 1..N replicas on one fresh etcd; each replica gets its own load process (plans minted there are its
+own transfers), unpaced (layer events/s) and paced at `--paced-rate` in total (dispatch p99); etcd's
+/metrics give its KV calls per transfer, and sequential PlanTransfer/ReportAllocation round trips the ms
+etcd adds (each awaits one etcd commit). JSON + PNG: bench/results/directory_replicas_bench.{json,png}.
 """
 
 from __future__ import annotations
@@ -188,6 +194,9 @@ class Load:
         self.stopping = False
         self.total_done = 0
         self.admit_per_step = max(1, math.ceil(args.in_flight / (args.layers * args.chunks)))
+        # Replicas: plans name this load's own decode engines (other replicas' loads register theirs too).
+        self.pin_decode = bool(getattr(args, "pin_decode", False))
+        self._decode_turn = itertools.count()
 
     async def run(self) -> Stats:
         """Warm up, measure for the duration, drain; returns the stats of the window."""
@@ -241,7 +250,9 @@ class Load:
         return ChannelConfig(address=self.address, timeout_s=30, token=token)
 
     async def _watch(self, engine_id: str) -> None:
-        async for event in self.engine_clients[engine_id].watch_transfers(engine_id):
+        from kvpush.services.client.watch import watch_one  # this load's replica only: it owns its transfers
+
+        async for event in watch_one(self.engine_clients[engine_id], engine_id):
             if event.state == tpb.TRANSFER_STATE_COMPLETE:
                 self.stats.completions_seen += 1
 
@@ -257,8 +268,12 @@ class Load:
             metadata=decode.config.metadata)
 
     async def _plan(self, engine_id: str) -> Transfer:
+        decode_engine_id = ""
+        if self.pin_decode:
+            decode_engine_id = f"{self.tag}-d{next(self._decode_turn) % self.args.decode}"
         response = await self.client.stub.PlanTransfer(dpb.PlanTransferRequest(
-            prefill_engine_id=engine_id, prompt_token_count=self.prompt), timeout=30, metadata=self.client.config.metadata)
+            prefill_engine_id=engine_id, decode_engine_id=decode_engine_id, prompt_token_count=self.prompt),
+            timeout=30, metadata=self.client.config.metadata)
         record = response.transfer
         events = [(chunk, layer) for chunk in range(self.args.chunks) for layer in range(self.args.layers)]
         transfer = Transfer(record.transfer_id, record.decode_engine_id, events[::-1])
@@ -608,5 +623,231 @@ def main() -> None:
     print(json.dumps(report, indent=2))
 
 
+# ---------------------------------------------------------------------------- replicas on etcd
+
+
+class EtcdProcess:
+    """A fresh single-member etcd on loopback (a temporary data dir), for the replica runs."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise SystemExit("etcd is not installed (scripts/setup.sh installs Debian's etcd-server)")
+        ports = []
+        for _ in range(2):
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                ports.append(probe.getsockname()[1])
+        self.client_port, peer = ports
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.data = tempfile.mkdtemp(prefix="kvpush-bench-etcd-")
+        self.process = subprocess.Popen(
+            [binary, "--name", "bench", "--data-dir", self.data, "--listen-client-urls", f"http://{self.endpoint}",
+             "--advertise-client-urls", f"http://{self.endpoint}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"bench=http://127.0.0.1:{peer}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def metrics(self) -> dict[str, float]:
+        """etcd's gRPC calls handled so far, by method (from its /metrics)."""
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://{self.endpoint}/metrics", timeout=5).read().decode()
+        counts: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("grpc_server_handled_total{"):
+                method = line.split('grpc_method="', 1)[1].split('"', 1)[0]
+                counts[method] = counts.get(method, 0.0) + float(line.rsplit(" ", 1)[1])
+        return counts
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(10)
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+def _wait_shards(addresses: list[str], replica_count: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        channel = grpc.insecure_channel(addresses[0])
+        try:
+            from kvpush.v1 import directory_pb2_grpc as dgrpc
+
+            response = dgrpc.KVDirectoryServiceStub(channel).GetReplicas(dpb.GetReplicasRequest(), timeout=2)
+            owners = list(response.shard_owner_replica_ids)
+            if len(response.replicas) == replica_count and all(owners) and len(set(owners)) == replica_count:
+                return
+        except grpc.RpcError:
+            pass
+        finally:
+            channel.close()
+        time.sleep(0.2)
+    raise RuntimeError("replicas never took every shard")
+
+
+def _load_process(address: str, args, name: str, rate: float, tag: str) -> subprocess.Popen:
+    # Paced: few transfers in flight, so new ones keep starting (and being measured) within the window.
+    in_flight = args.paced_in_flight if rate else args.in_flight
+    command = [sys.executable, __file__, "--load-only", address, "--load-tag", tag, "--load-scenario", name,
+               "--load-rate", str(rate), "--duration-s", str(args.duration_s), "--warmup-s", str(args.warmup_s),
+               "--prefill", str(args.prefill), "--decode", str(args.decode), "--in-flight", str(in_flight),
+               "--layers", str(args.layers), "--chunks", str(args.chunks), "--chunk-tokens", str(args.chunk_tokens)]
+    env = {**os.environ, "KVPUSH_LOG_LEVEL": "WARNING"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def load_only(args) -> None:
+    """One replica's load (a process of its own, so N replicas get N load generators); JSON on stdout."""
+    args.pin_decode = True
+    load = Load(args.load_only, args, args.load_rate, True, tag=args.load_tag)
+    started = time.perf_counter()
+    stats = asyncio.run(load.run())
+    print(json.dumps({"events": stats.events, "elapsed_s": load.elapsed_s, "transfers_done": stats.transfers_done,
+                      "transfers_done_whole_run": load.total_done,
+                      "latencies_ms": stats.latencies_ms, "call_errors": stats.call_errors,
+                      "rejections": stats.rejections, "wall_s": time.perf_counter() - started}))
+
+
+async def _unary_cost(address: str, count: int) -> dict:
+    """Sequential PlanTransfer + ReportAllocation round trips (each awaits one etcd commit on a replica)."""
+    client = DirectoryClient(ChannelConfig(address=address, timeout_s=30))
+    tag = f"cost{os.getpid()}"
+    registrations = [EngineRegistration(client, _register(f"{tag}-p", tpb.ENGINE_ROLE_PREFILL, 4)),
+                     EngineRegistration(client, _register(f"{tag}-d", tpb.ENGINE_ROLE_DECODE, 4))]
+    for registration in registrations:
+        await registration.start()
+    await asyncio.sleep(0.5)
+    plan_ms, allocation_ms = [], []
+    for index in range(count):
+        started = time.perf_counter()
+        response = await client.stub.PlanTransfer(dpb.PlanTransferRequest(
+            prefill_engine_id=f"{tag}-p", decode_engine_id=f"{tag}-d", prompt_token_count=16), timeout=30)
+        plan_ms.append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        await client.stub.ReportAllocation(dpb.ReportAllocationRequest(
+            transfer_id=response.transfer.transfer_id, engine_id=f"{tag}-d", block_ids=[index % 1000],
+            prompt_token_count=16), timeout=30)
+        allocation_ms.append((time.perf_counter() - started) * 1e3)
+        await client.stub.CancelTransfer(dpb.CancelTransferRequest(transfer_id=response.transfer.transfer_id),
+                                         timeout=30)
+    for registration in registrations:
+        await registration.stop()
+    await client.close()
+    return {"plan_ms_p50": round(_percentile(plan_ms, 50), 3), "plan_ms_p99": round(_percentile(plan_ms, 99), 3),
+            "allocation_ms_p50": round(_percentile(allocation_ms, 50), 3),
+            "allocation_ms_p99": round(_percentile(allocation_ms, 99), 3), "calls": count}
+
+
+def replicas_main(args) -> None:
+    """1..N replicas on one etcd (and the in-memory directory alone, `0`): events/s, dispatch p99, etcd cost."""
+    counts = [int(c) for c in args.replica_counts.split(",")]
+    rows = []
+    for count in counts:
+        etcd = EtcdProcess() if count else None
+        directories = []
+        try:
+            for index in range(max(1, count)):
+                flags = ["--no-uvloop"] if args.no_uvloop else []
+                if etcd is not None:
+                    flags += ["--etcd-endpoints", etcd.endpoint, "--replica-id", f"r{index}", "--shard-count", "16"]
+                directories.append(DirectoryProcess(None, None, flags))
+            addresses = [f"127.0.0.1:{d.port}" for d in directories]
+            if etcd is not None:
+                _wait_shards(addresses, count)
+            row = {"replicas": count, "etcd": etcd is not None}
+            for name, rate in (("max_batched", 0.0), ("paced", args.paced_rate)):
+                before = etcd.metrics() if etcd is not None else {}
+                loads = [_load_process(address, args, name, rate / len(addresses), f"{name}-r{i}")
+                         for i, address in enumerate(addresses)]
+                outputs = [json.loads(load.communicate(timeout=600)[0].strip().splitlines()[-1]) for load in loads]
+                after = etcd.metrics() if etcd is not None else {}
+                events = sum(o["events"] for o in outputs)
+                elapsed = max(o["elapsed_s"] for o in outputs)
+                transfers = sum(o["transfers_done"] for o in outputs)
+                latencies = [x for o in outputs for x in o["latencies_ms"]]
+                figures = {"layer_events_per_s": round(events / elapsed, 1),
+                           "transfers_per_s": round(transfers / elapsed, 1),
+                           "dispatch_p50_ms": round(_percentile(latencies, 50), 3),
+                           "dispatch_p99_ms": round(_percentile(latencies, 99), 3),
+                           "call_errors": [o["call_errors"] for o in outputs if o["call_errors"]]}
+                if etcd is not None:
+                    calls = {m: after.get(m, 0) - before.get(m, 0) for m in after}
+                    kv_calls = sum(calls.get(m, 0) for m in ("Txn", "Put", "Range", "DeleteRange"))
+                    figures["etcd_calls"] = {m: int(v) for m, v in calls.items() if v}
+                    # Every transfer of the run (warm-up and drain included) against every KV call: a Txn
+                    # commits many transfers' writes at once under load; shard scans add Ranges.
+                    run_transfers = max(1, sum(o["transfers_done_whole_run"] for o in outputs))
+                    figures["etcd_kv_calls_per_transfer"] = round(kv_calls / run_transfers, 2)
+                    figures["transfers_whole_run"] = run_transfers
+                row[name] = figures
+                print(json.dumps({"replicas": count, name: figures}), file=sys.stderr, flush=True)
+            cost = asyncio.run(_unary_cost(addresses[0], 200))
+            row["unary_cost"] = cost
+            rows.append(row)
+        finally:
+            for directory in directories:
+                directory.stop()
+            if etcd is not None:
+                etcd.stop()
+    baseline = next((r for r in rows if r["replicas"] == 0), None)
+    if baseline is not None:
+        for row in rows:
+            if row["etcd"]:
+                row["etcd_added_ms"] = {
+                    "plan_p50": round(row["unary_cost"]["plan_ms_p50"] - baseline["unary_cost"]["plan_ms_p50"], 3),
+                    "allocation_p50": round(row["unary_cost"]["allocation_ms_p50"]
+                                            - baseline["unary_cost"]["allocation_ms_p50"], 3)}
+    report = {"benchmark": "directory_replicas", "command": "python " + " ".join(sys.argv),
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+              "load_average_at_start": os.getloadavg(),
+              "workload_per_replica": {"prefill_workers": args.prefill, "decode_engines": args.decode,
+                                       "in_flight_per_worker": args.in_flight, "layers": args.layers,
+                                       "chunks": args.chunks, "duration_s": args.duration_s,
+                                       "paced_rate_total": args.paced_rate},
+              "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "directory_replicas_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot_replicas(report, RESULTS / "directory_replicas_bench.png")
+    print(json.dumps(report, indent=2))
+
+
+def _plot_replicas(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    labels = ["in-memory" if not r["etcd"] else f"{r['replicas']} replica{'s' if r['replicas'] > 1 else ''}"
+              for r in rows]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(labels, [r["max_batched"]["layer_events_per_s"] for r in rows], color="tab:blue")
+    left.set_ylabel("layer events/s (unpaced)")
+    left.set_title("throughput")
+    right.bar(labels, [r["paced"]["dispatch_p99_ms"] for r in rows], color="tab:orange")
+    right.set_ylabel(f"dispatch p99 ms at {report['workload_per_replica']['paced_rate_total']:.0f} events/s")
+    right.set_title("dispatch latency")
+    figure.suptitle(f"KV-directory replicas on etcd ({report['machine']['cpus']} CPUs)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 if __name__ == "__main__":
-    main()
+    if "--load-only" in sys.argv or "--replica-counts" in sys.argv:
+        extra = argparse.ArgumentParser()
+        for flag, kind, default in (("--duration-s", float, 10.0), ("--warmup-s", float, 2.0),
+                                    ("--prefill", int, 2), ("--decode", int, 2), ("--in-flight", int, 32),
+                                    ("--layers", int, 32), ("--chunks", int, 4), ("--chunk-tokens", int, 512),
+                                    ("--paced-rate", float, 2000.0), ("--load-rate", float, 0.0),
+                                    ("--paced-in-flight", int, 4)):
+            extra.add_argument(flag, type=kind, default=default)
+        extra.add_argument("--load-only", default="")
+        extra.add_argument("--load-tag", default="")
+        extra.add_argument("--load-scenario", default="")
+        extra.add_argument("--replica-counts", default="",
+                           help="e.g. 0,1,2,3: 0 is the in-memory directory alone; N replicas share one etcd")
+        extra.add_argument("--no-uvloop", action="store_true")
+        parsed = extra.parse_args()
+        load_only(parsed) if parsed.load_only else replicas_main(parsed)
+    else:
+        main()
