@@ -102,7 +102,13 @@ class ReplicatedPrefillSession:
     async def start(self, timeout_s: float | None = None) -> None:
         """Open a session with every replica now known (bounded), then keep routing and refreshing."""
         await self._refresh()
-        await asyncio.gather(*(r.session.start(timeout_s) for r in self.replicas.values()))
+        started = await asyncio.gather(*(r.session.start(timeout_s) for r in self.replicas.values()),
+                                       return_exceptions=True)
+        failed = [a for a, outcome in zip(self.replicas, started) if isinstance(outcome, BaseException)]
+        if failed and len(failed) == len(started):
+            raise ConnectionError(f"no directory replica accepted a prefill session: {failed}")
+        if failed:  # those sessions keep reconnecting; their shards' items wait meanwhile
+            log.warning("some directory replicas are not reachable yet", addresses=failed)
         self._tasks = [asyncio.create_task(self._route(), name="kvpush-prefill-route"),
                        asyncio.create_task(self._refresh_forever(), name="kvpush-prefill-replicas")]
 
