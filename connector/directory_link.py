@@ -102,7 +102,7 @@ class DirectoryLink:
     def open_prefill_session(self, on_instruction: Callable[[dpb.PushInstruction], None],
                              on_cancellation: Callable[[dpb.Cancellation], None],
                              on_rejection: Callable[[dpb.EventRejection], None],
-                             on_session_reset: Callable[[], None]) -> PrefillSession:
+                             on_session_reset: Callable[..., None]) -> PrefillSession:
         """Open the StreamPrefill session of this (registered) prefill worker.
 
         on_session_reset runs when the directory dropped the transfers this worker had begun: the stream
@@ -112,7 +112,9 @@ class DirectoryLink:
         self.session = self._loop.open_prefill_session(
             self.registration, on_instruction=on_instruction, on_cancellation=on_cancellation,
             on_rejection=on_rejection, on_reconnect=on_session_reset,
-            on_directory_restart=lambda incarnation_id: on_session_reset())
+            on_directory_restart=lambda incarnation_id: on_session_reset(),
+            # Replicas: one replica's session broke; only the transfers it carried are concerned.
+            on_replica_reset=lambda concerns: on_session_reset(concerns))
         return self.session
 
     def watch(self, on_event: Callable[[dpb.TransferEvent], None], on_gap: Callable[[int], None]) -> None:

@@ -169,10 +169,11 @@ class PrefillWorker:
             self._post(lambda: self.owner.apply_cancellation(
                 rejection.transfer_id, f"directory refused the transfer: {status.message}", failed=True))
 
-    def on_session_reset(self) -> None:
+    def on_session_reset(self, concerns: Callable[[str], bool] | None = None) -> None:
         """Directory client thread: the directory dropped this worker's session (the stream reconnected, or
-        the lease was lost), failing every dispatched transfer; the owner stops those, re-announces the rest."""
-        self._post(self.owner.apply_session_reset)
+        the lease was lost), failing every dispatched transfer; the owner stops those, re-announces the rest.
+        With directory replicas `concerns(transfer_id)` names the transfers of the replica whose session broke."""
+        self._post(lambda: self.owner.apply_session_reset(concerns))
 
     # ---------------------------------------------------------------- data-plane callbacks (I/O thread)
 
@@ -498,9 +499,12 @@ class PushOwner:
         self._stop(live, PushOutcome.FAILED if failed else PushOutcome.CANCELLED,
                    reason or "cancelled by the directory")
 
-    def apply_session_reset(self) -> None:
-        """The directory failed every dispatched transfer of this worker: stop those, re-announce the rest."""
+    def apply_session_reset(self, concerns: Callable[[str], bool] | None = None) -> None:
+        """The directory failed every dispatched transfer of this worker (or, replicas, those `concerns` names):
+        stop those, re-announce the rest."""
         for live in list(self._live.values()):
+            if concerns is not None and not concerns(live.push.transfer_id):
+                continue
             if live.push.has_instruction and not live.push.terminal:
                 self._stop(live, PushOutcome.FAILED, "directory session was lost; the directory failed the transfer")
             elif not live.push.terminal:

@@ -21,7 +21,8 @@ different one than the previous session's means the directory restarted and forg
 
 Callbacks run on the client's event loop and must not block:
 `on_instruction(PushInstruction)`, `on_cancellation(Cancellation)`,
-`on_rejection(EventRejection)`, `on_reconnect()`, `on_directory_restart(incarnation_id)`.
+`on_rejection(EventRejection)`, `on_reconnect()`, `on_directory_restart(incarnation_id)`, `on_disconnect()`
+(an open stream ended or broke, before any reconnect).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class PrefillSession:
                  on_rejection: Callable[[dpb.EventRejection], None] | None = None,
                  on_reconnect: Callable[[], None] | None = None,
                  on_directory_restart: Callable[[str], None] | None = None,
-                 max_batch_events: int = 4096, write_timeout_s: float = 30.0) -> None:
+                 max_batch_events: int = 4096, write_timeout_s: float = 30.0,
+                 on_disconnect: Callable[[], None] | None = None) -> None:
         self.client = client
         self.registration = registration
         self.on_instruction = on_instruction
@@ -62,6 +64,8 @@ class PrefillSession:
         self.on_rejection = on_rejection
         self.on_reconnect = on_reconnect
         self.on_directory_restart = on_directory_restart
+        # Runs when an open stream ended or broke (before any reconnect); replicas use it (client/replicas.py).
+        self.on_disconnect = on_disconnect
         # The incarnation of the directory the last session was opened with ("" before the first).
         self.directory_incarnation_id = ""
         # Keep at or below the directory's --max-events-per-batch: an over-cap batch ends the session.
@@ -143,7 +147,13 @@ class PrefillSession:
                 if code == grpc.StatusCode.NOT_FOUND:
                     self.registration.request_renewal()  # learn at once whether the lease is gone
             finally:
+                was_connected = self._connected.is_set()
                 self._connected.clear()
+                if was_connected and not self._stopping and self.on_disconnect is not None:
+                    try:
+                        self.on_disconnect()
+                    except Exception:  # a callback bug must not kill the session
+                        log.exception("prefill on_disconnect callback failed")
                 if reader is not None and not reader.done():
                     reader.cancel()
                 call.cancel()

@@ -9,8 +9,11 @@ worker holds a StreamPrefill session with EVERY replica and a decode engine watc
   are queued here and handed to the session of the replica serving the transfer's shard (by the shard map,
   refreshed every `refresh_s` and whenever a session breaks or a replica refuses an event naming another
   owner); an item whose owner has no connected session waits (bounded by the queue) until one connects or
-  the shard moves. Callbacks are those of `PrefillSession`; `on_reconnect()` runs when a session broke
-  while it carried transfers not yet finished (their owner may have failed them), not for a drained one.
+  the shard moves. An event a replica refuses naming another owner is sent again there (not reported).
+  Callbacks are those of `PrefillSession`, plus `on_replica_reset(concerns)`: a replica's session broke
+  while it carried unfinished transfers (their owner may fail or adopt them): `concerns(transfer_id)` says
+  which; the caller stops those that were dispatched and announces the others again. Without it,
+  `on_reconnect()` runs instead (every transfer of the worker). Nothing runs for a drained replica.
 - `watch_replicas(...)`: every replica's terminal events merged into one iterator; a transfer's first
   terminal event only (a successor may report a transfer again after its owner died).
 """
@@ -57,8 +60,9 @@ class _Replica:
     def __init__(self, session: PrefillSession, client: DirectoryClient) -> None:
         self.session = session
         self.client = client
-        # Transfers this session got an instruction for or readiness of, not finished yet.
-        self.carried: set[str] = set()
+        # Transfers this session got an instruction for or readiness of, not finished yet, with what was sent
+        # for each (resent to the right replica when this one answers that another serves the shard).
+        self.carried: dict[str, list] = {}
 
 
 class ReplicatedPrefillSession:
@@ -70,6 +74,7 @@ class ReplicatedPrefillSession:
                  on_rejection: Callable[[dpb.EventRejection], None] | None = None,
                  on_reconnect: Callable[[], None] | None = None,
                  on_directory_restart: Callable[[str], None] | None = None,
+                 on_replica_reset: Callable[[Callable[[str], bool]], None] | None = None,
                  refresh_s: float = 1.0, max_queued: int = 1_000_000) -> None:
         self.client = client
         self.registration = registration
@@ -78,6 +83,7 @@ class ReplicatedPrefillSession:
         self.on_rejection = on_rejection
         self.on_reconnect = on_reconnect
         self.on_directory_restart = on_directory_restart
+        self.on_replica_reset = on_replica_reset
         self.refresh_s = refresh_s
         self.max_queued = max_queued
         self.replicas: dict[str, _Replica] = {}
@@ -122,15 +128,19 @@ class ReplicatedPrefillSession:
         replica: _Replica | None = None
 
         def instructed(instruction: dpb.PushInstruction) -> None:
-            replica.carried.add(instruction.transfer_id)
+            replica.carried.setdefault(instruction.transfer_id, [])
             if self.on_instruction is not None:
                 self.on_instruction(instruction)
 
         def rejected(rejection: dpb.EventRejection) -> None:
             redirect = redirect_of_status(rejection.status)
-            if redirect is not None:
+            if redirect is not None:  # not refused: sent to the wrong replica; send it again to the owner
                 self.client.learn(redirect)
+                sent = replica.carried.pop(rejection.transfer_id, None)
+                if sent:
+                    self._queue.extendleft(reversed(sent))
                 self._wake.set()
+                return
             if self.on_rejection is not None:
                 self.on_rejection(rejection)
 
@@ -142,17 +152,27 @@ class ReplicatedPrefillSession:
 
         session = PrefillSession(client, self.registration, on_instruction=instructed,
                                  on_cancellation=self.on_cancellation, on_rejection=rejected,
-                                 on_reconnect=reconnected, on_directory_restart=restarted)
+                                 on_reconnect=reconnected, on_directory_restart=restarted,
+                                 on_disconnect=reconnected)
         replica = self.replicas[address] = _Replica(session, client)
         return replica
 
     def _session_broke(self, address: str) -> None:
+        """A replica's stream ended: the transfers it carried may be failed (or adopted) by their owner.
+
+        The caller hears of those only (`on_replica_reset(concerns)`; without it `on_reconnect()`, which
+        means every transfer of the worker), so it stops the dispatched ones and announces the others again,
+        which then reach the shard's new owner.
+        """
         replica = self.replicas[address]
-        carried, replica.carried = replica.carried, set()
+        carried, replica.carried = replica.carried, {}
         self._wake.set()
-        if carried and self.on_reconnect is not None:
-            log.info("replica session reset with transfers in flight", address=address,
-                     transfer_count=len(carried))
+        if not carried:
+            return
+        log.info("replica session reset with transfers in flight", address=address, transfer_count=len(carried))
+        if self.on_replica_reset is not None:
+            self.on_replica_reset(frozenset(carried).__contains__)
+        elif self.on_reconnect is not None:
             self.on_reconnect()
 
     async def _refresh_forever(self) -> None:
@@ -203,10 +223,12 @@ class ReplicatedPrefillSession:
                     continue
                 if isinstance(item, dpb.WriteResult):
                     if item.status != dpb.WRITE_RESULT_STATUS_PROGRESS:
-                        replica.carried.discard(item.transfer_id)
+                        replica.carried.pop(item.transfer_id, None)
+                    else:
+                        replica.carried.setdefault(item.transfer_id, []).append(item)
                     replica.session.send_result(item)
                 else:
-                    replica.carried.add(item.transfer_id)
+                    replica.carried.setdefault(item.transfer_id, []).append(item)
                     replica.session.send_ready([item])
             self._queue = waiting
             if waiting:  # retried when a session connects or the map is refreshed

@@ -134,8 +134,11 @@ class SyncDirectoryClient:
                 replicated = bool(await replica_addresses(self.client))
             except DirectoryCallError:
                 replicated = False
-            session_type = ReplicatedPrefillSession if replicated else PrefillSession
-            session = session_type(self.client, registration, **callbacks)
+            if replicated:
+                session = ReplicatedPrefillSession(self.client, registration, **callbacks)
+            else:
+                callbacks.pop("on_replica_reset", None)  # one directory: a reset concerns every transfer
+                session = PrefillSession(self.client, registration, **callbacks)
             await session.start()
             return session
 

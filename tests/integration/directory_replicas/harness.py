@@ -40,7 +40,8 @@ class Engines:
         self.instructions: dict[str, dpb.PushInstruction] = {}
         self.cancellations: dict[str, list[float]] = defaultdict(list)
         self.events: dict[str, list[tuple[float, dpb.TransferEvent]]] = defaultdict(list)
-        self.resets: list[float] = []
+        # (when, concerns) of every session reset the replicated session reported (concerns None: all)
+        self.resets: list[tuple[float, object]] = []
         self._clients: list[DirectoryClient] = []
         self._tasks: list[asyncio.Task] = []
         self.live_addresses = set(addresses)
@@ -57,7 +58,9 @@ class Engines:
         # The client library's replicated streams: a session and a watch per replica, routed by shard.
         self.session = ReplicatedPrefillSession(self.routed, self.prefill, on_instruction=self._instructed,
                                                 on_cancellation=self._cancelled,
-                                                on_reconnect=lambda: self.resets.append(time.monotonic()))
+                                                on_reconnect=lambda: self.resets.append((time.monotonic(), None)),
+                                                on_replica_reset=lambda concerns: self.resets.append(
+                                                    (time.monotonic(), concerns)))
         await self.session.start()
         self._tasks.append(asyncio.create_task(self._watch()))
 

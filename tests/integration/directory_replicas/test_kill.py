@@ -54,6 +54,12 @@ async def _sigkill_one_replica_mid_transfer(etcd, replica_set):
             assert engines.cancellations[transfer_id], f"prefill never told to stop {transfer_id}"
             assert engines.cancellations[transfer_id][0] < when
 
+        # The prefill worker heard of the victim's transfers only: the others were never stopped by a reset.
+        assert len(engines.resets) == 1, engines.resets
+        _, concerns = engines.resets[0]
+        assert concerns is not None
+        assert all(concerns(t) for t in affected) and not any(concerns(t) for t in unaffected)
+
         # Engines keep working: leases outlive two TTLs on the surviving replicas, and transfers complete.
         await asyncio.sleep(2 * LEASE_TTL_S)
         assert len(await engines.routed.get_engine("p1")) == 1
