@@ -404,11 +404,13 @@ class Replica:
         lease_id = uuid.uuid4().hex
         key = lease_key(lease_id)
         etcd_lease, _ = await self.etcd.grant(max(1, math.ceil(self.state.limits.lease_ttl_s)))
+        register_wall = self.state.clock.wall()
         value = json.dumps({"request": base64.b64encode(request.SerializeToString()).decode(), "lease_key": key,
-                            "etcd_lease": etcd_lease, "replica_id": self.replica_id}).encode()
+                            "etcd_lease": etcd_lease, "replica_id": self.replica_id,
+                            "register_wall": register_wall}).encode()
         await self.etcd.put(self._reg_key(request.engine_id, request.tp_rank), value, etcd_lease)
         previous = self.engine_leases.get((request.engine_id, request.tp_rank))
-        fx = self._mirror_put(request, key, etcd_lease)
+        fx = self._mirror_put(request, key, etcd_lease, register_wall)
         if existing is not None and previous is not None and previous[1] != etcd_lease:
             # The key now hangs on the new lease: revoking the old one deletes nothing.
             asyncio.ensure_future(self.etcd.revoke(previous[1]))
@@ -445,9 +447,13 @@ class Replica:
             await self.etcd.revoke(entry[1])
         return self.state.mirror_remove(engine_id, tp_rank, f"engine {engine_id} rank {tp_rank} deregistered")
 
-    def _mirror_put(self, request: dpb.RegisterEngineRequest, key: str, etcd_lease: int) -> Effects:
+    def _mirror_put(self, request: dpb.RegisterEngineRequest, key: str, etcd_lease: int,
+                    register_wall: float | None) -> Effects:
         self.engine_leases[(request.engine_id, request.tp_rank)] = (key, etcd_lease)
-        return self.state.mirror_register(request, key)
+        fx = self.state.mirror_register(request, key)
+        if register_wall is not None:  # every replica shows the registration's own time, not its mirroring's
+            self.state.lease_holder(key).register_wall = register_wall
+        return fx
 
     def _apply_engine_kv(self, key: bytes, value: bytes, deleted: bool) -> None:
         parts = key[len(self._key("engines")) + 1:].decode().split("/")
@@ -470,7 +476,7 @@ class Replica:
             return
         body = json.loads(value)
         request = dpb.RegisterEngineRequest.FromString(base64.b64decode(body["request"]))
-        self.deliver(self._mirror_put(request, body["lease_key"], int(body["etcd_lease"])))
+        self.deliver(self._mirror_put(request, body["lease_key"], int(body["etcd_lease"]), body.get("register_wall")))
 
     async def _load_engines(self) -> int:
         kvs, revision = await self.etcd.get_prefix(self._key("engines") + b"/")
