@@ -213,13 +213,35 @@ class DirectoryClient:
 
     async def list_transfers(self, state: int = tpb.TRANSFER_STATE_UNSPECIFIED, engine_id: str = "",
                              limit: int = 100, timeout_s: float | None = None) -> list[tpb.Transfer]:
-        """Up to `limit` transfers, newest first, following pages as needed."""
+        """Up to `limit` transfers, newest first, following pages as needed (replicas: every replica's, merged)."""
+        from kvpush.services.client.replicas import replica_addresses
+
+        replicas = await replica_addresses(self)  # [] for one directory process
+        if len(replicas) > 1:
+            merged: list[tpb.Transfer] = []
+            for address in replicas:
+                merged.extend(await self._list_transfers_at(address, state, engine_id, limit, timeout_s))
+            merged.sort(key=lambda t: t.create_time.ToNanoseconds(), reverse=True)
+            return merged[:limit]
+        return await self._list_transfers_at(None, state, engine_id, limit, timeout_s)
+
+    async def _list_transfers_at(self, address: str | None, state: int, engine_id: str, limit: int,
+                                 timeout_s: float | None) -> list[tpb.Transfer]:
         transfers: list[tpb.Transfer] = []
         token = ""
         while len(transfers) < limit:
-            response = await self._unary("ListTransfers", dpb.ListTransfersRequest(
-                page_size=min(1000, limit - len(transfers)), page_token=token, state=state,
-                engine_id=engine_id), timeout_s)
+            request = dpb.ListTransfersRequest(page_size=min(1000, limit - len(transfers)), page_token=token,
+                                               state=state, engine_id=engine_id)
+            if address is None:
+                response = await self._unary("ListTransfers", request, timeout_s)
+            else:  # one replica's own transfers: no redirect or failover applies
+                try:
+                    response = await self.stub_for(address).ListTransfers(
+                        request, timeout=timeout_s or self.config.timeout_s, metadata=self.config.metadata)
+                except grpc.aio.AioRpcError as error:
+                    if error.code() == grpc.StatusCode.UNAVAILABLE:
+                        return transfers  # a replica down: list the others'
+                    raise DirectoryCallError.from_rpc_error("ListTransfers", error) from None
             transfers.extend(response.transfers)
             token = response.next_page_token
             if not token:

@@ -301,6 +301,9 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
     if config.replica is not None:
         replica_config = config.replica
         if not replica_config.advertise_address:
+            if config.host in ("0.0.0.0", "::", "[::]", ""):
+                raise ValueError("a replica listening on every interface needs --advertise-address (the host:port "
+                                 "clients reach it at: redirects name it)")
             replica_config = dataclasses.replace(replica_config, advertise_address=f"{config.host}:{port}")
         servicer.replica = Replica(replica_config, state, servicer.deliver)
     return DirectoryServer(config, server, state, servicer, health_servicer, metrics), port

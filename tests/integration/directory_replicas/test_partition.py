@@ -184,6 +184,18 @@ async def _partition(etcd) -> None:
         await relay.close()
 
 
+def test_a_replica_on_every_interface_must_advertise_an_address(etcd):
+    async def build():
+        config = DirectoryConfig(host="0.0.0.0", port=0, replica=ReplicaConfig(etcd_endpoints=(etcd.endpoint,)))
+        try:
+            create_server(config)
+        except ValueError as error:
+            return str(error)
+        return ""
+
+    assert "--advertise-address" in run(build(), timeout_s=10)
+
+
 def test_redirect_names_the_owner(etcd):
     run(_redirect(etcd), timeout_s=60)
 
@@ -213,6 +225,9 @@ async def _redirect(etcd) -> None:
             assert redirect is not None and redirect.reason == "SHARD_NOT_OWNED"
             assert redirect.owner_replica_id == "a" and redirect.owner_address == f"127.0.0.1:{servers[0][1]}"
             assert redirect.shard == shard_of(plan.transfer.transfer_id, SHARDS) and redirect.shard_count == SHARDS
+        # Listing through any replica merges every replica's transfers.
+        listed = await DirectoryClient(ChannelConfig(address=f"127.0.0.1:{servers[1][1]}")).list_transfers()
+        assert plan.transfer.transfer_id in [t.transfer_id for t in listed]
         # A client pointed at b alone follows the redirect to a.
         b_client = DirectoryClient(ChannelConfig(address=f"127.0.0.1:{servers[1][1]}"))
         try:
