@@ -206,6 +206,26 @@ class _LiveCollector:
             yield GaugeMetricFamily("kvpush_directory_queued_rejections",
                                     "Event rejections queued for StreamPrefill sessions, not yet written "
                                     "(capped per session and in all).", value=servicer.pending_rejection_count)
+            replica = getattr(servicer, "replica", None)
+            if replica is not None:  # one of several replicas on etcd (docs/directory-replicas.md)
+                shards = GaugeMetricFamily("kvpush_directory_replica_shards",
+                                           "Transfer shards this replica serves (draining: minting no new transfers).",
+                                           labels=["kind"])
+                shards.add_metric(["served"], sum(replica.serves(k) for k in range(replica.config.shard_count)))
+                shards.add_metric(["draining"], len(replica.draining))
+                yield shards
+                yield CounterMetricFamily("kvpush_directory_replica_fences",
+                                          "Times this replica stopped serving shards it could no longer prove "
+                                          "its own (etcd unreachable, session or claim gone).",
+                                          value=len(replica.facts.fences))
+                yield CounterMetricFamily("kvpush_directory_replica_claims",
+                                          "Shards this replica claimed (and adopted the stored transfers of).",
+                                          value=len(replica.facts.claims))
+                yield CounterMetricFamily("kvpush_directory_etcd_calls",
+                                          "etcd calls this replica made (unary calls, keep-alives, Txns).",
+                                          value=replica.etcd.round_trip_count)
+                yield GaugeMetricFamily("kvpush_directory_etcd_queued_writes",
+                                        "Transfer writes queued for etcd, not yet committed.", value=replica.queued_write_count)
 
 
 def _method_name(full_method: str) -> str:

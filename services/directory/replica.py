@@ -255,6 +255,11 @@ class Replica:
             if shard_of(transfer_id, self.config.shard_count) in open_shards:
                 return transfer_id
 
+    @property
+    def queued_write_count(self) -> int:
+        """Transfer writes queued for etcd, not yet committed."""
+        return len(self._ops)
+
     def replica_addresses(self) -> dict[str, str]:
         """Live replicas by id (as last read from etcd)."""
         return dict(self.addresses)

@@ -13,6 +13,7 @@ import asyncio
 import time
 
 import grpc
+from prometheus_client import generate_latest
 
 from kvpush.services.client import ChannelConfig, DirectoryClient
 from kvpush.services.directory.etcd_store import EtcdStore
@@ -132,6 +133,9 @@ async def _partition(etcd) -> None:
         # No two owners: A stopped serving before anyone else started, and not before its session could lapse.
         assert fenced_at < first_claim, (fenced_at, first_claim)
         assert fenced_at - cut_at < SESSION_TTL_S + 0.5
+        scraped = generate_latest(servers[0][0].metrics.registry).decode()
+        assert 'kvpush_directory_replica_shards{kind="served"} 0.0' in scraped
+        assert "kvpush_directory_replica_fences_total 1.0" in scraped
         # A now refuses its former shard precisely, naming nobody (it cannot know) or the new owner.
         try:
             await a_client.get_transfer(transfer_id)
