@@ -113,8 +113,11 @@ class DirectoryClient:
         timeout = timeout_s or self.config.timeout_s
         attempt = 0
         redirects = 0
+        # A replica that knows no owner of the shard yet (it moved a moment ago): ask the others too.
+        ask_next: str | None = None
         while True:
-            address = self.address_for(transfer_id)
+            address = ask_next or self.address_for(transfer_id)
+            ask_next = None
             call = getattr(self._connection(address)[1], method)
             try:
                 return await call(request, timeout=timeout, metadata=self.config.metadata)
@@ -134,6 +137,9 @@ class DirectoryClient:
                 if redirect is None:  # the replica itself is down or stopping: try the next one
                     self.move_home(address)
                     self.shard_owners = {s: a for s, a in self.shard_owners.items() if a != address}
+                elif len(self.addresses) > 1:
+                    ask_next = self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)] \
+                        if address in self.addresses else None
                 await asyncio.sleep(self.config.backoff_s(attempt - 1))
 
     # ---------------------------------------------------------------- engines

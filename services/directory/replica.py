@@ -156,6 +156,7 @@ class Replica:
                 await asyncio.sleep(0.2)
         revision = await self._load_engines()
         self._tasks = [asyncio.create_task(self._keep_session(), name="kvpush-replica-session"),
+                       asyncio.create_task(self._fence_on_time(), name="kvpush-replica-fence"),
                        asyncio.create_task(self._shard_loop(), name="kvpush-replica-shards"),
                        asyncio.create_task(self._mirror_engines(revision), name="kvpush-replica-engines"),
                        asyncio.create_task(self._write_loop(), name="kvpush-replica-writer")]
@@ -195,8 +196,8 @@ class Replica:
         while not self._stopping:
             sent = time.monotonic()
             ttl: int | None
-            try:
-                ttl = await self.etcd.keep_alive(self.session_lease)
+            try:  # bounded below the TTL, so a short glitch leaves room for another try before valid_until
+                ttl = await asyncio.wait_for(self.etcd.keep_alive(self.session_lease), period)
             except (ConnectionError, grpc.aio.AioRpcError, asyncio.TimeoutError):
                 ttl = None
             if ttl:
@@ -205,24 +206,34 @@ class Replica:
                 self.fence(tuple(self.owned), "the replica's etcd session ended")
                 with contextlib.suppress(ConnectionError, grpc.aio.AioRpcError, asyncio.TimeoutError):
                     await self._new_session()
-            now = time.monotonic()
-            if self.owned and now >= self.valid_until:
+            await asyncio.sleep(period)
+
+    async def _fence_on_time(self) -> None:
+        """Forget the shards the moment the session may have lapsed (`serves()` already refuses them then),
+        whatever a keep-alive blocked on a dead network is doing."""
+        while not self._stopping:
+            delay = self.valid_until - time.monotonic()
+            if delay <= 0 and self.owned:
                 self.fence(tuple(self.owned), "no session keep-alive answered by etcd within its TTL")
-            await asyncio.sleep(max(0.02, min(period, self.valid_until - now) if self.owned else period))
+            await asyncio.sleep(max(0.01, delay) if delay > 0 else self.config.session_ttl_s / 4)
 
     def fence(self, shards: tuple[int, ...], why: str) -> None:
-        """Stop serving shards at once and forget their transfers (a successor adopts them from etcd)."""
+        """Stop serving shards at once and forget their transfers (a successor adopts them from etcd).
+
+        `served_until` in the log and the facts is the wall time `serves()` stopped answering for them.
+        """
         if not shards:
             return
+        served_until = time.time() - max(0.0, time.monotonic() - self.valid_until)
         self.owned.difference_update(shards)
         self.draining.difference_update(shards)
         lost = set(shards)
         count = self.config.shard_count
         dropped = self.state.forget([r.transfer_id for r in self.state.live_transfers()
                                      if shard_of(r.transfer_id, count) in lost])
-        self.facts.fences.append((time.time(), tuple(sorted(shards)), why))
+        self.facts.fences.append((min(time.time(), served_until), tuple(sorted(shards)), why))
         log.warning("replica stopped serving shards", replica_id=self.replica_id, shards=sorted(shards),
-                    reason=why, forgotten_transfer_count=dropped)
+                    reason=why, forgotten_transfer_count=dropped, served_until=round(served_until, 6))
 
     # ---------------------------------------------------------------- serving
 
