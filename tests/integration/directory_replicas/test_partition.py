@@ -112,6 +112,10 @@ async def _partition(etcd) -> None:
         await client.register_engine(register_request("p1", PREFILL))
         await client.register_engine(register_request("d1", DECODE))
         await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 20  # settled: each serves its share, none hands shards over
+        while not all(len(r.owned) == SHARDS // 3 and not r.draining for r in (a, b, c)):
+            assert time.monotonic() < deadline, [(sorted(r.owned), sorted(r.draining)) for r in (a, b, c)]
+            await asyncio.sleep(0.05)
         a_shards = set(a.owned)
         assert a_shards
         plan = await a_client.plan_transfer(prompt_token_count=16)  # a transfer in one of A's shards
@@ -121,10 +125,13 @@ async def _partition(etcd) -> None:
         relay.cut()
         cut_at = time.time()
         deadline = time.monotonic() + 3 * SESSION_TTL_S + 5
-        while time.monotonic() < deadline and not a_shards <= {s for r in (b, c) for s, _, _ in r.facts.claims}:
+        def claims_since_cut() -> dict[int, tuple[int, float, str]]:  # (earlier claims: the initial balancing)
+            return {s: (revision, when, r.replica_id) for r in (b, c) for s, revision, when in r.facts.claims
+                    if s in a_shards and when > cut_at}
+
+        while time.monotonic() < deadline and not a_shards <= set(claims_since_cut()):
             await asyncio.sleep(0.05)
-        claims = {s: (revision, when, r.replica_id) for r in (b, c) for s, revision, when in r.facts.claims
-                  if s in a_shards}
+        claims = claims_since_cut()
         assert set(claims) == a_shards, f"A's shards {sorted(a_shards)} not all taken over: {claims}"
         assert a.facts.fences, "A never stopped serving"
         fenced_at, fenced_shards, why = a.facts.fences[0]
