@@ -208,7 +208,7 @@ class DirectoryClient:
         """Tell the directory an engine's endpoint could not be reached (planning leaves it out until its next
         renewal); True when it is now marked, False when the report concerned an earlier registration."""
         response = await self._unary("ReportEngineUnreachable", dpb.ReportEngineUnreachableRequest(
-            engine_id=engine_id, transfer_id=transfer_id, reason=reason), timeout_s)
+            engine_id=engine_id, transfer_id=transfer_id, reason=reason), timeout_s, transfer_id=transfer_id)
         return response.marked
 
     async def get_transfer(self, transfer_id: str, timeout_s: float | None = None) -> tpb.Transfer:

@@ -409,6 +409,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 check.require_id(request.transfer_id, "transfer_id", self.limits, required=False)
                 check.require_text(request.reason, "reason")
                 self._principal(context).require_operator("ReportEngineUnreachable")
+                if request.transfer_id:  # replicas: the transfer's owner checks it names the engine
+                    self._check_shard(request.transfer_id)
                 marked = self.state.report_unreachable(request.engine_id, request.transfer_id, request.reason)
             except DirectoryError as error:
                 self.refusals.info("unreachable", "unreachable report refused", code=status_of(error).name,
