@@ -128,18 +128,30 @@ def test_adopted_in_flight_transfer_fails_only_after_prefill_confirmed():
 
 
 def test_adopted_in_flight_transfer_is_bounded():
+    """A prefill that never confirms: its lease is revoked after lease TTL + max_write_s, the transfer ends
+    once that revoked lease's write fence passed (no block released while a write could land)."""
     state, clock = mirrored()
     state.adopt(stored(), in_flight_bound_s=10, reason=REASON)
-    clock.advance(10.5)
+    bound = state.limits.lease_ttl_s + state.limits.max_write_s
+    clock.advance(bound + 0.5)
     state.reap()
-    assert state.get_transfer("t-1").terminal
+    assert not state.get_transfer("t-1").terminal  # revoked now; its writes may still land until the fence
+    clock.advance(bound + 0.5)
+    state.reap()
+    record = state.get_transfer("t-1")
+    assert record.state == tpb.TRANSFER_STATE_FAILED and record.failure_reason == REASON
 
 
-def test_adopting_a_transfer_of_a_gone_engine_ends_it_at_once():
-    state, _ = mirrored()
+def test_adopting_a_transfer_of_a_gone_prefill_ends_it_once_no_write_can_land():
+    state, clock = mirrored()
     state.mirror_remove("p1", 0, "gone")
     state.adopt(stored(), in_flight_bound_s=10, reason=REASON)
+    assert not state.get_transfer("t-1").terminal  # its last posted WRITE may land for max_write_s
+    clock.advance(state.limits.max_write_s + 0.5)
+    state.reap()
     assert state.get_transfer("t-1").state == tpb.TRANSFER_STATE_FAILED
+    state.adopt(stored("t-2", with_blocks=False), in_flight_bound_s=10, reason=REASON)
+    assert state.get_transfer("t-2").state == tpb.TRANSFER_STATE_FAILED  # nothing dispatched: at once
 
 
 def test_forget_drops_without_telling_anyone():
