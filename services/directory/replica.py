@@ -121,6 +121,7 @@ class Replica:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         state.new_transfer_id = self._mint_transfer_id
+        state.on_lease_revoked = self._revoke_engine_lease
         state.observer = _EndObserver(state.observer, self)
 
     # ---------------------------------------------------------------- keys
@@ -452,6 +453,17 @@ class Replica:
                 self._loads[slot] = body
                 with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
                     await self.etcd.put(self._key("engines", "load", worker.engine_id, worker.tp_rank), body, entry[1])
+
+    def _revoke_engine_lease(self, worker) -> None:
+        """The state revoked a worker's lease (it did not confirm a transfer's end): revoke it in etcd, so no
+        replica renews it any more and the worker stops posting writes when its lease runs out."""
+        entry = self.engine_leases.pop((worker.engine_id, worker.tp_rank), None)
+        if entry is not None:
+            asyncio.ensure_future(self._revoke_quietly(entry[1]))
+
+    async def _revoke_quietly(self, etcd_lease: int) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            await self.etcd.revoke(etcd_lease)
 
     async def deregister_engine(self, engine_id: str, tp_rank: int, lease_id: str) -> Effects:
         """Remove a registration from etcd (its lease revoked) and from this replica at once."""

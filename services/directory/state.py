@@ -108,6 +108,8 @@ class DirectoryState:
         self._transfer_sequence = itertools.count(1)
         self._session_ids = itertools.count(1)
         self._last_reap: float | None = None
+        # Called with a worker whose lease this state revoked; a replica revokes the etcd lease behind it.
+        self.on_lease_revoked: Callable[[Worker], None] | None = None
         # Mints transfer ids; a directory replica replaces it to mint only ids of the shards it owns.
         self.new_transfer_id: Callable[[], str] = lambda: uuid.uuid4().hex
 
@@ -604,6 +606,8 @@ class DirectoryState:
                     f"{record.transfer_id} within {self.limits.lease_ttl_s + self.limits.max_write_s}s; lease revoked",
                     fx)
                 fx.expired_lease_roles.append(worker.role)
+                if self.on_lease_revoked is not None:  # replicas: revoke it in etcd too (every replica drops it)
+                    self.on_lease_revoked(worker)
 
     # ---------------------------------------------------------------- replica hooks (services/directory/replica.py)
 
