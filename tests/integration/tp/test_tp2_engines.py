@@ -29,10 +29,13 @@ BLOCK_SIZE = 128
 MAX_BATCHED_TOKENS = 256  # a 600-token prompt takes three prefill steps
 MODEL_SPEC = TinyModelSpec(num_layers=4)  # 2 KV heads: one per rank
 READY_TIMEOUT_S = 600.0
-TRANSFER_WAIT_S = 60.0
+TRANSFER_WAIT_S = 150.0
 # Prompt shapes: shorter than a block, exactly 2 blocks, 2 blocks + 1, several chunked-prefill steps.
 PROMPT_LENGTHS = (40, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1, 600)
 OUTPUT_TOKENS = 12
+# Generous bounds (as the connector suite's): the 2-core machine is shared, six TP workers spin their OpenMP threads,
+# and a first WRITE to a new peer was seen taking over the default 10 s max_write_s under a concurrent soak.
+MAX_WRITE_S = 60.0
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "UCX_NET_DEVICES": "lo"}
 TERMINAL = {tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER_STATE_CANCELLED,
             tpb.TRANSFER_STATE_EXPIRED}
@@ -53,7 +56,9 @@ class _StatsEngineSpec(EngineSpec):
 def _kvpush_spec(role: str, model_dir: Path, directory: str) -> EngineSpec:
     port = free_port()
     config = kv_transfer_config("kvpush", role, engine_id=f"tp2-{role}", directory_address=directory,
-                                engine_endpoint=f"http://127.0.0.1:{port}")
+                                engine_endpoint=f"http://127.0.0.1:{port}",
+                                extra={"max_write_s": MAX_WRITE_S, "transfer_timeout_s": 2 * MAX_WRITE_S,
+                                       "push_timeout_s": 2 * MAX_WRITE_S})
     return _StatsEngineSpec(name=f"tp2-{role}", model_dir=model_dir, port=port, kv_transfer_config=config,
                             env=TP_ENV, extra_args=_engine_args())
 
@@ -63,7 +68,7 @@ def tp2_stack(session_log_dir):
     log_dir = session_log_dir / "tp2"
     log_dir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_tiny_model(MODEL_SPEC)
-    directory = start_directory(log_dir, extra_args=DIRECTORY_ARGS)
+    directory = start_directory(log_dir, extra_args=[*DIRECTORY_ARGS, "--max-write-s", str(MAX_WRITE_S)])
     engines = []
     gateway = None
     client = SyncDirectoryClient(ChannelConfig(address=directory.address, timeout_s=10.0))
