@@ -49,13 +49,6 @@ _ALLOCATED_OR_LATER = {tpb.TRANSFER_STATE_ALLOCATED, tpb.TRANSFER_STATE_STREAMIN
                        tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER_STATE_CANCELLED, tpb.TRANSFER_STATE_EXPIRED}
 
 
-class _StatsEngineSpec(EngineSpec):
-    """An EngineSpec with vLLM's stats left on (the launcher disables them), so /metrics reports KV usage."""
-
-    def argv(self) -> list[str]:
-        return [arg for arg in super().argv() if arg != "--disable-log-stats"]
-
-
 def _engine_args(prefix_caching: bool) -> list[str]:
     return ["--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
             "--max-num-seqs", "32"]
@@ -72,8 +65,8 @@ def _kvpush_spec(name: str, role: str, engine_id: str, model_dir: Path, director
         config["kv_load_failure_policy"] = policy
     # All engines of these tests are on one host: keep UCX on loopback (shared-memory transports unaffected).
     env = {"UCX_NET_DEVICES": "lo", **env}
-    return _StatsEngineSpec(name=name, model_dir=model_dir, port=port, kv_transfer_config=config, env=env,
-                            enable_prefix_caching=True, extra_args=_engine_args(True))
+    return EngineSpec(name=name, model_dir=model_dir, port=port, kv_transfer_config=config, env=env,
+                      enable_prefix_caching=True, extra_args=_engine_args(True), log_stats=True)
 
 
 @dataclass
@@ -186,8 +179,8 @@ def connector_stack(otlp_receiver, session_log_dir) -> ConnectorStack:
                      policy="recompute"),
         _kvpush_spec("conn-victim", "prefill", VICTIM_ID, model_dir, address, otlp_receiver.env("conn-victim"),
                      extra={"fault_stall_after_writes": 2}),
-        _StatsEngineSpec(name="conn-colocated", model_dir=model_dir, enable_prefix_caching=False,
-                         extra_args=_engine_args(False)),
+        EngineSpec(name="conn-colocated", model_dir=model_dir, enable_prefix_caching=False,
+                   extra_args=_engine_args(False), log_stats=True),
     ]
     handles: list[EngineHandle] = []
     client = None

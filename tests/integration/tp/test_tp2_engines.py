@@ -46,21 +46,15 @@ def _engine_args() -> list[str]:
             str(BLOCK_SIZE), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--max-num-seqs", "8"]
 
 
-class _StatsEngineSpec(EngineSpec):
-    """vLLM's stats left on, so /metrics reports KV-cache usage (the leak check)."""
-
-    def argv(self) -> list[str]:
-        return [arg for arg in super().argv() if arg != "--disable-log-stats"]
-
-
 def _kvpush_spec(role: str, model_dir: Path, directory: str) -> EngineSpec:
     port = free_port()
     config = kv_transfer_config("kvpush", role, engine_id=f"tp2-{role}", directory_address=directory,
                                 engine_endpoint=f"http://127.0.0.1:{port}",
                                 extra={"max_write_s": MAX_WRITE_S, "transfer_timeout_s": 2 * MAX_WRITE_S,
                                        "push_timeout_s": 2 * MAX_WRITE_S})
-    return _StatsEngineSpec(name=f"tp2-{role}", model_dir=model_dir, port=port, kv_transfer_config=config,
-                            env=TP_ENV, extra_args=_engine_args())
+    # log_stats: vLLM's /metrics then reports KV-cache usage (the leak check).
+    return EngineSpec(name=f"tp2-{role}", model_dir=model_dir, port=port, kv_transfer_config=config, env=TP_ENV,
+                      extra_args=_engine_args(), log_stats=True)
 
 
 @pytest.fixture(scope="module")
