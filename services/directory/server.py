@@ -275,6 +275,11 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
         ("grpc.keepalive_permit_without_calls", 1),
         # Two directories must never share a port silently (gRPC sets SO_REUSEPORT by default).
         ("grpc.so_reuseport", 0),
+        # No BDP probing: it grows every stream's receive window (to megabytes), which gRPC core fills before
+        # the GuardInterceptor can refuse an unauthenticated call: eight 32 MiB calls on a loaded machine cost
+        # 80 MiB of RSS with it, under 1 MiB without (tests/integration/directory/test_bounds.py). Directory
+        # messages are small; the default window (64 KiB) is plenty for them.
+        ("grpc.http2.bdp_probe", 0),
     ]
     if config.max_connection_age_ms:
         options.append(("grpc.max_connection_age_ms", config.max_connection_age_ms))
