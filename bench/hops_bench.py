@@ -5,7 +5,9 @@ process exporting its spans over OTLP to a real receiver in this process (tests/
 one at a time (low load), alternating two kinds on the same random token-id prompt of `--prompt-tokens`:
   * kvpush     streamed through the gateway (greedy, `--max-tokens`);
   * p_alone    the same prompt straight to the prefill engine, streamed, max_tokens=1, no kv_transfer_params:
-               the P leg alone, on the same engine in the same conditions.
+               the P leg alone, on the same engine in the same conditions;
+  * p_alone_json  the same, not streamed (TTFT = the whole answer): what vLLM's non-streamed answer path costs
+               against its streamed one (the gateway's prefill leg used the non-streamed path until it streamed).
 TTFT = request sent -> first SSE event at the client. Per kvpush request the hops come from its trace (gateway
 spans, the engines' kvpush.push / kvpush.receive) and its directory record (plan, allocation, first readiness,
 instruction, end; prefill's write and prefill-end times), all wall clock on one machine:
@@ -24,6 +26,8 @@ instruction, end; prefill's write and prefill-end times), all wall clock on one 
   prefill_answer    prefill's forward ended -> gateway.prefill_leg ends (sampling, vLLM's HTTP answer), split in
     prefill_finished  prefill's forward ended -> its scheduler finished the request (sampling, output processing)
     answer_http       the request finished -> gateway.prefill_leg ends (vLLM's API server, HTTP)
+                      (these two need the push timeline's request_finished_time from X-KVPush-Prefill-Params, which
+                      a streamed prefill leg does not carry: None since the gateway streams that leg)
   to_client         gateway.prefill_leg end -> first event at the client
 Figures: each hop's median, TTFT medians of both kinds and the headline "kvpush TTFT - P leg alone" (median of the
 per-pair differences). JSON to bench/results/hops-<UTC time>.json.
@@ -44,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvpush.localstack.client import stream_completion  # noqa: E402
+from kvpush.localstack.client import call, stream_completion  # noqa: E402
 from kvpush.localstack.model import TinyModelSpec  # noqa: E402
 from kvpush.localstack.stack import LocalStack  # noqa: E402
 from kvpush.services.client import SyncDirectoryClient  # noqa: E402
@@ -142,7 +146,8 @@ def main(argv=None) -> int:
         body = {"model": "tiny", "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
         for i in range(args.warmup + args.iterations):
             prompt = _prompt(args.prompt_tokens, seed=1000 + i)
-            order = ("kvpush", "p_alone") if i % 2 == 0 else ("p_alone", "kvpush")
+            kinds = ["kvpush", "p_alone", "p_alone_json"]
+            order = kinds[i % 3:] + kinds[:i % 3]  # each kind goes first, second and third equally often
             pair: dict = {}
             for kind in order:
                 time.sleep(args.gap_s)
@@ -154,9 +159,16 @@ def main(argv=None) -> int:
                     pair["sent_wall"] = sent_wall
                     params = json.loads(result.headers.get("x-kvpush-prefill-params") or "{}")
                     pair["request_finished_wall"] = (params.get("push_timeline") or {}).get("request_finished_time")
-                else:
+                elif kind == "p_alone":
                     result = stream_completion(stack.prefill.url + "/v1/completions",
                                                {**body, "prompt": prompt, "max_tokens": 1}, timeout_s=120)
+                else:
+                    answer = call("POST", stack.prefill.url + "/v1/completions",
+                                  {**body, "prompt": prompt, "max_tokens": 1}, timeout_s=120)
+                    if answer.status != 200:
+                        raise RuntimeError(f"{kind} request failed: {answer.status} {answer.text[:200]}")
+                    pair[f"{kind}_ttft_ms"] = round(answer.elapsed_s * 1000, 3)
+                    continue
                 if result.status != 200 or result.error:
                     raise RuntimeError(f"{kind} request failed: {result.status} {result.error}")
                 pair[f"{kind}_ttft_ms"] = round(result.ttft_s * 1000, 3)
@@ -192,6 +204,8 @@ def main(argv=None) -> int:
         "median_ms": {
             "kvpush_ttft": _median(p["kvpush_ttft_ms"] for p in pairs),
             "p_alone_ttft": _median(p["p_alone_ttft_ms"] for p in pairs),
+            "p_alone_json_ttft": _median(p["p_alone_json_ttft_ms"] for p in pairs),
+            "p_alone_json_minus_p_alone": _median(p["p_alone_json_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
             "kvpush_minus_p_alone": _median(p["excess_ms"] for p in pairs),
             **{hop: _median(p["hops_ms"][hop] for p in pairs) for hop in HOPS},
         },

@@ -109,12 +109,22 @@ def run_variant(args, variant: str, model_dir: Path, topology, log_dir: Path, sc
                                                      extra_args=gateway_args)
             base = gateway.url
         out: dict[str, Any] = {"idle_cpu_cores": ttft_bench.idle_cpu(engines), "points": {}}
+        # Every process group of the variant, for the cores each one used while a point ran.
+        groups = {e.spec.name: e.process.pid for e in engines}
+        groups.update({name: handle.process.pid for name, handle in (("gateway", gateway), ("directory", directory))
+                       if handle is not None})
         for rate in args.rates:
             out_file = scratch / f"{variant}-{rate}.json"
+            cpu_before = {name: ttft_bench.group_cpu_seconds(pid) for name, pid in groups.items()}
+            started = time.monotonic()
             try:
                 out["points"][str(rate)] = summarise(bench_point(base, model_dir, args, rate, out_file))
             except (RuntimeError, subprocess.TimeoutExpired) as error:
                 out["points"][str(rate)] = {"error": str(error)[:1500]}
+            elapsed = time.monotonic() - started
+            out["points"][str(rate)]["busy_cpu_cores"] = {
+                name: round((ttft_bench.group_cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
+                for name, pid in groups.items()}
             say(f"{variant} @ {rate} req/s: {out['points'][str(rate)]}")
         return out
     finally:

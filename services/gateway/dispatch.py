@@ -10,8 +10,9 @@ Life cycle (concurrent routes: kvpush, nixl-push):
      a clean error status; after that, chunks pass through as they come.
 Sequential routes (nixl-pull) run the prefill leg first and build the decode leg from its answer.
 First token from prefill (kvpush, on by default; `first_token`): a streamed request sends both legs at
-once as well; prefill's token goes to the client as soon as its leg returns, reaches decode with the
-transfer's completion, and decode continues from the second token. max_tokens=1 needs the prefill leg only.
+once as well (the prefill leg streamed); prefill's token goes to the client as soon as its leg's token event
+comes, reaches decode with the transfer's completion, and decode continues from the second token. max_tokens=1
+needs the prefill leg only.
 A client that disconnects cancels the handler, which cancels both legs and the transfer.
 Failover: a leg whose engine cannot be reached (`errors.EngineUnreachable`: refused, reset, closed before any
 response byte) ends that attempt (the other leg and the transfer are cancelled as for any failure), the engine
@@ -94,6 +95,8 @@ class Dispatcher:
         self._router = router
         self._session = session
         self._metrics = metrics or GatewayMetrics()
+        # Streamed prefill legs still being read after their token's event (`_prefill`).
+        self._drains: set[asyncio.Task] = set()
 
     async def handle(self, http_request: web.Request, request: ClientRequest, request_id: str) -> web.StreamResponse:
         """Serve one validated request; raise GatewayError for a clean error response."""
@@ -242,20 +245,61 @@ class Dispatcher:
         return 0
 
     def _prefill(self, request: ClientRequest, route: Route, headers: dict[str, str], outcome: Outcome,
-                 want_token: bool = False):
+                 want_token: bool = False, streamed: bool = False):
+        """The prefill leg's answer. `streamed` (first token from prefill): the leg is streamed and this returns at
+        its token's event (`first_token.StreamedPrefillAnswer`); the rest of its stream is read in the background,
+        so the connection goes back to the pool. A streamed answer carries no kv_transfer_params."""
         async def run() -> dict[str, Any]:
             started = time.monotonic()
+            url = route.prefill_url + request.path
             with _tracer.start_as_current_span("gateway.prefill_leg", kind=trace.SpanKind.CLIENT) as span:
                 span.set_attribute("server.address", route.prefill_url)
-                body = prefill_body(request, _leg_params(route.prefill_params), first_token=want_token)
-                answer = await legs.post_json(self._session, "prefill", route.prefill_url + request.path,
-                                              body, _leg_headers(headers),
-                                              self._config.prefill_timeout_s, self._config.connect_timeout_s)
+                body = prefill_body(request, _leg_params(route.prefill_params), first_token=want_token,
+                                    streamed=streamed)
+                if streamed:
+                    answer = await self._streamed_prefill_answer(request, url, body, headers)
+                else:
+                    answer = await legs.post_json(self._session, "prefill", url, body, _leg_headers(headers),
+                                                  self._config.prefill_timeout_s, self._config.connect_timeout_s)
             outcome.prefill_ms = (time.monotonic() - started) * 1000
             outcome.prefill_ok = True
             outcome.prefill_params = answer.get("kv_transfer_params")
             return answer
         return run()
+
+    async def _streamed_prefill_answer(self, request: ClientRequest, url: str, body: dict,
+                                       headers: dict[str, str]) -> dict[str, Any]:
+        total_s = self._config.prefill_timeout_s
+        response = await legs.open_stream(self._session, "prefill", url, body, _leg_headers(headers), total_s,
+                                          self._config.connect_timeout_s)
+        folded = first_token.StreamedPrefillAnswer(request)
+        events = legs.sse_events(response, "prefill", url, total_s)
+        try:
+            async for event in events:
+                folded.feed(event)
+                if folded.complete:
+                    break
+        except BaseException:
+            await events.aclose()
+            response.release()
+            raise
+        # The rest (usage, [DONE]) changes nothing; reading it keeps the connection reusable. The response's
+        # timeout bounds it; a failure there only costs the connection.
+        drain = asyncio.create_task(self._drain(events, response))
+        self._drains.add(drain)
+        drain.add_done_callback(self._drains.discard)
+        return folded.answer()
+
+    @staticmethod
+    async def _drain(events, response: aiohttp.ClientResponse) -> None:
+        try:
+            async for _ in events:
+                pass
+        except GatewayError:
+            response.close()  # a broken rest: the connection is not reused
+        finally:
+            await events.aclose()
+            response.release()
 
     async def _concurrent(self, http_request: web.Request, request: ClientRequest, route: Route,
                           headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
@@ -295,7 +339,8 @@ class Dispatcher:
         started = time.monotonic()
         prefill_route = dataclasses.replace(route, prefill_params={**route.prefill_params,
                                                                    first_token.FROM_PREFILL_KEY: True})
-        prefill_task = asyncio.create_task(self._prefill(request, prefill_route, headers, outcome, want_token=True))
+        prefill_task = asyncio.create_task(self._prefill(request, prefill_route, headers, outcome, want_token=True,
+                                                         streamed=True))
         decode_url = route.decode_url + request.path
         decode_params = {**route.decode_params, first_token.FROM_PREFILL_KEY: True}
         stream_task = asyncio.create_task(self._open_decode_stream(decode_url, request, decode_params, headers))
@@ -372,7 +417,7 @@ class Dispatcher:
                             headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
         """max_tokens=1: prefill's answer is the whole answer; no decode leg, the transfer is cancelled."""
         started = time.monotonic()
-        answer = await self._prefill(request, route, headers, outcome, want_token=True)
+        answer = await self._prefill(request, route, headers, outcome, want_token=True, streamed=request.stream)
         try:
             token = first_token.prefill_token(request, answer)
         except ValueError as error:

@@ -2,7 +2,7 @@
 
 With `--first-token-from-prefill` (the default, docs/gateway.md) a streamed kvpush request runs:
   1. both legs leave at once, each with `kv_transfer_params.first_token_from_prefill`; the prefill leg
-     (max_tokens=1, `return_token_ids`) returns its token, text and logprobs;
+     (max_tokens=1, `return_token_ids`, streamed: `StreamedPrefillAnswer`) returns its token, text and logprobs;
   2. `first_events` turns that answer into the stream's first SSE event(s), sent to the client at once;
      when the prefill already finished the request (EOS, a stop token or string) they end the stream
      and the decode leg is closed;
@@ -73,6 +73,65 @@ def prefill_token(request: ClientRequest, answer: dict[str, Any]) -> PrefillToke
                         response_id=str(answer.get("id") or ""), created=int(answer.get("created") or time.time()),
                         model=str(answer.get("model") or request.body.get("model") or ""),
                         usage=answer.get("usage"))
+
+
+class StreamedPrefillAnswer:
+    """The streamed prefill leg's events folded into the shape of its non-streamed answer (`prefill_token` reads it).
+
+    Feed each event as it comes; `complete` says when the rest of the stream can no longer change the client's
+    first event: at the token's event, or, when prefill finished the request (its first token ended it, or the
+    client asked for one token), at the usage event that follows it.
+    """
+
+    def __init__(self, request: ClientRequest) -> None:
+        self._request = request
+        self._answer: dict[str, Any] = {"choices": [{"index": 0}]}
+        self._token_seen = False
+        self._usage_seen = False
+
+    def feed(self, event: dict[str, Any]) -> None:
+        """Take one parsed SSE event of the prefill leg."""
+        answer, choice = self._answer, self._answer["choices"][0]
+        for key in ("id", "created", "model"):
+            if key in event and key not in answer:
+                answer[key] = event[key]
+        if event.get("prompt_token_ids") is not None:  # chat: on the stream's first event
+            answer["prompt_token_ids"] = event["prompt_token_ids"]
+        if event.get("usage"):
+            answer["usage"] = event["usage"]
+            self._usage_seen = True
+        for streamed in event.get("choices") or ():
+            if not isinstance(streamed, dict) or streamed.get("index", 0) != 0:
+                continue
+            if streamed.get("prompt_token_ids") is not None:  # completions
+                choice["prompt_token_ids"] = streamed["prompt_token_ids"]
+            ids = streamed.get("token_ids")
+            if not (isinstance(ids, list) and ids):
+                continue  # chat's role event, or an event without the token
+            choice["token_ids"] = list(choice.get("token_ids") or []) + ids
+            delta = streamed.get("delta")
+            if isinstance(delta, dict):
+                message = choice.setdefault("message", {"role": "assistant", "content": ""})
+                message["content"] = (message.get("content") or "") + (delta.get("content") or "")
+            else:
+                choice["text"] = (choice.get("text") or "") + (streamed.get("text") or "")
+            choice["logprobs"] = streamed.get("logprobs")
+            choice["finish_reason"] = streamed.get("finish_reason")
+            choice["stop_reason"] = streamed.get("stop_reason")
+            self._token_seen = True
+
+    @property
+    def complete(self) -> bool:
+        """True once the rest of the leg's stream cannot change what the client is sent first."""
+        if not self._token_seen:
+            return False
+        choice = self._answer["choices"][0]
+        finished = client_max_tokens(self._request) == 1 or choice.get("finish_reason") not in ("length", None)
+        return self._usage_seen or not finished
+
+    def answer(self) -> dict[str, Any]:
+        """The answer as far as it came (`prefill_token` raises ValueError if it holds no token)."""
+        return self._answer
 
 
 def client_max_tokens(request: ClientRequest) -> int | None:

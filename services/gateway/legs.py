@@ -106,6 +106,38 @@ async def open_stream(session: aiohttp.ClientSession, leg: str, url: str, body: 
     return response
 
 
+async def sse_events(response: aiohttp.ClientResponse, leg: str, url: str, total_s: float):
+    """Yield each `data:` event of an open SSE response, parsed, until `[DONE]` or the end of the stream.
+
+    An error event (vLLM streams `{"error": {...}}` after its 200 headers) raises its GatewayError: a 4xx
+    code is the client's fault and keeps its status, anything else is 502. A non-JSON event is 502.
+    The response's own timeout bounds the reads.
+    """
+    with transport_errors(leg, url, total_s):
+        while True:
+            line = await response.content.readline()
+            if not line:
+                return
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            try:
+                event = json.loads(data)
+            except ValueError as error:
+                raise bad_gateway(f"{leg} engine at {url} streamed a non-JSON event: {data[:200]!r}") from error
+            if not isinstance(event, dict):
+                raise bad_gateway(f"{leg} engine at {url} streamed a non-object event")
+            error = event.get("error")
+            if error is not None:
+                code = error.get("code") if isinstance(error, dict) else None
+                status = code if isinstance(code, int) and 400 <= code < 600 else 500
+                raise _status_error(leg, url, status, json.dumps(event))
+            yield event
+
+
 async def get_json(session: aiohttp.ClientSession, url: str, total_s: float) -> tuple[int, Any]:
     """GET a JSON document; (status, body). Connection problems raise GatewayError (503/504)."""
     with transport_errors("decode", url, total_s):

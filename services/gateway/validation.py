@@ -99,20 +99,25 @@ def _check_messages(messages: Any) -> None:
             raise bad_request(f"messages[{index}] must be an object with a string role", "messages")
 
 
-def prefill_body(request: ClientRequest, kv_transfer_params: dict, *, first_token: bool = False) -> dict:
-    """The prefill leg: the client's request computing one token, not streamed, with transfer params.
+def prefill_body(request: ClientRequest, kv_transfer_params: dict, *, first_token: bool = False,
+                 streamed: bool = False) -> dict:
+    """The prefill leg: the client's request computing one token, with transfer params.
 
     `first_token`: the client gets this token (docs/gateway.md, first token from prefill), so the leg
     asks for its id and keeps `min_tokens` (at most 1: no EOS as the first token when the client said so).
+    `streamed`: the leg is streamed, with usage in its last event: the token's event leaves vLLM's API
+    server as soon as the step is out, where a non-streamed answer is built after the request is done.
     """
     body = copy.deepcopy(request.body)
     min_tokens = body.get("min_tokens")
     body["max_tokens"] = 1
     if request.path == CHAT_COMPLETIONS and "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
-    body["stream"] = False
+    body["stream"] = streamed
     for key in ("stream_options", "min_tokens"):
         body.pop(key, None)
+    if streamed:
+        body["stream_options"] = {"include_usage": True}
     if first_token:
         body["return_token_ids"] = True
         if isinstance(min_tokens, int) and min_tokens > 0:

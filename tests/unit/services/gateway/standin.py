@@ -30,6 +30,7 @@ class RecordedLeg:
     headers: dict[str, str]
     body: dict
     arrived_at: float
+    stream_ended: bool = False  # a streamed answer was written to its end ([DONE]) without a reset
 
 
 @dataclass
@@ -124,8 +125,8 @@ class StandInEngine:
                 await asyncio.sleep(body["first_event_delay_s"])
             if "stream_error" in body:  # vLLM fails a started stream with an error event after a 200
                 await response.write(f"data: {json.dumps({'error': body['stream_error']})}\n\n".encode())
-            for event in body.get("stream_events", ()):  # whole events, as vLLM would send them
-                if body.get("token_delay_s"):
+            for index, event in enumerate(body.get("stream_events", ())):  # whole events, as vLLM would send them
+                if index and body.get("token_delay_s"):
                     await asyncio.sleep(body["token_delay_s"])
                 await response.write(f"data: {json.dumps(event)}\n\n".encode())
             for index, token in enumerate(body.get("stream_tokens", ["a", "b"] if "stream_events" not in body else [])):
@@ -134,6 +135,7 @@ class StandInEngine:
                 await response.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': token}]})}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
+            leg.stream_ended = True
             return response
         return web.json_response(body, status=status)
 
