@@ -51,9 +51,10 @@ class ConnectorConfig:
         where the spin starves the connector's threads of the GIL while the engine steps:
         `connector.engine_spin`; default null, vLLM's own spin, on GPUs, where a step takes milliseconds and a
         sleeping reader would add up to 1 ms to each).
-    idle_step_wait_s: on a step that schedules no tokens while transfers are in flight, the worker waits
-        this long at most for a transfer signal before returning to vLLM (default 0.004; 0 = never wait).
-        Ends early on any signal; spares the CPU that back-to-back empty steps would burn.
+    idle_step_wait_s: on the second and later of back-to-back steps that schedule no tokens while transfers are
+        in flight, the worker waits this long at most for a transfer signal before returning to vLLM (default
+        0.004; 0 = never wait). Ends early on any signal; spares the CPU that back-to-back empty steps would
+        burn. The empty step right after a forward never waits: vLLM emits that forward's tokens after it.
     metrics_port: serve this engine's kvpush_connector_* Prometheus metrics over HTTP (default 0: off): the
         worker of TP rank r on metrics_port + r, at /metrics (`connector.metrics`).
     fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it

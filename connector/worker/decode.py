@@ -96,7 +96,9 @@ class DecodeWorker:
         self._refused: dict[str, _Signal] = {}
         self._load_errors: set[int] = set()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._empty_step = False  # the current step schedules no tokens (see get_finished / collect)
+        # The current step schedules no tokens and follows one that scheduled none either (see collect).
+        self._empty_step = False
+        self._previous_step_empty = True
         self.completed_count = 0
         self.failed_count = 0
         # Completed receives' first tokens from prefill, for this step's worker metadata (request id -> token).
@@ -127,7 +129,9 @@ class DecodeWorker:
     def begin_step(self, meta: KVPushMetadata) -> None:
         """Start new receives, fail refused allocations, note aborts."""
         self._drain()
-        self._empty_step = meta.empty_step
+        # As on prefill: a wait in the step right after a forward would hold back that forward's tokens.
+        self._empty_step = meta.empty_step and self._previous_step_empty
+        self._previous_step_empty = meta.empty_step
         now = time.monotonic()
         for start in meta.receives:
             self._begin_receive(start, now)

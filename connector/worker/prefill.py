@@ -144,7 +144,8 @@ class PrefillWorker:
         self._saved_this_step: set[int] = set()  # layers whose save_kv_layer ran in the current step
         self._step_last_chunks: list[str] = []  # requests whose prompt this step's forward completes
         self._prefill_ends: dict[str, float] = {}  # CPU: request -> when its last layer was saved
-        self._empty_step = False
+        self._empty_step = False  # this step schedules no tokens and follows one that scheduled none either
+        self._previous_step_empty = True
         self._unreleased: set[str] = set()   # requests with a transfer the owner has not released
         self._released: set[str] = set()     # released by the owner, not yet seen finished by vLLM
         self._seen_finished: set[str] = set()
@@ -195,7 +196,11 @@ class PrefillWorker:
         self._step_has_chunks = bool(meta.prefill_chunks)
         self._saved_this_step = set()
         self._step_last_chunks = [chunk.request_id for chunk in meta.prefill_chunks if chunk.is_last]
-        self._empty_step = meta.empty_step
+        # Only an empty step after an empty step may wait: vLLM's engine core emits a forward's tokens after the
+        # next step returns (async scheduling runs that step first, in line on a one-process executor), so a wait
+        # in the step right after a forward would hold back the tokens it sampled (a prefill leg's answer).
+        self._empty_step = meta.empty_step and self._previous_step_empty
+        self._previous_step_empty = meta.empty_step
         for chunk in meta.prefill_chunks:
             self._unreleased.add(chunk.request_id)
         self._post(lambda: self.owner.step_started(StepStarted(meta)))
@@ -234,8 +239,8 @@ class PrefillWorker:
     def get_finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Caller: engine thread, get_finished. Requests whose held blocks may be freed now, each once.
 
-        Blocks: on a step that schedules no tokens while a push is unreleased, up to idle_step_wait_s for
-        the owner to publish (so vLLM does not spin empty steps). Failure: none (bounds run on the owner).
+        Blocks: on the second and later of back-to-back steps that schedule no tokens while a push is unreleased,
+        up to idle_step_wait_s for the owner to publish (so vLLM does not spin empty steps). Failure: none (bounds run on the owner).
         """
         self._seen_finished |= finished_req_ids & (self._unreleased | self._released)
         if self._empty_step and self._unreleased:

@@ -4,6 +4,8 @@ call is made on these paths (no deadline passes), so the worker runs without one
 
 from __future__ import annotations
 
+import time
+
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
 from kvpush.connector.worker.decode import DecodeWorker
@@ -61,3 +63,22 @@ def test_a_plain_receive_still_ends_on_the_notification():
     _start(worker, awaits=False)
     worker.on_notification("p-agent", b"t1")
     assert worker.collect() == ({"r1"}, set()) and worker.take_first_tokens() == {}
+
+
+def test_only_an_empty_step_after_an_empty_step_waits():
+    """A receive in flight: the empty step right after a forward returns at once (that forward's tokens go out
+    only after it); back-to-back empty steps wait up to idle_step_wait_s for a transfer signal."""
+    config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1", "idle_step_wait_s": 0.1},
+                                               role="decode", engine_id="d1")
+    worker = DecodeWorker(config, None, block_size_tokens=16)
+    _start(worker, awaits=True)
+    worker.collect()
+    worker.begin_step(KVPushMetadata())  # a step that computed tokens (another request's decode)
+    worker.collect()
+    waited = []
+    for _ in range(3):
+        worker.begin_step(KVPushMetadata(empty_step=True))
+        started = time.monotonic()
+        assert worker.collect() == (set(), set())
+        waited.append(time.monotonic() - started)
+    assert waited[0] < 0.05 and waited[1] >= 0.09 and waited[2] >= 0.09, waited

@@ -335,3 +335,23 @@ def test_writes_are_posted_only_under_the_lease_their_instruction_came_with():
     registration.valid_until = time.monotonic() + 10.0
     registration.registration_count = 2  # the directory forgot the lease; a new one replaced it
     assert "no longer held" in guard()
+
+
+def test_only_an_empty_step_after_an_empty_step_waits_for_the_owner():
+    """While a push is unreleased, the empty step right after a forward returns at once (vLLM emits that forward's
+    tokens only after it); the next empty step waits up to idle_step_wait_s for the owner (no spinning)."""
+    worker, _, _, _ = _worker(idle_step_wait_s=0.1)
+    worker.begin_step(_step(40))
+    for layer in LAYERS:
+        worker.save_kv_layer(layer)
+    worker.wait_for_save()
+    worker.get_finished_sending(set())
+    waited = []
+    for _ in range(3):
+        worker.begin_step(KVPushMetadata(empty_step=True))
+        started = time.monotonic()
+        worker.get_finished_sending(set())
+        waited.append(time.monotonic() - started)
+    assert worker.has_live_transfers()
+    assert waited[0] < 0.05, waited  # right after the forward: no wait
+    assert waited[1] >= 0.09 and waited[2] >= 0.09, waited  # back-to-back empty steps: the bounded wait
