@@ -191,6 +191,9 @@ def main(argv=None) -> int:
             pair["hops_ms"] = hops_of(pair["sent_wall"], pair["kvpush_ttft_ms"] / 1000, transfer, trace,
                                       pair.get("request_finished_wall"))
             pair["first_token_in_record"] = transfer.HasField("first_token_id")
+            # The client's first event against the transfer's end in the directory's record (one machine's clock).
+            pair["first_token_before_transfer_end_ms"] = _ms(_s(transfer.end_time),
+                                                             pair["sent_wall"] + pair["kvpush_ttft_ms"] / 1000)
             pair["excess_ms"] = round(pair["kvpush_ttft_ms"] - pair["p_alone_ttft_ms"], 3)
         client.close()
     finally:
@@ -210,6 +213,9 @@ def main(argv=None) -> int:
             **{hop: _median(p["hops_ms"][hop] for p in pairs) for hop in HOPS},
         },
         "first_token_in_record": sum(p["first_token_in_record"] for p in pairs),
+        # How many clients had their first token before the transfer ended, and by how much (median ms; < 0: after).
+        "first_token_before_transfer_end": sum((p["first_token_before_transfer_end_ms"] or 0) > 0 for p in pairs),
+        "first_token_before_transfer_end_median_ms": _median(p["first_token_before_transfer_end_ms"] for p in pairs),
         "pairs": pairs,
     }
     text = json.dumps(result, indent=2)

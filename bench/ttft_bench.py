@@ -14,7 +14,11 @@ What runs (one invocation, side by side):
       kvpush      KVPushConnector + the directory, both legs at once;
       kvpush-progthread  the same with NIXL's progress thread on (sleeping 100 us between loops),
                   which progresses UCX without the GIL while the forward pass holds it;
-      kvpush-poll5ms  the same with the data plane polling at most every 5 ms (fewer GIL hand-offs).
+      kvpush-poll5ms  the same with the data plane polling at most every 5 ms (fewer GIL hand-offs);
+      kvpush-first-token  kvpush with the gateway's first token from prefill (its default; the decode engine
+                  loads the ForcePrefillFirstToken logits processor): TTFT is then the prefill leg's, and
+                  disaggregated / p_direct is what the gateway and the connector add to a prefill.
+    Every other kvpush phase runs the gateway with --no-first-token-from-prefill: the push itself is measured.
     In each P/D phase every iteration sends the disaggregated request and then the same prompt
     straight to the prefill engine without kv_transfer_params ("p_direct"): the same prefill on an
     engine carrying the same connector (and its threads), in the same CPU conditions.
@@ -55,6 +59,7 @@ from kvpush.localstack.processes import (
     start_directory,
 )
 from kvpush.localstack.stack import (
+    DECODE_ENGINE_ARGS,
     DIRECTORY_ARGS,
     NIXL_DECODE_SIDE_CHANNEL_PORT,
     NIXL_PREFILL_SIDE_CHANNEL_PORT,
@@ -65,7 +70,9 @@ from kvpush.localstack.stack import (
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # kvpush phases: the connector's kv_connector_extra_config beyond the directory and endpoint.
 KVPUSH_PHASES = {"kvpush": {}, "kvpush-progthread": {"nixl_enable_prog_thread": True},
-                 "kvpush-poll5ms": {"nixl_poll_max_s": 0.005, "nixl_notif_poll_s": 0.005}}
+                 "kvpush-poll5ms": {"nixl_poll_max_s": 0.005, "nixl_notif_poll_s": 0.005},
+                 "kvpush-first-token": {}}
+FIRST_TOKEN_PHASES = ("kvpush-first-token",)
 
 
 def connector_of(phase: str) -> str:
@@ -290,11 +297,13 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
         directory_port = directory.port
     prefill = decode = gateway = None
     try:
-        prefill, decode = start_pd_engines(args, model_dir, connector, topology, log_dir, directory_port)
-        # The push itself is measured here: the gateway's first token from prefill (bench/serve_bench.py) is off.
+        first_token = connector in FIRST_TOKEN_PHASES
+        prefill, decode = start_pd_engines(args, model_dir, connector, topology, log_dir, directory_port,
+                                           decode_args=DECODE_ENGINE_ARGS if first_token else ())
+        # The push itself is measured here: the gateway's first token from prefill is off but in its own phase.
+        gateway_args = ("--no-first-token-from-prefill",) if connector in KVPUSH_PHASES and not first_token else ()
         gateway = start_bench_gateway(connector_of(connector), log_dir, prefill=prefill, decode=decode, topology=topology,
-                                      directory_address=f"127.0.0.1:{directory_port}",
-                                      extra_args=("--no-first-token-from-prefill",) if connector in KVPUSH_PHASES else ())
+                                      directory_address=f"127.0.0.1:{directory_port}", extra_args=gateway_args)
         out: dict = {"idle_cpu_cores": idle_cpu([prefill, decode])}
         say(f"{connector}: idle engines burn {out['idle_cpu_cores']} CPU cores")
         for rate in args.rates:
