@@ -2,8 +2,9 @@
 
 First token from prefill loads a logits processor into every decode engine (`--logits-processors
 kvpush.connector.first_token:ForcePrefillFirstToken`). vLLM then keeps every request's output token ids for
-the processors (`logitsprocs_need_output_token_ids`), which under async scheduling makes each step wait for the
-previous step's sampled tokens before sampling. This bench measures what a setting costs per decode step,
+the processors (`logitsprocs_need_output_token_ids`), which under async scheduling has each step synchronize on
+the previous step's sampled tokens before sampling (a GPU→CPU copy on a GPU; nothing to wait for on a CPU). This
+bench measures what a setting costs per decode step,
 side by side in one run: each variant is its own engine (tiny model, float32, pinned to `--cpus`), one engine
 at a time so none shares the cores, all sent the same prompts. The variants still run at different moments:
 `--rounds` repeats the whole sequence so that a noisy moment shows up as a spread between rounds.

@@ -54,7 +54,8 @@ class ConnectorConfig:
     idle_step_wait_s: on the second and later of back-to-back steps that schedule no tokens while transfers are
         in flight, the worker waits this long at most for a transfer signal before returning to vLLM (default
         0.004; 0 = never wait). Ends early on any signal; spares the CPU that back-to-back empty steps would
-        burn. The empty step right after a forward never waits: vLLM emits that forward's tokens after it.
+        burn. The empty step right after a forward never waits: on a one-process executor vLLM emits that
+        forward's tokens only after it.
     metrics_port: serve this engine's kvpush_connector_* Prometheus metrics over HTTP (default 0: off): the
         worker of TP rank r on metrics_port + r, at /metrics (`connector.metrics`).
     fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it

@@ -196,9 +196,10 @@ class PrefillWorker:
         self._step_has_chunks = bool(meta.prefill_chunks)
         self._saved_this_step = set()
         self._step_last_chunks = [chunk.request_id for chunk in meta.prefill_chunks if chunk.is_last]
-        # Only an empty step after an empty step may wait: vLLM's engine core emits a forward's tokens after the
-        # next step returns (async scheduling runs that step first, in line on a one-process executor), so a wait
-        # in the step right after a forward would hold back the tokens it sampled (a prefill leg's answer).
+        # Only an empty step after an empty step may wait: with async scheduling vLLM's engine core submits the
+        # next step before it emits a forward's tokens, and where the worker runs in the engine core's process
+        # (UniProcExecutor) that step runs in line, so a wait in it would hold back the tokens the forward
+        # sampled (a prefill leg's answer). A worker process of its own (MultiprocExecutor) is not held back.
         self._empty_step = meta.empty_step and self._previous_step_empty
         self._previous_step_empty = meta.empty_step
         for chunk in meta.prefill_chunks:
