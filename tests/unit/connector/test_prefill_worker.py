@@ -353,5 +353,5 @@ def test_only_an_empty_step_after_an_empty_step_waits_for_the_owner():
         worker.get_finished_sending(set())
         waited.append(time.monotonic() - started)
     assert worker.has_live_transfers()
-    assert waited[0] < 0.05, waited  # right after the forward: no wait
+    assert waited[0] < 0.08, waited  # right after the forward: no wait (room left for a loaded machine)
     assert waited[1] >= 0.09 and waited[2] >= 0.09, waited  # back-to-back empty steps: the bounded wait
