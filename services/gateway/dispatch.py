@@ -615,9 +615,12 @@ async def _both(prefill_task: asyncio.Task, decode_task: asyncio.Task) -> dict[s
 
 async def _both_until_second(prefill_task: asyncio.Task, stream_task: asyncio.Task):
     """Wait until the decode stream's first chunk, failing early if the prefill leg fails first."""
+    pending = {prefill_task, stream_task}
     try:
         while True:
-            done, _ = await asyncio.wait({prefill_task, stream_task}, return_when=asyncio.FIRST_COMPLETED)
+            # Only the tasks still pending: a prefill leg that answered must not end every later wait at once
+            # (that loop spun a core for as long as decode took to its first chunk).
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if prefill_task in done and prefill_task.exception() is not None:
                 raise prefill_task.exception()  # type: ignore[misc]
             if stream_task in done:
