@@ -41,7 +41,13 @@ import ttft_bench  # noqa: E402  (bench/ is no package: its scripts share helper
 
 from kvpush.localstack.model import BENCH_MODEL_SPEC, TinyModelSpec, ensure_tiny_model  # noqa: E402
 from kvpush.localstack.netns import PDNetwork  # noqa: E402
-from kvpush.localstack.processes import EngineHandle, EngineSpec, launch_engine, start_directory  # noqa: E402
+from kvpush.localstack.processes import (  # noqa: E402
+    EngineHandle,
+    EngineSpec,
+    group_cpu_seconds,
+    launch_engine,
+    start_directory,
+)
 from kvpush.localstack.stack import DECODE_ENGINE_ARGS, DIRECTORY_ARGS  # noqa: E402
 from kvpush.localstack.vllm_bench import run_bench_serve, summarise  # noqa: E402
 
@@ -115,7 +121,7 @@ def run_variant(args, variant: str, model_dir: Path, topology, log_dir: Path, sc
                        if handle is not None})
         for rate in args.rates:
             out_file = scratch / f"{variant}-{rate}.json"
-            cpu_before = {name: ttft_bench.group_cpu_seconds(pid) for name, pid in groups.items()}
+            cpu_before = {name: group_cpu_seconds(pid) for name, pid in groups.items()}
             started = time.monotonic()
             try:
                 out["points"][str(rate)] = summarise(bench_point(base, model_dir, args, rate, out_file))
@@ -123,7 +129,7 @@ def run_variant(args, variant: str, model_dir: Path, topology, log_dir: Path, sc
                 out["points"][str(rate)] = {"error": str(error)[:1500]}
             elapsed = time.monotonic() - started
             out["points"][str(rate)]["busy_cpu_cores"] = {
-                name: round((ttft_bench.group_cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
+                name: round((group_cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
                 for name, pid in groups.items()}
             say(f"{variant} @ {rate} req/s: {out['points'][str(rate)]}")
         return out

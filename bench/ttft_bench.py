@@ -54,6 +54,7 @@ from kvpush.localstack.processes import (
     GatewayHandle,
     ManagedProcess,
     free_port,
+    group_cpu_seconds,
     http_ok,
     launch_engine,
     start_directory,
@@ -164,23 +165,6 @@ def start_pd_engines(args, model_dir: Path, connector: str, topology: Topology, 
             handle.stop(5.0)
         raise
     return handles[0], handles[1]
-
-
-def group_cpu_seconds(pgid: int) -> float:
-    """CPU seconds (user + system) used so far by every live process of a process group."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # fields after the command: state, ppid, pgrp, ...
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
 
 
 def idle_cpu(engines: list[EngineHandle], window_s: float = 3.0) -> dict[str, float]:

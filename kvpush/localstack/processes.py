@@ -251,6 +251,24 @@ def _tcp_in(netns: str | None, host: str, port: int) -> bool:
                           capture_output=True, timeout=10).returncode == 0
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by every live process of a process group (a ManagedProcess's pid
+    is its group's id: it starts a session of its own)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the command: state, ppid, pgrp, ...
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
 # ---------------------------------------------------------------- vLLM engines
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.localstack.client import call, stream_completion
-from kvpush.localstack.processes import start_directory, start_gateway
+from kvpush.localstack.processes import group_cpu_seconds, start_directory, start_gateway
 from kvpush.services.client import ChannelConfig, SyncDirectoryClient
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
@@ -408,21 +407,14 @@ def test_unknown_model_is_404_naming_the_served_models(gw):
     assert not gw.prefill.legs and not gw.decode.legs
 
 
-def _process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_waiting_for_decode_after_prefill_answered_does_not_spin(gw):
     """Prefill answers at once, decode's first event comes 1.5 s later: the gateway waits for it without burning
     CPU (it once re-polled the finished prefill leg in a loop, a core for as long as decode took)."""
     gw.decode.behaviour = lambda leg: (200, {"stream_tokens": ["late"], "first_event_delay_s": 1.5}, 0.0)
-    before = _process_cpu_seconds(gw.gateway.process.pid)
+    before = group_cpu_seconds(gw.gateway.process.pid)
     result = stream_completion(gw.gateway.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3},
                                timeout_s=30)
-    used = _process_cpu_seconds(gw.gateway.process.pid) - before
+    used = group_cpu_seconds(gw.gateway.process.pid) - before
     assert result.status == 200 and result.text == "late", result
     assert result.ttft_s >= 1.4
     assert used < 0.5, f"the gateway used {used:.2f} CPU s while waiting {result.ttft_s:.2f} s for decode"
