@@ -23,9 +23,11 @@ instruction, end; prefill's write and prefill-end times), all wall clock on one 
   prefill_compute   prefill leg sent -> prefill's forward of the last layer ended
   completion        last WRITE landed -> the directory ends the transfer (DONE, which waits for the token)
   decode_notified   transfer end -> decode's kvpush.receive ends (COMPLETE event to decode's worker)
-  prefill_answer    prefill's forward ended -> gateway.prefill_leg ends at the leg's token event (sampling,
-                    vLLM's output path; the first session split it at the push timeline's request_finished_time,
-                    which the streamed leg no longer carries)
+  prefill_answer    prefill's forward ended -> gateway.prefill_leg ends (sampling, vLLM's HTTP answer), split in
+    prefill_finished  prefill's forward ended -> its scheduler finished the request (sampling, output processing)
+    answer_http       the request finished -> gateway.prefill_leg ends (vLLM's API server, HTTP)
+                      (these two need the push timeline's request_finished_time from X-KVPush-Prefill-Params, which
+                      a streamed prefill leg does not carry: None since the gateway streams that leg)
   to_client         gateway.prefill_leg end -> first event at the client
 Figures: each hop's median, TTFT medians of both kinds and the headline "kvpush TTFT - P leg alone" (median of the
 per-pair differences). JSON to bench/results/hops-<UTC time>.json.
@@ -53,7 +55,8 @@ from kvpush.services.client import SyncDirectoryClient  # noqa: E402
 from tests.fixtures.otlp import OTLPReceiver, ReceivedSpan  # noqa: E402
 
 HOPS = ("gateway_in", "before_plan", "plan", "legs_sent", "decode_allocated", "first_ready", "instruction",
-        "writes", "prefill_compute", "completion", "decode_notified", "prefill_answer", "to_client")
+        "writes", "prefill_compute", "completion", "decode_notified", "prefill_answer", "prefill_finished",
+        "answer_http", "to_client")
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -76,7 +79,8 @@ def _span(spans: list[ReceivedSpan], name: str) -> ReceivedSpan | None:
     return min(found, key=lambda s: s.start_time_unix_nano) if found else None
 
 
-def hops_of(sent_wall: float, ttft_s: float, transfer, spans: list[ReceivedSpan]) -> dict[str, float | None]:
+def hops_of(sent_wall: float, ttft_s: float, transfer, spans: list[ReceivedSpan],
+            request_finished: float | None = None) -> dict[str, float | None]:
     """One request's hops (module docstring) from its spans and directory record."""
     def start(name):
         span = _span(spans, name)
@@ -105,6 +109,8 @@ def hops_of(sent_wall: float, ttft_s: float, transfer, spans: list[ReceivedSpan]
         "completion": _ms(_s(transfer.end_time), last_write),
         "decode_notified": _ms(end("kvpush.receive"), _s(transfer.end_time)),
         "prefill_answer": _ms(end("gateway.prefill_leg"), prefill_end),
+        "prefill_finished": _ms(request_finished, prefill_end),
+        "answer_http": _ms(end("gateway.prefill_leg"), request_finished),
         "to_client": _ms(sent_wall + ttft_s, end("gateway.prefill_leg")),
     }
 
@@ -151,6 +157,8 @@ def main(argv=None) -> int:
                                                timeout_s=120)
                     pair["transfer_id"] = result.headers.get("x-kvpush-transfer-id", "")
                     pair["sent_wall"] = sent_wall
+                    params = json.loads(result.headers.get("x-kvpush-prefill-params") or "{}")
+                    pair["request_finished_wall"] = (params.get("push_timeline") or {}).get("request_finished_time")
                 elif kind == "p_alone":
                     result = stream_completion(stack.prefill.url + "/v1/completions",
                                                {**body, "prompt": prompt, "max_tokens": 1}, timeout_s=120)
@@ -180,7 +188,8 @@ def main(argv=None) -> int:
             (request_span,) = [s for s in spans if s.name == "gateway.request"
                                and s.attributes.get("kvpush.transfer_id") == pair["transfer_id"]]
             trace = [s for s in spans if s.trace_id == request_span.trace_id]
-            pair["hops_ms"] = hops_of(pair["sent_wall"], pair["kvpush_ttft_ms"] / 1000, transfer, trace)
+            pair["hops_ms"] = hops_of(pair["sent_wall"], pair["kvpush_ttft_ms"] / 1000, transfer, trace,
+                                      pair.get("request_finished_wall"))
             pair["first_token_in_record"] = transfer.HasField("first_token_id")
             # The client's first event against the transfer's end in the directory's record (one machine's clock).
             pair["first_token_before_transfer_end_ms"] = _ms(_s(transfer.end_time),
