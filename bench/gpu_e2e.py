@@ -2,8 +2,8 @@
 
 Everything a user with one GPU needs, one command per experiment (each bounded; logs under --log-dir):
 
-  python bench/gpu_e2e.py e2e   [--eager]          # directory + P + D (KVPushConnector) + colocated + gateway
-  python bench/gpu_e2e.py serve [--connectors kvpush,nixl-push,nixl-pull,colocated] [--isl 1024,4096,8192]
+  python bench/gpu_e2e.py e2e   [--eager] [--no-first-token]   # directory + P + D (KVPushConnector) + colocated + gateway
+  python bench/gpu_e2e.py serve [--connectors kvpush,kvpush-first-token,nixl-push,nixl-pull,colocated] [--isl 1024,4096,8192]
   python bench/gpu_e2e.py plot  RESULT.json ...    # PNG of TTFT and TPOT against request rate (any machine)
 
 The model is Llama-3.1-8B's shape (32 layers, 8 KV heads x 128, bf16) with seeded random weights, made on
@@ -55,7 +55,8 @@ from kvpush.localstack.processes import (
     start_directory,
 )
 from kvpush.localstack.shaped_model import ensure_shaped_model, kv_bytes_per_token, preset_config
-from kvpush.localstack.stack import kv_transfer_config, nixl_side_channel_env
+from kvpush.localstack.client import stream_completion
+from kvpush.localstack.stack import DECODE_ENGINE_ARGS, kv_transfer_config, nixl_side_channel_env
 from kvpush.localstack.vllm_bench import run_bench_serve, summarise, wait_kv_usage_zero
 
 SERVED_NAME = "model"
@@ -68,8 +69,17 @@ KVPUSH_GPU_EXTRA = {"nixl_poll_max_s": 0.0002, "nixl_notif_poll_s": 0.0001, "tra
                     "push_timeout_s": 60}
 TERMINAL_STATES = {"TRANSFER_STATE_COMPLETE", "TRANSFER_STATE_FAILED", "TRANSFER_STATE_CANCELLED",
                    "TRANSFER_STATE_EXPIRED"}
+# What `serve` and `e2e` can run. kvpush: the gateway's first token from prefill off (decode's tokens only, as in
+# the recorded H200 tables before it existed); kvpush-first-token: on (the gateway's default), prefill's token
+# streamed at once and decode's first token forced to it.
+VARIANTS = ("kvpush", "kvpush-first-token", "nixl-push", "nixl-pull", "colocated")
 # Poisson rates (req/s) per input length for `serve`, up to and past the shared GPU's saturation.
 DEFAULT_RATES = {1024: [8.0, 32.0], 4096: [4.0, 12.0], 8192: [2.0, 6.0]}
+
+
+def connector_of(variant: str) -> str:
+    """The connector (and gateway mode) a variant runs."""
+    return "kvpush" if variant.startswith("kvpush") else variant
 
 
 def say(message: str) -> None:
@@ -99,10 +109,10 @@ class Stack:
         self.on_gpu = args.preset != "tiny-llama"
 
     def _spec(self, name: str, kv_config: dict | None, env: dict[str, str], prefix_caching: bool,
-              share: float) -> EngineSpec:
+              share: float, extra_args: tuple[str, ...] = ()) -> EngineSpec:
         args = self.args
         engine_args = ["--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_batched_tokens),
-                       "--max-num-seqs", str(args.max_num_seqs)]
+                       "--max-num-seqs", str(args.max_num_seqs), *extra_args]
         if self.on_gpu and args.kv_cache_gib:
             engine_args += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
         if args.tp > 1:
@@ -118,15 +128,21 @@ class Stack:
                           enforce_eager=args.eager or not self.on_gpu, log_stats=True,
                           gpu_memory_utilization=share if self.on_gpu else None)
 
-    def start(self, connector: str, with_colocated: bool) -> Stack:
+    def start(self, variant: str, with_colocated: bool) -> Stack:
+        """Start `variant` (VARIANTS): its engines, its gateway and (kvpush) the directory."""
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
+        connector = connector_of(variant)
         share = self.args.gpu_share
         specs: list[EngineSpec] = []
         if connector == "kvpush":
             self.directory = start_directory(self.log_dir, extra_args=["--lease-ttl-s", "30"], progress=say)
             address = self.directory.address
-            for name, role, engine_id, caching in (("prefill", "prefill", PREFILL_ID, False),
-                                                   ("decode", "decode", DECODE_ID, True)):
-                spec = self._spec(name, None, {}, caching, share)
+            for name, role, engine_id, caching, extra in (
+                    ("prefill", "prefill", PREFILL_ID, False, ()),
+                    # The processor is loaded for both kvpush variants, so they differ in the gateway's setting only.
+                    ("decode", "decode", DECODE_ID, True, DECODE_ENGINE_ARGS)):
+                spec = self._spec(name, None, {}, caching, share, extra)
                 spec.kv_transfer_config = kv_transfer_config(
                     "kvpush", role, engine_id=engine_id, directory_address=address,
                     engine_endpoint=f"http://127.0.0.1:{spec.port}", extra=KVPUSH_GPU_EXTRA)
@@ -154,7 +170,7 @@ class Stack:
                         ready.add(name)
                         say(f"{name} ready at {handle.url} ({took:.0f} s)")
             if connector != "colocated":
-                self.gateway = self._start_gateway(connector)
+                self.gateway = self._start_gateway(connector, first_token=variant == "kvpush-first-token")
             if self.directory is not None:
                 from kvpush.services.client.config import ChannelConfig
                 from kvpush.services.client.sync import SyncDirectoryClient
@@ -165,12 +181,13 @@ class Stack:
             raise
         return self
 
-    def _start_gateway(self, mode: str) -> GatewayHandle:
+    def _start_gateway(self, mode: str, first_token: bool) -> GatewayHandle:
         port = free_port()
         argv = [sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1", "--port", str(port),
                 "--mode", mode, "--prefill-timeout", "300", "--decode-timeout", "300"]
         if mode == "kvpush":
-            argv += ["--directory", self.directory.address]
+            argv += ["--directory", self.directory.address,
+                     "--first-token-from-prefill" if first_token else "--no-first-token-from-prefill"]
         else:
             argv += ["--prefill-url", self.engines["prefill"].url, "--decode-url", self.engines["decode"].url]
         if mode == "nixl-push":
@@ -354,8 +371,9 @@ def run_e2e(args: argparse.Namespace) -> int:
     model_dir = ensure_shaped_model(args.preset)
     say(f"model {args.preset} at {model_dir} ({time.monotonic() - started:.0f} s)")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpush-gpu-e2e-"))
-    stack = Stack(args, model_dir, log_dir).start("kvpush", with_colocated=True)
-    report: dict[str, Any] = {"preset": args.preset, "eager": args.eager, "block_size": block,
+    variant = "kvpush" if args.no_first_token else "kvpush-first-token"
+    stack = Stack(args, model_dir, log_dir).start(variant, with_colocated=True)
+    report: dict[str, Any] = {"preset": args.preset, "eager": args.eager, "block_size": block, "variant": variant,
                               "max_num_batched_tokens": args.max_batched_tokens, "checks": {}}
     failures: list[str] = []
     gateway, colocated = stack.gateway.url, stack.engines["colocated"].url
@@ -391,6 +409,37 @@ def run_e2e(args: argparse.Namespace) -> int:
                 f"push={shape_results[name]['push']}")
         report["checks"]["prompt_shapes"] = shape_results
         failures += [f"shape {n}" for n, r in shape_results.items() if r["outcome"] == "different"]
+
+        # 1b. sampling with a seed, streamed (first token from prefill applies to streamed requests and max_tokens=1;
+        # a non-streamed answer waits for the whole text anyway, so there decode samples every token). The gateway
+        # answers 502 when decode's first token is not prefill's, so a complete stream is the forcing check; its
+        # first token is the colocated engine's (the same prompt, alone, on an engine of the same configuration),
+        # and the P/D path is deterministic (two runs agree). Equality with colocated beyond the first token is
+        # recorded only: this random model's logits are nearly flat in bf16 (exact ties at the top), so a seeded
+        # draw flips on a 1-ulp difference between batch shapes.
+        sampled_prompt = prompt_of(3 * block + 17, 4242, vocab)
+        sampled_body = {"model": SERVED_NAME, "prompt": sampled_prompt, "max_tokens": args.output_tokens,
+                        "temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 1234, "ignore_eos": True,
+                        "return_token_ids": True}
+        answer = call("POST", colocated + "/v1/completions", sampled_body, timeout_s=300)
+        sampled: dict[str, Any] = {"colocated": list(answer.body["choices"][0]["token_ids"])}
+        for run in ("gateway_streamed", "gateway_streamed_again"):
+            streamed = stream_completion(gateway + "/v1/completions", sampled_body, timeout_s=300)
+            sampled[run] = [i for e in streamed.events for c in e.get("choices", []) for i in c.get("token_ids") or ()] \
+                if streamed.status == 200 and not streamed.error else f"{streamed.status} {streamed.error}"
+        ids = sampled["gateway_streamed"]
+        sampled["complete"] = isinstance(ids, list) and len(ids) == args.output_tokens
+        sampled["first_token_equals_colocated"] = sampled["complete"] and ids[0] == sampled["colocated"][0]
+        sampled["deterministic"] = ids == sampled["gateway_streamed_again"]
+        sampled["equals_colocated"] = ids == sampled["colocated"]
+        sampled["first_difference_from_colocated"] = first_difference(ids, sampled["colocated"]) \
+            if isinstance(ids, list) else None
+        report["checks"]["seeded_sampling"] = sampled
+        say("seeded sampling, streamed: " + json.dumps({k: sampled[k] for k in (
+            "complete", "first_token_equals_colocated", "deterministic", "equals_colocated",
+            "first_difference_from_colocated")}))
+        if not (sampled["complete"] and sampled["first_token_equals_colocated"] and sampled["deterministic"]):
+            failures.append("seeded sampling")
 
         # 2. 32 concurrent requests of mixed lengths (references computed concurrently too)
         lengths = [100 + (i * 977) % min(6000, args.max_model_len - 200) for i in range(32)]
@@ -602,19 +651,21 @@ def run_plot(args: argparse.Namespace) -> int:
 
 
 def run_table(args: argparse.Namespace) -> int:
-    """Print the serving results as the markdown table docs/benchmarks.md quotes (ratios to kvpush's)."""
+    """Print the serving results as the markdown table docs/benchmarks.md quotes (ratios to kvpush's: the
+    kvpush-first-token variant where the results have it, the gateway's default)."""
     points = [p for path in args.results for p in json.loads(Path(path).read_text())["points"]]
     by_key = {(p["connector"], p["isl"], p["rate"]): p for p in points}
+    ours_name = "kvpush-first-token" if any(p["connector"] == "kvpush-first-token" for p in points) else "kvpush"
     print("| connector | ISL | rate | done/failed | TTFT mean / p99 ms | TPOT mean / p99 ms | ITL p99 ms | "
-          "req/s | kvpush TTFT mean, p99 as x of it | exposed tail p50 / p99 ms |")
+          f"req/s | {ours_name} TTFT mean, p99 as x of it | exposed tail p50 / p99 ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for (connector, isl, rate), p in sorted(by_key.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
         if "error" in p:
             print(f"| {connector} | {isl} | {rate:g} | not run: {p['error'][-60:]} |||||||")
             continue
-        ours = by_key.get(("kvpush", isl, rate))
+        ours = by_key.get((ours_name, isl, rate))
         ratio = ""
-        if ours and "error" not in ours and connector != "kvpush":
+        if ours and "error" not in ours and connector != ours_name:
             ratio = f"{ours['mean_ttft_ms'] / p['mean_ttft_ms']:.2f}x, {ours['p99_ttft_ms'] / p['p99_ttft_ms']:.2f}x"
         tail = p.get("exposed_tail_ms")
         tail_text = f"{tail['p50']:.1f} / {tail['p99']:.1f}" if tail else ""
@@ -674,9 +725,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--log-dir", default="")
     e2e = sub.choices["e2e"]
     e2e.add_argument("--output-tokens", type=int, default=32)
+    e2e.add_argument("--no-first-token", action="store_true",
+                     help="the gateway's --no-first-token-from-prefill (variant kvpush instead of kvpush-first-token)")
     e2e.add_argument("--abort-after-s", type=float, default=0.03)
     serve = sub.choices["serve"]
-    serve.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull,colocated")
+    serve.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull,colocated",
+                       help=f"variants, comma-separated: {', '.join(VARIANTS)}")
     serve.add_argument("--isl", default="1024,4096,8192")
     serve.add_argument("--rates", default="", help="comma-separated rates for every ISL (default: per ISL)")
     serve.add_argument("--osl", type=int, default=128)

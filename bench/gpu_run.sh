@@ -14,8 +14,17 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/kvpush-gpu-out}
 mkdir -p "$out"
 if [ ! -f /tmp/site/.kvpush-carry ]; then
-  [ -f "$repo/.gpu-carry/p2/install.sh" ] || { echo "wheel set not installed and no .gpu-carry/p2/install.sh" >&2; exit 2; }
-  bash "$repo/.gpu-carry/p2/install.sh" > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
+  # The last part's call carries install.sh (.gpu-carry/p2 of three parts, or q3 of four: docs/benchmarks.md).
+  install=$(ls "$repo"/.gpu-carry/*/install.sh 2>/dev/null | head -1)
+  [ -n "$install" ] || { echo "wheel set not installed and no .gpu-carry/*/install.sh carried" >&2; exit 2; }
+  bash "$install" > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
+fi
+# Wheels kvpush needs beyond the wheel set (aetcd, for directory replicas: the directory imports it), from a carried
+# .gpu-carry/extra (pip download --no-deps -d .gpu-carry/extra aetcd).
+if ! PYTHONPATH=/tmp/site python3 -c "import aetcd" 2>/dev/null; then
+  ls "$repo"/.gpu-carry/extra/*.whl >/dev/null 2>&1 || { echo "aetcd missing: carry .gpu-carry/extra (see above)" >&2; exit 2; }
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site "$repo"/.gpu-carry/extra/*.whl > "$out/extra.log" 2>&1 \
+    || { tail -20 "$out/extra.log"; exit 1; }
 fi
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 KVPUSH_MODEL_CACHE=${KVPUSH_MODEL_CACHE:-/tmp/kvpush-models}
