@@ -424,7 +424,9 @@ class Dispatcher:
             raise bad_gateway(f"prefill engine at {route.prefill_url}: {error}") from error
         # Decode never allocated, so ending the transfer frees prefill's blocks and changes nothing on decode.
         outcome.kv_delivered = True  # nothing left for a later failure to cancel
-        await asyncio.shield(self._router.cancel(route, "first token only: the prefill leg finished the request"))
+        # The cancellation's round trip runs while the answer goes out; the handler still ends only after it.
+        cancelled = asyncio.ensure_future(
+            self._router.cancel(route, "first token only: the prefill leg finished the request"))
         if not request.stream:
             answer.pop("kv_transfer_params", None)
             if not request.body.get("return_token_ids"):
@@ -432,10 +434,12 @@ class Dispatcher:
                     choice.pop("token_ids", None)
                     choice.pop("prompt_token_ids", None)
                 answer.pop("prompt_token_ids", None)
+            await asyncio.shield(cancelled)
             return self._json_response(answer, route, outcome)
         out = await self._open_client_stream(http_request, route, outcome)
         await out.write(first_token.first_events(request, token))
         outcome.first_token_ms = (time.monotonic() - started) * 1000
+        await asyncio.shield(cancelled)
         await out.write_eof()
         return out
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvpush.localstack.client import stream_completion
+from kvpush.localstack.client import call, stream_completion
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.test_gateway import Deployment
 
@@ -103,6 +103,28 @@ def test_one_token_streamed_waits_for_the_usage_event(gw):
     assert result.text == " sea"
     assert [e["usage"] for e in result.events if e.get("usage")] == [USAGE]
     assert gw.decode.legs == []
+    # The cancellation runs while the answer goes out (the client may read [DONE] before it is through).
+    transfer_id = result.headers["x-kvpush-transfer-id"]
+    deadline = time.monotonic() + 5
+    while gw.transfer(transfer_id).state != tpb.TRANSFER_STATE_CANCELLED:
+        assert time.monotonic() < deadline, gw.transfer(transfer_id)
+        time.sleep(0.02)
+
+
+def test_one_token_not_streamed_is_prefills_answer_and_cancels_the_transfer(gw):
+    """max_tokens=1 without streaming: prefill's answer is the client's; the transfer is cancelled before the
+    answer is sent (the handler waits for the cancellation), and no decode leg is sent."""
+    completion = {"id": "cmpl-p", "object": "text_completion", "created": 5, "model": "tiny", "usage": USAGE,
+                  "choices": [{"index": 0, "text": " sea", "token_ids": [17], "finish_reason": "length",
+                               "logprobs": None}], "kv_transfer_params": {"transfer_id": "x"}}
+    gw.prefill.behaviour = lambda leg: (200, completion, 0.0)
+    answer = call("POST", gw.gateway.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1},
+                  timeout_s=30)
+    assert answer.status == 200, answer.text
+    assert answer.body["choices"][0]["text"] == " sea" and answer.body["usage"] == USAGE
+    assert "kv_transfer_params" not in answer.body and "token_ids" not in answer.body["choices"][0]
+    assert gw.decode.legs == []
+    assert gw.transfer(answer.headers["x-kvpush-transfer-id"]).state == tpb.TRANSFER_STATE_CANCELLED
 
 
 def test_an_error_event_on_the_prefill_leg_keeps_its_status(gw):
