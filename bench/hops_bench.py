@@ -8,6 +8,12 @@ one at a time (low load), alternating two kinds on the same random token-id prom
                the P leg alone, on the same engine in the same conditions;
   * p_alone_json  the same, not streamed (TTFT = the whole answer): what vLLM's non-streamed answer path costs
                against its streamed one (the gateway's prefill leg used the non-streamed path until it streamed).
+  * p_leg      the same prompt straight to the prefill engine as a prefill leg (kv_transfer_params of a transfer
+               this bench planned, first token from prefill), no decode leg, the transfer cancelled afterwards:
+               what the connector costs the prefill engine's request (readiness, spans; no writes);
+  * kvpush_one_token  through the gateway with max_tokens=1: the gateway plans and answers from the prefill leg
+               alone (the transfer is cancelled), so against p_leg it is what the gateway adds, and kvpush against
+               it is what the concurrent decode leg and the push add.
 TTFT = request sent -> first SSE event at the client. Per kvpush request the hops come from its trace (gateway
 spans, the engines' kvpush.push / kvpush.receive) and its directory record (plan, allocation, first readiness,
 instruction, end; prefill's write and prefill-end times), all wall clock on one machine:
@@ -29,8 +35,9 @@ instruction, end; prefill's write and prefill-end times), all wall clock on one 
                       (these two need the push timeline's request_finished_time from X-KVPush-Prefill-Params, which
                       a streamed prefill leg does not carry: None since the gateway streams that leg)
   to_client         gateway.prefill_leg end -> first event at the client
-Figures: each hop's median, TTFT medians of both kinds and the headline "kvpush TTFT - P leg alone" (median of the
-per-pair differences). JSON to bench/results/hops-<UTC time>.json.
+Figures: each hop's median, TTFT medians of every kind and the headline "kvpush TTFT - P leg alone" (median of the
+per-pair differences), split by the kinds above into connector_on_prefill (p_leg - p_alone), gateway
+(kvpush_one_token - p_leg) and decode_leg (kvpush - kvpush_one_token), each a median of per-round differences. JSON to bench/results/hops-<UTC time>.json.
 
     python bench/hops_bench.py [--iterations 30] [--prompt-tokens 512] [--max-tokens 8]
 """
@@ -50,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvpush.localstack.client import call, stream_completion  # noqa: E402
 from kvpush.localstack.model import TinyModelSpec  # noqa: E402
-from kvpush.localstack.stack import LocalStack  # noqa: E402
+from kvpush.localstack.stack import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, LocalStack  # noqa: E402
 from kvpush.services.client import SyncDirectoryClient  # noqa: E402
 from tests.fixtures.otlp import OTLPReceiver, ReceivedSpan  # noqa: E402
 
@@ -146,8 +153,8 @@ def main(argv=None) -> int:
         body = {"model": "tiny", "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
         for i in range(args.warmup + args.iterations):
             prompt = _prompt(args.prompt_tokens, seed=1000 + i)
-            kinds = ["kvpush", "p_alone", "p_alone_json"]
-            order = kinds[i % 3:] + kinds[:i % 3]  # each kind goes first, second and third equally often
+            kinds = ["kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token"]
+            order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]  # each kind in each place equally often
             pair: dict = {}
             for kind in order:
                 time.sleep(args.gap_s)
@@ -159,6 +166,18 @@ def main(argv=None) -> int:
                     pair["sent_wall"] = sent_wall
                     params = json.loads(result.headers.get("x-kvpush-prefill-params") or "{}")
                     pair["request_finished_wall"] = (params.get("push_timeline") or {}).get("request_finished_time")
+                elif kind == "kvpush_one_token":
+                    result = stream_completion(stack.gateway_url + "/v1/completions",
+                                               {**body, "prompt": prompt, "max_tokens": 1}, timeout_s=120)
+                elif kind == "p_leg":
+                    planned = client.plan_transfer(prompt_token_count=len(prompt), prefill_engine_id=PREFILL_ENGINE_ID,
+                                                   decode_engine_id=DECODE_ENGINE_ID)
+                    transfer_id = planned.transfer.transfer_id
+                    result = stream_completion(stack.prefill.url + "/v1/completions", {
+                        **body, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
+                            "transfer_id": transfer_id, "do_remote_decode": True, "first_token_from_prefill": True}},
+                        timeout_s=120)
+                    client.cancel_transfer(transfer_id, "hops bench: a prefill leg without decode")
                 elif kind == "p_alone":
                     result = stream_completion(stack.prefill.url + "/v1/completions",
                                                {**body, "prompt": prompt, "max_tokens": 1}, timeout_s=120)
@@ -208,8 +227,13 @@ def main(argv=None) -> int:
             "kvpush_ttft": _median(p["kvpush_ttft_ms"] for p in pairs),
             "p_alone_ttft": _median(p["p_alone_ttft_ms"] for p in pairs),
             "p_alone_json_ttft": _median(p["p_alone_json_ttft_ms"] for p in pairs),
+            "p_leg_ttft": _median(p["p_leg_ttft_ms"] for p in pairs),
+            "kvpush_one_token_ttft": _median(p["kvpush_one_token_ttft_ms"] for p in pairs),
             "p_alone_json_minus_p_alone": _median(p["p_alone_json_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
             "kvpush_minus_p_alone": _median(p["excess_ms"] for p in pairs),
+            "connector_on_prefill": _median(p["p_leg_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
+            "gateway": _median(p["kvpush_one_token_ttft_ms"] - p["p_leg_ttft_ms"] for p in pairs),
+            "decode_leg": _median(p["kvpush_ttft_ms"] - p["kvpush_one_token_ttft_ms"] for p in pairs),
             **{hop: _median(p["hops_ms"][hop] for p in pairs) for hop in HOPS},
         },
         "first_token_in_record": sum(p["first_token_in_record"] for p in pairs),

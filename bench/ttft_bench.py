@@ -177,8 +177,8 @@ def idle_cpu(engines: list[EngineHandle], window_s: float = 3.0) -> dict[str, fl
 
 def start_bench_gateway(mode: str, log_dir: Path, *, prefill: EngineHandle, decode: EngineHandle,
                         topology: Topology, directory_address: str = "",
-                        extra_args: tuple[str, ...] = ()) -> GatewayHandle:
-    """The gateway in the root namespace on loopback, in `mode` (plus `extra_args` flags)."""
+                        extra_args: tuple[str, ...] = (), cpus: str | None = None) -> GatewayHandle:
+    """The gateway in the root namespace on loopback, in `mode` (plus `extra_args` flags; on `cpus` when given)."""
     port = free_port()
     argv = [sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1", "--port", str(port),
             "--mode", mode, "--prefill-timeout", "300", "--decode-timeout", "300"]
@@ -189,7 +189,8 @@ def start_bench_gateway(mode: str, log_dir: Path, *, prefill: EngineHandle, deco
     if mode == "nixl-push":
         argv += ["--prefill-engine-id", PREFILL_ENGINE_ID, "--prefill-side-channel", topology.prefill_side_channel()]
     argv += list(extra_args)
-    proc = ManagedProcess(f"gateway-{mode}", argv, log_dir / f"gateway-{mode}.log", env={"KVPUSH_LOG_FORMAT": "json"})
+    proc = ManagedProcess(f"gateway-{mode}", argv, log_dir / f"gateway-{mode}.log", env={"KVPUSH_LOG_FORMAT": "json"},
+                          cpus=cpus)
     proc.start()
     url = f"http://127.0.0.1:{port}"
     proc.wait_ready(lambda: http_ok(url + "/health"), 60.0, progress=say)
@@ -277,7 +278,7 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
     if connector in KVPUSH_PHASES:
         # Root namespace; engines in the namespaces reach it over their control links.
         directory = start_directory(log_dir, host="0.0.0.0" if topology.network else "127.0.0.1", progress=say,
-                                    extra_args=DIRECTORY_ARGS)
+                                    extra_args=DIRECTORY_ARGS, cpus=args.services_cpus or None)
         directory_port = directory.port
     prefill = decode = gateway = None
     try:
@@ -287,7 +288,8 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
         # The push itself is measured here: the gateway's first token from prefill is off but in its own phase.
         gateway_args = ("--no-first-token-from-prefill",) if connector in KVPUSH_PHASES and not first_token else ()
         gateway = start_bench_gateway(connector_of(connector), log_dir, prefill=prefill, decode=decode, topology=topology,
-                                      directory_address=f"127.0.0.1:{directory_port}", extra_args=gateway_args)
+                                      directory_address=f"127.0.0.1:{directory_port}", extra_args=gateway_args,
+                                      cpus=args.services_cpus or None)
         out: dict = {"idle_cpu_cores": idle_cpu([prefill, decode])}
         say(f"{connector}: idle engines burn {out['idle_cpu_cores']} CPU cores")
         for rate in args.rates:
@@ -416,6 +418,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefill-cpus", default="", help="taskset CPU list for prefill (e.g. 0)")
     parser.add_argument("--decode-cpus", default="", help="taskset CPU list for decode (e.g. 1)")
     parser.add_argument("--colocated-cpus", default="", help="taskset CPU list for the colocated engine")
+    parser.add_argument("--services-cpus", default="",
+                        help="taskset CPU list for the gateway and the directory (e.g. decode's: in production they "
+                             "run on hosts of their own, not on a prefill engine's cores)")
     parser.add_argument("--engine-timeout", type=float, default=420.0)
     parser.add_argument("--colocated-alongside", action=argparse.BooleanOptionalAction, default=True,
                         help="keep the colocated engine running and sample it in every P/D iteration too")
@@ -449,6 +454,8 @@ def main(argv=None) -> int:
     """Run the phases, print and save the JSON."""
     args = parse_args(argv)
     stop_on_signals()
+    if args.services_cpus:  # the client goes with the services: it too is elsewhere in production
+        os.sched_setaffinity(0, {int(cpu) for cpu in args.services_cpus.split(",")})
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     log_dir = Path(args.log_dir or f"/tmp/kvpush-ttft-{stamp}")
     model_dir = ensure_tiny_model(BENCH_MODEL_SPEC)
@@ -459,7 +466,8 @@ def main(argv=None) -> int:
                     "settings": {"iterations": args.iterations, "warmup": args.warmup, "max_tokens": args.max_tokens,
                                  "netns": not args.no_netns, "rates": args.rates, "tokens": args.tokens,
                                  "prefill_cpus": args.prefill_cpus, "decode_cpus": args.decode_cpus,
-                                 "colocated_cpus": args.colocated_cpus, "prefix_caching": False,
+                                 "colocated_cpus": args.colocated_cpus, "services_cpus": args.services_cpus,
+                                 "prefix_caching": False,
                                  "colocated_alongside": args.colocated_alongside},
                     "cpu": cpu_context(), "log_dir": str(log_dir), "phases": {}}
     colocated = None

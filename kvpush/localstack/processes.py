@@ -227,11 +227,11 @@ def directory_argv(host: str, port: int, extra: Sequence[str] = ()) -> list[str]
 
 def start_directory(log_dir: Path, *, host: str = "127.0.0.1", port: int | None = None, netns: str | None = None,
                     extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, timeout_s: float = 60.0,
-                    progress: ProgressFn | None = None) -> DirectoryHandle:
-    """Start the KV directory and wait until its port accepts connections."""
+                    progress: ProgressFn | None = None, cpus: str | None = None) -> DirectoryHandle:
+    """Start the KV directory (on `cpus`, a taskset list, when given) and wait until its port accepts connections."""
     port = port or free_port(host if not netns else "127.0.0.1")
     proc = ManagedProcess("directory", directory_argv(host, port, extra_args), log_dir / "directory.log", netns=netns,
-                          env={"KVPUSH_LOG_FORMAT": "json", **(env or {})})
+                          env={"KVPUSH_LOG_FORMAT": "json", **(env or {})}, cpus=cpus)
     proc.start()
     try:
         probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
