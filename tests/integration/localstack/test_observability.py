@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -29,11 +30,23 @@ CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
 PROMPT_LENGTHS = (20, 150, 300)
 
 
-def _scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of an endpoint: (name, sorted labels) -> value."""
+def _scrape(url: str, attempts: int = 3) -> dict[tuple[str, tuple], float]:
+    """Every sample of an endpoint: (name, sorted labels) -> value.
+
+    A scrape that times out is tried again, as Prometheus scrapes again (`attempts` of 10 s at most): on the loaded
+    CI machine an engine worker's metrics thread once answered later than 10 s; the samples are what is checked."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(url, timeout=10) as response:
-        text = response.read().decode()
+    for attempt in range(1, attempts + 1):
+        try:
+            with opener.open(url, timeout=10) as response:
+                text = response.read().decode()
+            break
+        except (TimeoutError, urllib.error.URLError) as error:
+            timed_out = isinstance(error, TimeoutError) or isinstance(getattr(error, "reason", None), TimeoutError)
+            if not timed_out:
+                raise
+            if attempt == attempts:
+                raise TimeoutError(f"{url}: no answer within 10 s, {attempts} times") from error
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
