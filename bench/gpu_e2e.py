@@ -3,7 +3,7 @@
 Everything a user with one GPU needs, one command per experiment (each bounded; logs under --log-dir):
 
   python bench/gpu_e2e.py e2e   [--eager] [--no-first-token]   # directory + P + D (KVPushConnector) + colocated + gateway
-  python bench/gpu_e2e.py serve [--connectors kvpush,kvpush-first-token,nixl-push,nixl-pull,colocated] [--isl 1024,4096,8192]
+  python bench/gpu_e2e.py serve [--connectors kvpush-first-token,kvpush,nixl-push,nixl-pull,colocated] [--isl 1024,4096,8192]
   python bench/gpu_e2e.py plot  RESULT.json ...    # PNG of TTFT and TPOT against request rate (any machine)
 
 The model is Llama-3.1-8B's shape (32 layers, 8 KV heads x 128, bf16) with seeded random weights, made on
@@ -729,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="the gateway's --no-first-token-from-prefill (variant kvpush instead of kvpush-first-token)")
     e2e.add_argument("--abort-after-s", type=float, default=0.03)
     serve = sub.choices["serve"]
-    serve.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull,colocated",
+    serve.add_argument("--connectors", default="kvpush-first-token,kvpush,nixl-push,nixl-pull,colocated",
                        help=f"variants, comma-separated: {', '.join(VARIANTS)}")
     serve.add_argument("--isl", default="1024,4096,8192")
     serve.add_argument("--rates", default="", help="comma-separated rates for every ISL (default: per ISL)")
