@@ -167,6 +167,15 @@ def start_pd_engines(args, model_dir: Path, connector: str, topology: Topology, 
     return handles[0], handles[1]
 
 
+def cpu_set(cpus: str) -> set[int]:
+    """The CPUs of a taskset list ("1", "0,2", "0-3,6"), as the processes given the same list run on."""
+    chosen: set[int] = set()
+    for part in cpus.split(","):
+        first, _, last = part.partition("-")
+        chosen.update(range(int(first), int(last or first) + 1))
+    return chosen
+
+
 def idle_cpu(engines: list[EngineHandle], window_s: float = 3.0) -> dict[str, float]:
     """CPU cores each idle engine burns (its whole process group), over `window_s`: busy-spinning threads show."""
     before = {e.spec.name: group_cpu_seconds(e.process.pid) for e in engines}
@@ -455,7 +464,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     stop_on_signals()
     if args.services_cpus:  # the client goes with the services: it too is elsewhere in production
-        os.sched_setaffinity(0, {int(cpu) for cpu in args.services_cpus.split(",")})
+        os.sched_setaffinity(0, cpu_set(args.services_cpus))
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     log_dir = Path(args.log_dir or f"/tmp/kvpush-ttft-{stamp}")
     model_dir = ensure_tiny_model(BENCH_MODEL_SPEC)
