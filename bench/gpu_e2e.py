@@ -4,6 +4,7 @@ Everything a user with one GPU needs, one command per experiment (each bounded; 
 
   python bench/gpu_e2e.py e2e   [--eager] [--no-first-token]   # directory + P + D (KVPushConnector) + colocated + gateway
   python bench/gpu_e2e.py serve [--connectors kvpush-first-token,kvpush,nixl-push,nixl-pull,colocated] [--isl 1024,4096,8192]
+  python bench/gpu_e2e.py hops  [--preset tiny-llama --cuda] [--prompt-tokens 512]   # the fixed cost (hops_bench's rounds)
   python bench/gpu_e2e.py plot  RESULT.json ...    # PNG of TTFT and TPOT against request rate (any machine)
 
 The model is Llama-3.1-8B's shape (32 layers, 8 KV heads x 128, bf16) with seeded random weights, made on
@@ -106,7 +107,7 @@ class Stack:
         self.engines: dict[str, EngineHandle] = {}
         self.gateway: GatewayHandle | None = None
         self.client = None
-        self.on_gpu = args.preset != "tiny-llama"
+        self.on_gpu = args.preset != "tiny-llama" if args.cuda is None else args.cuda
 
     def _spec(self, name: str, kv_config: dict | None, env: dict[str, str], prefix_caching: bool,
               share: float, extra_args: tuple[str, ...] = ()) -> EngineSpec:
@@ -115,6 +116,8 @@ class Stack:
                        "--max-num-seqs", str(args.max_num_seqs), *extra_args]
         if self.on_gpu and args.kv_cache_gib:
             engine_args += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
+        if self.on_gpu and self.args.preset == "tiny-llama":
+            engine_args += ["--dtype", "bfloat16"]  # the preset is float32 for CPU runs; bf16 is the GPU's kernels
         if args.tp > 1:
             engine_args += ["--tensor-parallel-size", str(args.tp)]
         devices = getattr(args, f"{name}_gpus", "")
@@ -612,6 +615,54 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- hops
+
+
+def run_hops(args: argparse.Namespace) -> int:
+    """bench/hops_bench.py's rounds (kvpush with first token from prefill, P alone, P leg, one token) on this machine.
+
+    The split of kvpush's TTFT over the prefill alone into the connector's cost on prefill, the gateway's and the
+    decode leg's, as on the 2-core CPU machine, where the services and both engines share 2 cores; here each
+    process has cores of its own. Per kvpush request the directory's hops of its transfer come too.
+    """
+    import hops_bench  # bench/, this script's folder
+
+    config = preset_config(args.preset)
+    model_dir = ensure_shaped_model(args.preset)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpush-gpu-hops-"))
+    stack = Stack(args, model_dir, log_dir)
+    pairs: list[dict[str, Any]] = []
+    try:
+        stack.start("kvpush-first-token", with_colocated=False)
+        body = {"model": SERVED_NAME, "max_tokens": args.output_tokens, "temperature": 0.0, "ignore_eos": True}
+        for i in range(args.warmup + args.iterations):
+            prompt = prompt_of(args.prompt_tokens, seed=1000 + i, vocab=config["vocab_size"])
+            pair = hops_bench.measure_round(i, prompt, body, stack.gateway.url, stack.engines["prefill"].url,
+                                            stack.client, PREFILL_ID, DECODE_ID, args.gap_s)
+            if i >= args.warmup:
+                record = stack.transfer(pair["transfer_id"])
+                pair["state"] = record.get("state")
+                pair["transfer_hops_ms"] = transfer_hops(record)
+                pairs.append(pair)
+    finally:
+        stack.stop()
+    hop_names = sorted({hop for pair in pairs for hop in pair["transfer_hops_ms"]})
+    report = {
+        "bench": "gpu_hops", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "preset": args.preset,
+        "on_gpu": stack.on_gpu, "prompt_tokens": args.prompt_tokens, "max_tokens": args.output_tokens,
+        "iterations": args.iterations, "block_size": args.block_size, "eager": args.eager,
+        "cpu_count": os.cpu_count(), "complete": sum(p["state"] == "TRANSFER_STATE_COMPLETE" for p in pairs),
+        "median_ms": {**hops_bench.split_of(pairs),
+                      **{hop: hops_bench._median(p["transfer_hops_ms"].get(hop) for p in pairs) for hop in hop_names}},
+        "pairs": pairs,
+    }
+    path = out_dir() / f"gpu_hops{'' if stack.on_gpu else '_cpu'}{args.tag}.json"
+    path.write_text(json.dumps(report, indent=1))
+    say("median ms: " + json.dumps(report["median_ms"]))
+    say(f"wrote {path}")
+    return 0
+
+
 # ---------------------------------------------------------------- plot
 
 
@@ -703,9 +754,11 @@ def run_classify(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("e2e", "serve"):
+    for name in ("e2e", "serve", "hops"):
         p = sub.add_parser(name)
         p.add_argument("--preset", default="llama-3.1-8b", help="model shape (llama-3.1-8b, tiny-llama for a CPU run)")
+        p.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
+                       help="engines on the GPU (default: on for every preset but tiny-llama)")
         p.add_argument("--eager", action="store_true", help="--enforce-eager instead of CUDA graphs")
         p.add_argument("--block-size", type=int, default=128)
         p.add_argument("--max-batched-tokens", type=int, default=8192)
@@ -738,6 +791,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this")
     serve.add_argument("--tag", default="")
     serve.add_argument("--append", action="store_true", help="add to an existing result file of the same tag")
+    hops = sub.choices["hops"]
+    hops.add_argument("--iterations", type=int, default=30)
+    hops.add_argument("--warmup", type=int, default=3)
+    hops.add_argument("--prompt-tokens", type=int, default=512)
+    hops.add_argument("--output-tokens", type=int, default=8)
+    hops.add_argument("--gap-s", type=float, default=0.3, help="pause between requests (low load)")
+    hops.add_argument("--tag", default="")
     plot = sub.add_parser("plot")
     plot.add_argument("results", nargs="+")
     plot.add_argument("--png", default=str(Path(__file__).parent / "results" / "gpu_serve.png"))
@@ -746,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     classify = sub.add_parser("classify")
     classify.add_argument("result")
     args = parser.parse_args(argv)
-    return {"e2e": run_e2e, "serve": run_serve, "plot": run_plot, "table": run_table,
+    return {"e2e": run_e2e, "serve": run_serve, "hops": run_hops, "plot": run_plot, "table": run_table,
             "classify": run_classify}[args.command](args)
 
 

@@ -56,10 +56,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvpush.localstack.client import call, stream_completion  # noqa: E402
-from kvpush.localstack.model import TinyModelSpec  # noqa: E402
-from kvpush.localstack.stack import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, LocalStack  # noqa: E402
-from kvpush.services.client import SyncDirectoryClient  # noqa: E402
-from tests.fixtures.otlp import OTLPReceiver, ReceivedSpan  # noqa: E402
+
+# Every kind of request of one round (module docstring); the order rotates from round to round.
+KINDS = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
 
 HOPS = ("gateway_in", "before_plan", "plan", "legs_sent", "decode_allocated", "first_ready", "instruction",
         "writes", "prefill_compute", "completion", "decode_notified", "prefill_answer", "prefill_finished",
@@ -81,12 +80,12 @@ def _ms(later: float | None, earlier: float | None) -> float | None:
     return None if later is None or earlier is None else round((later - earlier) * 1000, 3)
 
 
-def _span(spans: list[ReceivedSpan], name: str) -> ReceivedSpan | None:
+def _span(spans: list["ReceivedSpan"], name: str) -> "ReceivedSpan | None":
     found = [s for s in spans if s.name == name]
     return min(found, key=lambda s: s.start_time_unix_nano) if found else None
 
 
-def hops_of(sent_wall: float, ttft_s: float, transfer, spans: list[ReceivedSpan],
+def hops_of(sent_wall: float, ttft_s: float, transfer, spans: list["ReceivedSpan"],
             request_finished: float | None = None) -> dict[str, float | None]:
     """One request's hops (module docstring) from its spans and directory record."""
     def start(name):
@@ -139,7 +138,75 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def measure_round(index: int, prompt: list[int], body: dict, gateway_url: str, prefill_url: str, client,
+                  prefill_engine_id: str, decode_engine_id: str, gap_s: float) -> dict:
+    """One round: every kind of KINDS on `prompt`, one at a time, in the order rotated by `index`.
+
+    Returns each kind's TTFT (`<kind>_ttft_ms`), and for the kvpush request its transfer id, send time and
+    the prefill push timeline's request-finished time (when the answer carried it).
+    """
+    order = KINDS[index % len(KINDS):] + KINDS[:index % len(KINDS)]  # each kind in each place equally often
+    pair: dict = {}
+    for kind in order:
+        time.sleep(gap_s)
+        sent_wall = time.time()
+        if kind == "kvpush":
+            result = stream_completion(gateway_url + "/v1/completions", {**body, "prompt": prompt}, timeout_s=120)
+            pair["transfer_id"] = result.headers.get("x-kvpush-transfer-id", "")
+            pair["sent_wall"] = sent_wall
+            params = json.loads(result.headers.get("x-kvpush-prefill-params") or "{}")
+            pair["request_finished_wall"] = (params.get("push_timeline") or {}).get("request_finished_time")
+        elif kind == "kvpush_one_token":
+            result = stream_completion(gateway_url + "/v1/completions", {**body, "prompt": prompt, "max_tokens": 1},
+                                       timeout_s=120)
+        elif kind == "p_leg":
+            planned = client.plan_transfer(prompt_token_count=len(prompt), prefill_engine_id=prefill_engine_id,
+                                           decode_engine_id=decode_engine_id)
+            transfer_id = planned.transfer.transfer_id
+            result = stream_completion(prefill_url + "/v1/completions", {
+                **body, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
+                    "transfer_id": transfer_id, "do_remote_decode": True, "first_token_from_prefill": True}},
+                timeout_s=120)
+            client.cancel_transfer(transfer_id, "hops bench: a prefill leg without decode")
+        elif kind == "p_alone":
+            result = stream_completion(prefill_url + "/v1/completions", {**body, "prompt": prompt, "max_tokens": 1},
+                                       timeout_s=120)
+        else:
+            answer = call("POST", prefill_url + "/v1/completions", {**body, "prompt": prompt, "max_tokens": 1},
+                          timeout_s=120)
+            if answer.status != 200:
+                raise RuntimeError(f"{kind} request failed: {answer.status} {answer.text[:200]}")
+            pair[f"{kind}_ttft_ms"] = round(answer.elapsed_s * 1000, 3)
+            continue
+        if result.status != 200 or result.error:
+            raise RuntimeError(f"{kind} request failed: {result.status} {result.error}")
+        pair[f"{kind}_ttft_ms"] = round(result.ttft_s * 1000, 3)
+    return pair
+
+
+def split_of(pairs: list[dict]) -> dict[str, float | None]:
+    """Each kind's median TTFT and the headline split (module docstring), medians of per-round differences."""
+    return {
+        "kvpush_ttft": _median(p["kvpush_ttft_ms"] for p in pairs),
+        "p_alone_ttft": _median(p["p_alone_ttft_ms"] for p in pairs),
+        "p_alone_json_ttft": _median(p["p_alone_json_ttft_ms"] for p in pairs),
+        "p_leg_ttft": _median(p["p_leg_ttft_ms"] for p in pairs),
+        "kvpush_one_token_ttft": _median(p["kvpush_one_token_ttft_ms"] for p in pairs),
+        "p_alone_json_minus_p_alone": _median(p["p_alone_json_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
+        "kvpush_minus_p_alone": _median(p["kvpush_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
+        "connector_on_prefill": _median(p["p_leg_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
+        "gateway": _median(p["kvpush_one_token_ttft_ms"] - p["p_leg_ttft_ms"] for p in pairs),
+        "decode_leg": _median(p["kvpush_ttft_ms"] - p["kvpush_one_token_ttft_ms"] for p in pairs),
+    }
+
+
 def main(argv=None) -> int:
+    # Here, not at the top: gpu_e2e.py imports this module's measurement on a machine with the installed package.
+    from kvpush.localstack.model import TinyModelSpec
+    from kvpush.localstack.stack import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, LocalStack
+    from kvpush.services.client import SyncDirectoryClient
+    from tests.fixtures.otlp import OTLPReceiver
+
     args = parse_args(argv)
     receiver = OTLPReceiver().start()
     log_dir = args.log_dir or Path("/tmp") / f"kvpush-hops-{int(time.time())}"
@@ -152,45 +219,8 @@ def main(argv=None) -> int:
         client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=2))
         body = {"model": "tiny", "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
         for i in range(args.warmup + args.iterations):
-            prompt = _prompt(args.prompt_tokens, seed=1000 + i)
-            kinds = ["kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token"]
-            order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]  # each kind in each place equally often
-            pair: dict = {}
-            for kind in order:
-                time.sleep(args.gap_s)
-                sent_wall = time.time()
-                if kind == "kvpush":
-                    result = stream_completion(stack.gateway_url + "/v1/completions", {**body, "prompt": prompt},
-                                               timeout_s=120)
-                    pair["transfer_id"] = result.headers.get("x-kvpush-transfer-id", "")
-                    pair["sent_wall"] = sent_wall
-                    params = json.loads(result.headers.get("x-kvpush-prefill-params") or "{}")
-                    pair["request_finished_wall"] = (params.get("push_timeline") or {}).get("request_finished_time")
-                elif kind == "kvpush_one_token":
-                    result = stream_completion(stack.gateway_url + "/v1/completions",
-                                               {**body, "prompt": prompt, "max_tokens": 1}, timeout_s=120)
-                elif kind == "p_leg":
-                    planned = client.plan_transfer(prompt_token_count=len(prompt), prefill_engine_id=PREFILL_ENGINE_ID,
-                                                   decode_engine_id=DECODE_ENGINE_ID)
-                    transfer_id = planned.transfer.transfer_id
-                    result = stream_completion(stack.prefill.url + "/v1/completions", {
-                        **body, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
-                            "transfer_id": transfer_id, "do_remote_decode": True, "first_token_from_prefill": True}},
-                        timeout_s=120)
-                    client.cancel_transfer(transfer_id, "hops bench: a prefill leg without decode")
-                elif kind == "p_alone":
-                    result = stream_completion(stack.prefill.url + "/v1/completions",
-                                               {**body, "prompt": prompt, "max_tokens": 1}, timeout_s=120)
-                else:
-                    answer = call("POST", stack.prefill.url + "/v1/completions",
-                                  {**body, "prompt": prompt, "max_tokens": 1}, timeout_s=120)
-                    if answer.status != 200:
-                        raise RuntimeError(f"{kind} request failed: {answer.status} {answer.text[:200]}")
-                    pair[f"{kind}_ttft_ms"] = round(answer.elapsed_s * 1000, 3)
-                    continue
-                if result.status != 200 or result.error:
-                    raise RuntimeError(f"{kind} request failed: {result.status} {result.error}")
-                pair[f"{kind}_ttft_ms"] = round(result.ttft_s * 1000, 3)
+            pair = measure_round(i, _prompt(args.prompt_tokens, seed=1000 + i), body, stack.gateway_url,
+                                 stack.prefill.url, client, PREFILL_ENGINE_ID, DECODE_ENGINE_ID, args.gap_s)
             if i >= args.warmup:
                 pairs.append(pair)
         # Spans leave in batches, per process; wait (bounded) until every measured request's spans arrived.
@@ -223,19 +253,7 @@ def main(argv=None) -> int:
         "config": {"model": "tiny (localstack TinyModelSpec)", "link": "loopback", "prompt_tokens": args.prompt_tokens,
                    "max_tokens": args.max_tokens, "iterations": args.iterations, "first_token_from_prefill": True,
                    "load": "one request at a time", "machine": "2 cores shared with other work"},
-        "median_ms": {
-            "kvpush_ttft": _median(p["kvpush_ttft_ms"] for p in pairs),
-            "p_alone_ttft": _median(p["p_alone_ttft_ms"] for p in pairs),
-            "p_alone_json_ttft": _median(p["p_alone_json_ttft_ms"] for p in pairs),
-            "p_leg_ttft": _median(p["p_leg_ttft_ms"] for p in pairs),
-            "kvpush_one_token_ttft": _median(p["kvpush_one_token_ttft_ms"] for p in pairs),
-            "p_alone_json_minus_p_alone": _median(p["p_alone_json_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
-            "kvpush_minus_p_alone": _median(p["excess_ms"] for p in pairs),
-            "connector_on_prefill": _median(p["p_leg_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
-            "gateway": _median(p["kvpush_one_token_ttft_ms"] - p["p_leg_ttft_ms"] for p in pairs),
-            "decode_leg": _median(p["kvpush_ttft_ms"] - p["kvpush_one_token_ttft_ms"] for p in pairs),
-            **{hop: _median(p["hops_ms"][hop] for p in pairs) for hop in HOPS},
-        },
+        "median_ms": {**split_of(pairs), **{hop: _median(p["hops_ms"][hop] for p in pairs) for hop in HOPS}},
         "first_token_in_record": sum(p["first_token_in_record"] for p in pairs),
         # How many clients had their first token before the transfer ended, and by how much (median ms; < 0: after).
         "first_token_before_transfer_end": sum((p["first_token_before_transfer_end_ms"] or 0) > 0 for p in pairs),
