@@ -148,7 +148,8 @@ class Stack:
                 spec = self._spec(name, None, {}, caching, share, extra)
                 spec.kv_transfer_config = kv_transfer_config(
                     "kvpush", role, engine_id=engine_id, directory_address=address,
-                    engine_endpoint=f"http://127.0.0.1:{spec.port}", extra=KVPUSH_GPU_EXTRA)
+                    engine_endpoint=f"http://127.0.0.1:{spec.port}",
+                    extra={**KVPUSH_GPU_EXTRA, **self.args.connector_extra})
                 specs.append(spec)
         elif connector in ("nixl-pull", "nixl-push"):
             for name, role, side_port in (("prefill", "prefill", 5611), ("decode", "decode", 5622)):
@@ -776,6 +777,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--colocated-gpus", default="", help="CUDA_VISIBLE_DEVICES of the colocated engine")
         p.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size of every engine")
         p.add_argument("--log-dir", default="")
+        p.add_argument("--connector-extra", type=json.loads, default={},
+                       help="more kv_connector_extra_config for kvpush engines, JSON, over the GPU defaults")
     e2e = sub.choices["e2e"]
     e2e.add_argument("--output-tokens", type=int, default=32)
     e2e.add_argument("--no-first-token", action="store_true",

@@ -14,6 +14,8 @@ one at a time (low load), alternating two kinds on the same random token-id prom
   * kvpush_one_token  through the gateway with max_tokens=1: the gateway plans and answers from the prefill leg
                alone (the transfer is cancelled), so against p_leg it is what the gateway adds, and kvpush against
                it is what the concurrent decode leg and the push add.
+  * kvpush_b   (with --gateway-b-args) kvpush through a second gateway started with those flags against the same
+               directory and engines: a gateway change against the default, side by side in one run.
 TTFT = request sent -> first SSE event at the client. Per kvpush request the hops come from its trace (gateway
 spans, the engines' kvpush.push / kvpush.receive) and its directory record (plan, allocation, first readiness,
 instruction, end; prefill's write and prefill-end times), all wall clock on one machine:
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -133,24 +136,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--gap-s", type=float, default=0.3, help="pause between requests (low load)")
+    parser.add_argument("--gateway-b-args", default=None,
+                        help="start a second gateway with these flags (e.g. \"--uvloop\") and add kind kvpush_b")
+    parser.add_argument("--connector-extra", type=json.loads, default={},
+                        help="more kv_connector_extra_config for both engines, JSON (e.g. '{\"nixl_notif_poll_s\": 0.01}')")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     return parser.parse_args(argv)
 
 
 def measure_round(index: int, prompt: list[int], body: dict, gateway_url: str, prefill_url: str, client,
-                  prefill_engine_id: str, decode_engine_id: str, gap_s: float) -> dict:
-    """One round: every kind of KINDS on `prompt`, one at a time, in the order rotated by `index`.
+                  prefill_engine_id: str, decode_engine_id: str, gap_s: float, gateway_b_url: str = "") -> dict:
+    """One round: every kind of KINDS (and kvpush_b with `gateway_b_url`) on `prompt`, one at a time, in the
+    order rotated by `index`.
 
     Returns each kind's TTFT (`<kind>_ttft_ms`), and for the kvpush request its transfer id, send time and
     the prefill push timeline's request-finished time (when the answer carried it).
     """
-    order = KINDS[index % len(KINDS):] + KINDS[:index % len(KINDS)]  # each kind in each place equally often
+    kinds = KINDS + (("kvpush_b",) if gateway_b_url else ())
+    order = kinds[index % len(kinds):] + kinds[:index % len(kinds)]  # each kind in each place equally often
     pair: dict = {}
     for kind in order:
         time.sleep(gap_s)
         sent_wall = time.time()
-        if kind == "kvpush":
+        if kind == "kvpush_b":
+            result = stream_completion(gateway_b_url + "/v1/completions", {**body, "prompt": prompt}, timeout_s=120)
+        elif kind == "kvpush":
             result = stream_completion(gateway_url + "/v1/completions", {**body, "prompt": prompt}, timeout_s=120)
             pair["transfer_id"] = result.headers.get("x-kvpush-transfer-id", "")
             pair["sent_wall"] = sent_wall
@@ -197,12 +208,16 @@ def split_of(pairs: list[dict]) -> dict[str, float | None]:
         "connector_on_prefill": _median(p["p_leg_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
         "gateway": _median(p["kvpush_one_token_ttft_ms"] - p["p_leg_ttft_ms"] for p in pairs),
         "decode_leg": _median(p["kvpush_ttft_ms"] - p["kvpush_one_token_ttft_ms"] for p in pairs),
+        **({"kvpush_b_ttft": _median(p["kvpush_b_ttft_ms"] for p in pairs),
+            "kvpush_b_minus_kvpush": _median(p["kvpush_b_ttft_ms"] - p["kvpush_ttft_ms"] for p in pairs)}
+           if pairs and "kvpush_b_ttft_ms" in pairs[0] else {}),
     }
 
 
 def main(argv=None) -> int:
     # Here, not at the top: gpu_e2e.py imports this module's measurement on a machine with the installed package.
     from kvpush.localstack.model import TinyModelSpec
+    from kvpush.localstack.processes import start_gateway
     from kvpush.localstack.stack import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, LocalStack
     from kvpush.services.client import SyncDirectoryClient
     from tests.fixtures.otlp import OTLPReceiver
@@ -212,15 +227,21 @@ def main(argv=None) -> int:
     log_dir = args.log_dir or Path("/tmp") / f"kvpush-hops-{int(time.time())}"
     stack = LocalStack(spec=TinyModelSpec(), log_dir=log_dir, progress=lambda m: print(m, file=sys.stderr),
                        engine_env={"UCX_NET_DEVICES": "lo", **receiver.env("kvpush-engine")},
-                       service_env=receiver.env("kvpush-service"), with_colocated=False)
+                       service_env=receiver.env("kvpush-service"), with_colocated=False,
+                       connector_extra=args.connector_extra)
     stack.start()
     pairs: list[dict] = []
+    gateway_b = None
     try:
+        if args.gateway_b_args is not None:
+            gateway_b = start_gateway(log_dir, directory_address=stack.directory.address, name="gateway-b",
+                                      extra_args=shlex.split(args.gateway_b_args), env=receiver.env("kvpush-service"))
         client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=2))
         body = {"model": "tiny", "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
         for i in range(args.warmup + args.iterations):
             pair = measure_round(i, _prompt(args.prompt_tokens, seed=1000 + i), body, stack.gateway_url,
-                                 stack.prefill.url, client, PREFILL_ENGINE_ID, DECODE_ENGINE_ID, args.gap_s)
+                                 stack.prefill.url, client, PREFILL_ENGINE_ID, DECODE_ENGINE_ID, args.gap_s,
+                                 gateway_b.url if gateway_b else "")
             if i >= args.warmup:
                 pairs.append(pair)
         # Spans leave in batches, per process; wait (bounded) until every measured request's spans arrived.
@@ -246,13 +267,16 @@ def main(argv=None) -> int:
             pair["excess_ms"] = round(pair["kvpush_ttft_ms"] - pair["p_alone_ttft_ms"], 3)
         client.close()
     finally:
+        if gateway_b is not None:
+            gateway_b.process.stop(grace_s=5.0)
         stack.stop()
         receiver.stop()
     result = {
         "bench": "hops", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": {"model": "tiny (localstack TinyModelSpec)", "link": "loopback", "prompt_tokens": args.prompt_tokens,
                    "max_tokens": args.max_tokens, "iterations": args.iterations, "first_token_from_prefill": True,
-                   "load": "one request at a time", "machine": "2 cores shared with other work"},
+                   "load": "one request at a time", "machine": "2 cores shared with other work",
+                   "gateway_b_args": args.gateway_b_args, "connector_extra": args.connector_extra},
         "median_ms": {**split_of(pairs), **{hop: _median(p["hops_ms"][hop] for p in pairs) for hop in HOPS}},
         "first_token_in_record": sum(p["first_token_in_record"] for p in pairs),
         # How many clients had their first token before the transfer ended, and by how much (median ms; < 0: after).

@@ -402,12 +402,12 @@ class GatewayHandle:
 
 def start_gateway(log_dir: Path, *, directory_address: str, host: str = "127.0.0.1", port: int | None = None,
                   extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, timeout_s: float = 60.0,
-                  progress: ProgressFn | None = None) -> GatewayHandle:
+                  progress: ProgressFn | None = None, name: str = "gateway") -> GatewayHandle:
     """Start the reference gateway (`python -m kvpush.services.gateway`) and wait for GET /health."""
     port = port or free_port(host)
     argv = [sys.executable, "-m", "kvpush.services.gateway", "--host", host, "--port", str(port),
             "--directory", directory_address, *extra_args]
-    proc = ManagedProcess("gateway", argv, log_dir / "gateway.log", env={"KVPUSH_LOG_FORMAT": "json", **(env or {})})
+    proc = ManagedProcess(name, argv, log_dir / f"{name}.log", env={"KVPUSH_LOG_FORMAT": "json", **(env or {})})
     proc.start()
     url = f"http://{host}:{port}"
     try:

@@ -19,10 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     log = get_logger("gateway")
     log.info("gateway starting", host=config.host, port=config.port, mode=config.mode,
              directory=config.directory_address or None)
+    loop = None
+    if config.uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            log.warning("uvloop is not installed; serving on asyncio's event loop")
+        else:
+            loop = uvloop.new_event_loop()
     try:
         # handler_cancellation: a client that disconnects cancels its legs and its transfer.
         web.run_app(create_app(config), host=config.host, port=config.port, print=None,
-                    handler_cancellation=True, shutdown_timeout=10.0, access_log=None)
+                    handler_cancellation=True, shutdown_timeout=10.0, access_log=None, loop=loop)
     finally:
         shutdown_tracing()
     return 0

@@ -46,6 +46,8 @@ class GatewayConfig:
     # reset, closed before any response byte), each time reporting that engine to the directory, which
     # leaves it out of plans until it renews its lease. Only before any byte reached the client. 0: never.
     max_failovers: int = 2
+    # Serve on uvloop's event loop instead of asyncio's (when installed).
+    uvloop: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -107,6 +109,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                         help="times one request is planned again on other engines after an engine could not be "
                              "reached (refused, reset, closed before answering), before any byte reached the "
                              "client; each such engine is reported to the directory (0: never; at most 16)")
+    parser.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=False,
+                        help="run on uvloop's event loop when it is installed (default off)")
     args = parser.parse_args(argv)
     config = GatewayConfig(host=args.host, port=args.port, mode=args.mode, directory_address=args.directory,
                            directory_token=args.directory_token, prefill_url=args.prefill_url.rstrip("/"),
@@ -117,7 +121,7 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                            upstream_keepalive_s=args.upstream_keepalive,
                            api_key=args.api_key, count_prompt_tokens=args.count_prompt_tokens,
                            first_token_from_prefill=args.first_token_from_prefill,
-                           max_failovers=args.max_failovers)
+                           max_failovers=args.max_failovers, uvloop=args.uvloop)
     try:
         config.validate()
     except ValueError as error:
