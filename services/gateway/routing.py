@@ -13,6 +13,8 @@ same gateway code.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -108,18 +110,31 @@ class DirectoryRouter:
             overrides["token"] = config.directory_token
         self._client = DirectoryClient(ChannelConfig.from_env(**overrides))
         self._engines: list[tpb.Engine] = []
-        self._engines_read_at = -ENGINE_CACHE_S
+        self._engines_read_at: float | None = None  # monotonic time of the last read that succeeded
+        self._engines_reading: asyncio.Task | None = None
 
     async def _registered(self) -> list[tpb.Engine]:
-        """Registered workers, re-read at most every ENGINE_CACHE_S (for model checks and /tokenize)."""
-        now = time.monotonic()
-        if now - self._engines_read_at >= ENGINE_CACHE_S:
-            try:
-                self._engines = await self._client.list_engines()
-                self._engines_read_at = now
-            except DirectoryCallError as error:
-                _log.warning("engine list unavailable", code=error.code.name, details=error.details)
+        """Registered workers (for model checks, /tokenize and free-block checks), at most ENGINE_CACHE_S + one
+        ListEngines round trip old.
+
+        Only a gateway that has never read the list waits for it; after that an old list is used as it is and
+        re-read in the background, one read at a time, so no request pays a ListEngines round trip on its way
+        to PlanTransfer (at low load that was every other request).
+        """
+        if self._engines_read_at is None:
+            await self._read_engines()
+        elif (time.monotonic() - self._engines_read_at >= ENGINE_CACHE_S
+              and (self._engines_reading is None or self._engines_reading.done())):
+            self._engines_reading = asyncio.create_task(self._read_engines())
         return self._engines
+
+    async def _read_engines(self) -> None:
+        started = time.monotonic()
+        try:
+            self._engines = await self._client.list_engines()
+            self._engines_read_at = started
+        except DirectoryCallError as error:
+            _log.warning("engine list unavailable", code=error.code.name, details=error.details)
 
     async def _check_model(self, model: str) -> None:
         engines = await self._registered()
@@ -231,7 +246,11 @@ class DirectoryRouter:
         return None
 
     async def close(self) -> None:
-        """Close the gRPC channel."""
+        """Stop a background engine-list read; close the gRPC channel."""
+        if self._engines_reading is not None and not self._engines_reading.done():
+            self._engines_reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._engines_reading
         await self._client.close()
 
 
