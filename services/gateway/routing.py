@@ -119,7 +119,7 @@ class DirectoryRouter:
 
         Only a gateway that has never read the list waits for it; after that an old list is used as it is and
         re-read in the background, one read at a time, so no request pays a ListEngines round trip on its way
-        to PlanTransfer (at low load that was every other request).
+        to PlanTransfer (with requests more than ENGINE_CACHE_S apart, every request did).
         """
         if self._engines_read_at is None:
             await self._read_engines()
