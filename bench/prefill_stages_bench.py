@@ -1,0 +1,192 @@
+"""Where a kvpush prefill leg's extra time over the same prefill alone goes, by the prefill engine's own stages.
+
+`hops_bench` finds the connector's cost on the prefill engine as `p_leg` − `p_alone` (kvpush_one_token's split). This
+bench splits that difference by vLLM's per-request metrics on the prefill engine (its Prometheus histograms:
+queue time = arrival in the engine core → first scheduled; prefill time = first scheduled → first token; engine TTFT
+= arrival at the API server's engine client → first token), and, with `--hook-timing`, by the time spent inside
+KVPushConnector's own hooks in each engine process.
+
+What runs: the local stack (tiny model, loopback), no decode leg. Blocks of `--per-block` requests of one kind, the
+kinds alternating block by block (order swapped every other block); between blocks the prefill engine's /metrics
+is scraped, so each block gives the mean of each stage over its requests:
+  p_alone  streamed, max_tokens=1, no kv_transfer_params;
+  p_leg    the same as a prefill leg (a transfer this bench plans, first token from prefill), cancelled afterwards.
+The figures are medians over blocks of each kind, and `p_leg − p_alone` per stage.
+
+`--hook-timing` (a measurement aid): every engine process imports a `sitecustomize` (written to the log folder, put
+on the engines' PYTHONPATH) that wraps KVPushConnector's hooks with a timer and writes each process's totals
+(calls, ms) to `hooks-<pid>.json` in the log folder every 2 s; the JSON carries them. The wrapper's own cost is
+in the figures.
+
+    python bench/prefill_stages_bench.py [--blocks 8] [--per-block 10] [--prompt-tokens 512] [--hook-timing]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import hops_bench  # noqa: E402
+from kvpush.localstack.client import stream_completion  # noqa: E402
+
+# vLLM's per-request histograms on the prefill engine (seconds), by the name this bench reports them under.
+STAGES = {"engine_ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+          "prefill": "vllm:request_prefill_time_seconds"}
+HOOKS = ("bind_connector_metadata", "start_load_kv", "save_kv_layer", "wait_for_save", "get_finished",
+         "build_connector_worker_meta", "build_connector_meta", "update_connector_output", "request_finished",
+         "get_num_new_matched_tokens", "update_state_after_alloc", "on_new_request")
+SITECUSTOMIZE = '''"""prefill_stages_bench --hook-timing: time inside KVPushConnector's hooks, per process (a measurement aid)."""
+import json, os, time
+
+def _install(folder, names):
+    from kvpush.connector import connector as module
+    totals = {}
+    written = [time.monotonic()]
+    path = os.path.join(folder, f"hooks-{os.getpid()}.json")
+
+    def wrap(name):
+        hook = getattr(module.KVPushConnector, name)
+
+        def timed(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return hook(self, *args, **kwargs)
+            finally:
+                calls, seconds = totals.get(name, (0, 0.0))
+                totals[name] = (calls + 1, seconds + time.perf_counter() - started)
+                now = time.monotonic()
+                if now - written[0] >= 2.0:
+                    written[0] = now
+                    with open(path + ".tmp", "w") as out:
+                        json.dump({n: {"calls": c, "ms": round(s * 1e3, 3)} for n, (c, s) in totals.items()}, out)
+                    os.replace(path + ".tmp", path)
+        setattr(module.KVPushConnector, name, timed)
+    for name in names:
+        if hasattr(module.KVPushConnector, name):
+            wrap(name)
+
+if os.environ.get("KVPUSH_BENCH_HOOK_TIMING"):
+    _install(os.environ["KVPUSH_BENCH_HOOK_TIMING"], %r)
+'''
+
+
+def stage_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of each STAGES histogram in a Prometheus text page (summed over label sets)."""
+    totals = {}
+    for stage, name in STAGES.items():
+        found = []
+        for suffix in ("_sum", "_count"):
+            pattern = rf"^{re.escape(name)}{suffix}(?:\{{[^}}]*\}})? (\S+)$"
+            found.append(sum(float(m.group(1)) for m in re.finditer(pattern, metrics_text, re.M)))
+        totals[stage] = (found[0], found[1])
+    return totals
+
+
+def block_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
+    """Each stage's mean over the requests between two scrapes (ms; None when none finished)."""
+    means = {}
+    for stage in STAGES:
+        count = after[stage][1] - before[stage][1]
+        means[stage] = round((after[stage][0] - before[stage][0]) / count * 1e3, 3) if count else None
+    return means
+
+
+def _scrape(url: str) -> dict[str, tuple[float, float]]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        return stage_totals(response.read().decode())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=8, help="blocks per kind")
+    parser.add_argument("--per-block", type=int, default=10)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--gap-s", type=float, default=0.3)
+    parser.add_argument("--hook-timing", action="store_true")
+    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from kvpush.localstack.model import TinyModelSpec
+    from kvpush.localstack.stack import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, LocalStack
+    from kvpush.services.client import SyncDirectoryClient
+
+    args = parse_args(argv)
+    log_dir = (args.log_dir or Path("/tmp") / f"kvpush-stages-{int(time.time())}").resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    engine_env = {"UCX_NET_DEVICES": "lo"}
+    if args.hook_timing:
+        site = log_dir / "site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE % (HOOKS,))
+        engine_env.update(PYTHONPATH=str(site), KVPUSH_BENCH_HOOK_TIMING=str(log_dir))
+    stack = LocalStack(spec=TinyModelSpec(), log_dir=log_dir, progress=lambda m: print(m, file=sys.stderr),
+                       engine_env=engine_env, with_colocated=False)
+    stack.start()
+    blocks: dict[str, list[dict]] = {"p_alone": [], "p_leg": []}
+    try:
+        client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=2))
+        body = {"model": "tiny", "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+        url, sent = stack.prefill.url, 0
+        for block in range(args.blocks):
+            for kind in (("p_alone", "p_leg") if block % 2 == 0 else ("p_leg", "p_alone")):
+                before, ttfts = _scrape(url), []
+                for _ in range(args.per_block):
+                    time.sleep(args.gap_s)
+                    sent += 1
+                    request = {**body, "prompt": hops_bench._prompt(args.prompt_tokens, seed=sent)}
+                    transfer_id = ""
+                    if kind == "p_leg":
+                        transfer_id = client.plan_transfer(
+                            prompt_token_count=args.prompt_tokens, prefill_engine_id=PREFILL_ENGINE_ID,
+                            decode_engine_id=DECODE_ENGINE_ID).transfer.transfer_id
+                        request["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_decode": True,
+                                                         "first_token_from_prefill": True}
+                    result = stream_completion(url + "/v1/completions", request, timeout_s=120)
+                    if transfer_id:
+                        client.cancel_transfer(transfer_id, "prefill stages bench: a prefill leg without decode")
+                    if result.status != 200 or result.error:
+                        raise RuntimeError(f"{kind} request failed: {result.status} {result.error}")
+                    ttfts.append(result.ttft_s * 1e3)
+                time.sleep(0.5)  # the block's last request is in the histograms
+                blocks[kind].append({"client_ttft": round(statistics.median(ttfts), 3),
+                                     **block_means(before, _scrape(url))})
+        client.close()
+    finally:
+        stack.stop()
+    names = ("client_ttft", *STAGES)
+    median = {kind: {name: hops_bench._median(b[name] for b in rows) for name in names} for kind, rows in blocks.items()}
+    result = {
+        "bench": "prefill_stages", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": {"model": "tiny (localstack TinyModelSpec)", "prompt_tokens": args.prompt_tokens,
+                   "blocks": args.blocks, "per_block": args.per_block, "hook_timing": args.hook_timing},
+        "median_ms": median,
+        "p_leg_minus_p_alone_ms": {name: None if median["p_leg"][name] is None or median["p_alone"][name] is None
+                                   else round(median["p_leg"][name] - median["p_alone"][name], 3) for name in names},
+        "hooks": {path.name: json.loads(path.read_text()) for path in sorted(log_dir.glob("hooks-*.json"))},
+        "requests": {"p_alone": args.blocks * args.per_block, "p_leg": args.blocks * args.per_block},
+        "blocks": blocks,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"prefill-stages-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    path.write_text(text + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""bench/prefill_stages_bench.py's pure part: stage means from two scrapes of vLLM's Prometheus page."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "prefill_stages_bench.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("prefill_stages_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _page(ttft_sum: float, ttft_count: int, queue_sum: float, prefill_sum: float, count: int) -> str:
+    # vLLM's exposition: one series per model/engine label set, buckets as well as _sum and _count.
+    return "\n".join([
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.01",model_name="tiny"}} {ttft_count}',
+        f'vllm:time_to_first_token_seconds_sum{{engine="0",model_name="tiny"}} {ttft_sum}',
+        f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="tiny"}} {ttft_count}',
+        f'vllm:request_queue_time_seconds_sum{{engine="0",model_name="tiny"}} {queue_sum}',
+        f'vllm:request_queue_time_seconds_count{{engine="0",model_name="tiny"}} {count}',
+        f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="tiny"}} {prefill_sum}',
+        f'vllm:request_prefill_time_seconds_count{{engine="0",model_name="tiny"}} {count}',
+        f'vllm:request_prefill_time_seconds_created{{engine="0",model_name="tiny"}} 1.7e9',
+    ])
+
+
+def test_block_means_are_the_differences_of_sums_over_counts():
+    bench = _module()
+    before = bench.stage_totals(_page(1.0, 10, 0.01, 0.5, 10))
+    after = bench.stage_totals(_page(1.2, 20, 0.0105, 0.65, 20))
+    means = bench.block_means(before, after)
+    assert means == {"engine_ttft": 20.0, "queue": 0.05, "prefill": 15.0}
+
+
+def test_a_block_without_finished_requests_has_no_mean():
+    bench = _module()
+    page = bench.stage_totals(_page(1.0, 10, 0.01, 0.5, 10))
+    assert bench.block_means(page, page) == {"engine_ttft": None, "queue": None, "prefill": None}
