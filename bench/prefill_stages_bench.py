@@ -19,6 +19,7 @@ on the engines' PYTHONPATH) that wraps KVPushConnector's hooks with a timer and 
 in the figures.
 
     python bench/prefill_stages_bench.py [--blocks 8] [--per-block 10] [--prompt-tokens 512] [--hook-timing]
+                                         [--no-first-token]
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--gap-s", type=float, default=0.3)
     parser.add_argument("--hook-timing", action="store_true")
+    parser.add_argument("--no-first-token", action="store_true",
+                        help="prefill legs without first_token_from_prefill (the gateway's --no-first-token-from-prefill)")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     return parser.parse_args(argv)
@@ -153,7 +156,7 @@ def main(argv=None) -> int:
                             prompt_token_count=args.prompt_tokens, prefill_engine_id=PREFILL_ENGINE_ID,
                             decode_engine_id=DECODE_ENGINE_ID).transfer.transfer_id
                         request["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_decode": True,
-                                                         "first_token_from_prefill": True}
+                                                         "first_token_from_prefill": not args.no_first_token}
                     result = stream_completion(url + "/v1/completions", request, timeout_s=120)
                     if transfer_id:
                         client.cancel_transfer(transfer_id, "prefill stages bench: a prefill leg without decode")
@@ -171,7 +174,8 @@ def main(argv=None) -> int:
     result = {
         "bench": "prefill_stages", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": {"model": "tiny (localstack TinyModelSpec)", "prompt_tokens": args.prompt_tokens,
-                   "blocks": args.blocks, "per_block": args.per_block, "hook_timing": args.hook_timing},
+                   "blocks": args.blocks, "per_block": args.per_block, "hook_timing": args.hook_timing,
+                   "first_token_from_prefill": not args.no_first_token},
         "median_ms": median,
         "p_leg_minus_p_alone_ms": {name: None if median["p_leg"][name] is None or median["p_alone"][name] is None
                                    else round(median["p_leg"][name] - median["p_alone"][name], 3) for name in names},
