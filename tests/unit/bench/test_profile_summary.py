@@ -1,0 +1,41 @@
+"""bench/profile_summary.py: py-spy raw lines to per-thread samples and kvpush frames."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "profile_summary.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("profile_summary", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LINES = [
+    # --subprocesses: the parent's and the child's process frames come before the thread frame.
+    'process 7:"python3 -m vllm.entrypoints.openai.api_server --kv-transfer-config {\\"kv_connector_module_path\\": '
+    '\\"kvpush.connector\\"}";process 9:"VLLM::EngineCore";thread (9): MainThread;run (core.py:1);'
+    "KVPushConnector.save_kv_layer (kvpush/connector/connector.py:187);Event.record (torch/cuda/streams.py:209) 5\n",
+    'process 7:"python3 -m vllm";process 9:"VLLM::EngineCore";thread (9): MainThread;run (core.py:1);'
+    "forward (llama.py:400) 20\n",
+    'process 7:"python3 -m vllm";process 9:"VLLM::EngineCore";thread (11): kvpush-nixl-io;'
+    "TransferAgent._loop (kvpush/connector/dataplane/agent.py:272) 8\n",
+    "not a raw line\n",
+]
+
+
+def test_samples_and_kvpush_frames_per_thread():
+    summary = _module().summarise(LINES)
+    threads = {(t["process"], t["thread"]): t for t in summary["threads"]}
+    main = threads[("9 VLLM::EngineCore", "MainThread")]
+    assert (main["samples"], main["samples_in_kvpush"]) == (25, 5)
+    assert main["outermost_kvpush_frames"] == [("KVPushConnector.save_kv_layer (kvpush/connector/connector.py:187)", 5)]
+    assert main["leaves_under_kvpush"][0][0] == "Event.record (torch/cuda/streams.py:209)"
+    io = threads[("9 VLLM::EngineCore", "kvpush-nixl-io")]
+    assert (io["samples"], io["samples_in_kvpush"]) == (8, 8)
+    # The command line's "kvpush.connector" is not a frame: the first thread's kvpush count is 5, not 25.
+    assert list(threads)[0] == ("9 VLLM::EngineCore", "MainThread")
