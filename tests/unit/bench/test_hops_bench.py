@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.bench_scripts import load_bench
 from tests.fixtures.otlp import ReceivedSpan
-
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "hops_bench.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("hops_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _span(name: str, start_s: float, end_s: float) -> ReceivedSpan:
@@ -27,7 +16,7 @@ def _stamp(target, seconds: float) -> None:
 
 
 def test_hops_are_the_differences_of_span_and_record_times():
-    hops = _module()
+    hops = load_bench("hops_bench")
     base = 1_800_000_000.0
     transfer = tpb.Transfer()
     for field, offset in (("allocate_time", 0.012), ("first_ready_time", 0.010), ("dispatch_time", 0.0125),

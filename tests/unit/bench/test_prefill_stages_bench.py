@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "prefill_stages_bench.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("prefill_stages_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.fixtures.bench_scripts import load_bench
 
 
 def _page(ttft_sum: float, ttft_count: int, queue_sum: float, prefill_sum: float, count: int) -> str:
@@ -31,7 +21,7 @@ def _page(ttft_sum: float, ttft_count: int, queue_sum: float, prefill_sum: float
 
 
 def test_block_means_are_the_differences_of_sums_over_counts():
-    bench = _module()
+    bench = load_bench("prefill_stages_bench")
     before = bench.stage_totals(_page(1.0, 10, 0.01, 0.5, 10))
     after = bench.stage_totals(_page(1.2, 20, 0.0105, 0.65, 20))
     means = bench.block_means(before, after)
@@ -39,6 +29,6 @@ def test_block_means_are_the_differences_of_sums_over_counts():
 
 
 def test_a_block_without_finished_requests_has_no_mean():
-    bench = _module()
+    bench = load_bench("prefill_stages_bench")
     page = bench.stage_totals(_page(1.0, 10, 0.01, 0.5, 10))
     assert bench.block_means(page, page) == {"engine_ttft": None, "queue": None, "prefill": None}

@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "profile_summary.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("profile_summary", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.fixtures.bench_scripts import load_bench
 
 
 LINES = [
@@ -29,7 +19,7 @@ LINES = [
 
 
 def test_samples_and_kvpush_frames_per_thread():
-    summary = _module().summarise(LINES)
+    summary = load_bench("profile_summary").summarise(LINES)
     threads = {(t["process"], t["thread"]): t for t in summary["threads"]}
     main = threads[("9 VLLM::EngineCore", "MainThread")]
     assert (main["samples"], main["samples_in_kvpush"]) == (25, 5)

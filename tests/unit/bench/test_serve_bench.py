@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "serve_bench.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("serve_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.fixtures.bench_scripts import load_bench
 
 
 def _point(ttft: float, tpot: float) -> dict:
@@ -23,7 +13,7 @@ def _point(ttft: float, tpot: float) -> dict:
 
 def test_variants_map_to_connectors_and_fair_env():
     """Fair variants run the stock connector with the paced progress thread; kvpush variants run kvpush."""
-    bench = _module()
+    bench = load_bench("serve_bench")
     assert bench.connector_of("nixl-pull-fair") == "nixl-pull" and bench.connector_of("kvpush-first-token") == "kvpush"
     env = bench.variant_env("nixl-push-fair")
     assert env["KVPUSH_BENCH_NIXL_PTHR_DELAY_US"] == "100" and str(bench.PACED_SITE) in env["PYTHONPATH"]
@@ -32,7 +22,7 @@ def test_variants_map_to_connectors_and_fair_env():
 
 def test_summary_ratios_and_plot(tmp_path):
     """The summary keeps the latency figures, ratios divide kvpush by each baseline, the plot is a PNG."""
-    bench = _module()
+    bench = load_bench("serve_bench")
     summary = bench.summarise(_point(10.0, 5.0))
     assert summary["p99_ttft_ms"] == 20.0 and "unrelated" not in summary
     result = {"settings": {"rates": [4.0], "model": "tiny", "isl": 64, "osl": 4, "num_prompts": 4, "netns": False},
