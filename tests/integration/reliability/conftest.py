@@ -8,28 +8,15 @@ stopped when its last test ends, so its four engines are gone before other suite
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SOAK = Path(__file__).resolve().parents[3] / "bench" / "soak.py"
-
-
-def load_soak():
-    """bench/soak.py as a module (bench/ is no package)."""
-    spec = importlib.util.spec_from_file_location("soak", SOAK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.fixtures.bench_scripts import load_bench
 
 
 @pytest.fixture(scope="package")
 def soak():
     """The bench/soak.py module."""
-    return load_soak()
+    return load_bench("soak")
 
 
 @pytest.fixture(scope="package")
