@@ -41,6 +41,7 @@ from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.errors import DirectoryCallError
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.directory import TERMINAL_STATES
 from tests.integration.connector.conftest import BLOCK_SIZE, MAX_BATCHED_TOKENS, MODEL_SPEC
 
 LEASE_TTL_S = 5.0
@@ -54,8 +55,7 @@ READY_TIMEOUT_S = 600.0
 DECODE_BLOCKS = 8
 DECODE_MAX_MODEL_LEN = DECODE_BLOCKS * BLOCK_SIZE
 PREFILL_ID, HOLDER_ID, DECODE_ID, VICTIM_ID = "fault-prefill", "fault-holder", "fault-decode", "fault-decode-victim"
-TERMINAL = {tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER_STATE_CANCELLED,
-            tpb.TRANSFER_STATE_EXPIRED}
+TERMINAL = TERMINAL_STATES
 
 
 def _args(prefix_caching: bool) -> list[str]:

@@ -20,6 +20,7 @@ from kvpush.localstack.processes import EngineSpec, free_port, launch_engine, st
 from kvpush.localstack.stack import DECODE_ENGINE_ARGS, DECODE_ENGINE_ID, PREFILL_ENGINE_ID, kv_transfer_config
 from kvpush.services.client import ChannelConfig, SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.directory import settled_transfer
 
 pytestmark = pytest.mark.engines
 SESSION_TTL_S = 2
@@ -70,7 +71,7 @@ def test_engines_and_gateway_survive_a_replica_kill(etcd, tiny_model_dir, tmp_pa
             for body in bodies:
                 answer = call("POST", gateway.url + "/v1/completions", body, timeout_s=180)
                 assert answer.status == 200, answer.text
-                transfer = client.get_transfer(answer.headers["x-kvpush-transfer-id"])  # routed to its owner
+                transfer = settled_transfer(client.get_transfer, answer.headers["x-kvpush-transfer-id"])  # via its owner
                 assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
                 outputs.append(answer.body["choices"][0]["token_ids"])
             return outputs

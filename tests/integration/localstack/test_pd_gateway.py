@@ -13,6 +13,7 @@ import pytest
 from kvpush.localstack.client import call, stream_completion
 from kvpush.services.client import ChannelConfig, DirectoryCallError, SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.directory import settled_transfer
 
 
 pytestmark = pytest.mark.engines
@@ -45,7 +46,7 @@ def test_disaggregated_output_equals_colocated(local_stack, prompt_tokens):
     assert via_gateway.status == 200, via_gateway.text
     assert reference.status == 200, reference.text
     assert via_gateway.body["choices"][0]["token_ids"] == reference.body["choices"][0]["token_ids"]
-    transfer = _transfer(local_stack, via_gateway.headers["x-kvpush-transfer-id"])
+    transfer = settled_transfer(lambda tid: _transfer(local_stack, tid), via_gateway.headers["x-kvpush-transfer-id"])
     assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
 
 
