@@ -49,6 +49,8 @@ class PrefillChunk:
     trace_context: str = ""
     # The transfer's DONE result waits for the token this request samples after the prompt, and carries it.
     sends_first_token: bool = False
+    # The directory may not know the transfer yet (the leg came before its plan returned): readiness says so.
+    plan_in_flight: bool = False
 
     @property
     def is_last(self) -> bool:

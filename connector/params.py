@@ -11,8 +11,11 @@ processor, connector/first_token.py, forces it). Two ways to name it:
   with the transfer's DONE result, the directory passes it to decode with the COMPLETE event, and decode's
   scheduler half writes it into the request's `first_token_id` before the request's first step.
 - `first_token_id` (decode leg): the token itself, for a decode leg sent after the prefill leg returned.
-Both legs carry the same transfer id, minted by the directory's PlanTransfer. A request without these
-params is an ordinary local request and the connector leaves it alone.
+Both legs carry the same transfer id, minted by the directory's PlanTransfer or named by the gateway in it.
+`plan_in_flight: true` (prefill leg): the gateway sent this leg before its PlanTransfer returned, so the
+directory may not know the transfer yet; the workers mark their readiness so, and the directory holds it
+for the plan (LayerReady.plan_in_flight). A request without these params is an ordinary local request and
+the connector leaves it alone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any
 _MAX_TRANSFER_ID_CHARS = 128
 # Both legs: the first token travels from prefill to decode with the transfer's completion (module docstring).
 FIRST_TOKEN_FROM_PREFILL_KEY = "first_token_from_prefill"
+# Prefill leg: sent before the transfer's PlanTransfer returned (module docstring).
+PLAN_IN_FLIGHT_KEY = "plan_in_flight"
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
@@ -43,6 +48,7 @@ class TransferParams:
     # Prefill leg: report the sampled token with the transfer's completion. Decode leg: wait for it with the
     # completion and sample it first.
     first_token_from_prefill: bool = False
+    plan_in_flight: bool = False  # prefill leg: the directory may learn of the transfer after its readiness
 
 
 def parse_transfer_params(params: Any) -> TransferParams | None:
@@ -74,5 +80,12 @@ def parse_transfer_params(params: Any) -> TransferParams | None:
     if not isinstance(from_prefill, bool):
         raise TransferParamsError(f"kv_transfer_params.{FIRST_TOKEN_FROM_PREFILL_KEY} must be a boolean, "
                                   f"got {str(from_prefill)[:32]!r}")
+    plan_in_flight = params.get(PLAN_IN_FLIGHT_KEY, False)
+    if not isinstance(plan_in_flight, bool):
+        raise TransferParamsError(f"kv_transfer_params.{PLAN_IN_FLIGHT_KEY} must be a boolean, "
+                                  f"got {str(plan_in_flight)[:32]!r}")
+    if plan_in_flight and not prefill_leg:
+        raise TransferParamsError(f"kv_transfer_params.{PLAN_IN_FLIGHT_KEY} belongs on the prefill leg only")
     return TransferParams(transfer_id=transfer_id, is_prefill_leg=prefill_leg, traceparent=traceparent,
-                          first_token_id=first_token_id, first_token_from_prefill=from_prefill)
+                          first_token_id=first_token_id, first_token_from_prefill=from_prefill,
+                          plan_in_flight=plan_in_flight)

@@ -59,6 +59,7 @@ class _TrackedPrefill:
     preempted: bool = False
     block_ids: list[int] = field(default_factory=list)  # the request's blocks, as of this step
     sends_first_token: bool = False  # first_token_from_prefill: DONE carries the token sampled after the prompt
+    plan_in_flight: bool = False  # the leg came before its PlanTransfer returned: readiness says so
     timeline: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,7 +91,8 @@ class PrefillScheduler:
         if params is None or not params.is_prefill_leg:
             return
         self._tracked[request.request_id] = _TrackedPrefill(request, params.transfer_id, params.traceparent,
-                                                            sends_first_token=params.first_token_from_prefill)
+                                                            sends_first_token=params.first_token_from_prefill,
+                                                            plan_in_flight=params.plan_in_flight)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """A prefill engine never loads external KV."""
@@ -160,6 +162,7 @@ class PrefillScheduler:
                 block_ids=tuple(block_ids[:needed_blocks]),
                 cached_token_count=token_start if tracked.chunks_sent == 0 else 0,
                 trace_context=tracked.traceparent, sends_first_token=tracked.sends_first_token,
+                plan_in_flight=tracked.plan_in_flight,
             ))
             if tracked.chunks_sent == 0:
                 tracked.timeline["prefill_start_time"] = now

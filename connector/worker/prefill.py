@@ -330,6 +330,7 @@ class _Live:
     # Set with the instruction: None to post a write, else why not (the lease it came under is gone).
     post_guard: Callable[[], str | None] | None = None
     sends_first_token: bool = False          # DONE waits for the hold, which carries the token (module docstring)
+    plan_in_flight: bool = False             # readiness may precede the plan (LayerReady.plan_in_flight)
     first_token_id: int | None = None        # the token the request sampled after its prompt (from the hold)
     quiet_since: float | None = None         # monotonic time the push ended with nothing in flight
 
@@ -395,7 +396,7 @@ class PushOwner:
                                        "kvpush.prompt_token_count": chunk.prompt_token_count,
                                        "kvpush.cached_token_count": chunk.cached_token_count})
             live = _Live(push, span.traceparent() or chunk.trace_context, span,  # writes: children of the push
-                         sends_first_token=chunk.sends_first_token)
+                         sends_first_token=chunk.sends_first_token, plan_in_flight=chunk.plan_in_flight)
             self._live[chunk.request_id] = live
             self._by_transfer[chunk.transfer_id] = chunk.request_id
         if live.push.terminal:
@@ -593,7 +594,7 @@ class PushOwner:
         self._pending_ready.append(dpb.LayerReady(
             transfer_id=live.push.transfer_id, layer_start=layer_start, layer_end=layer_end,
             token_start=token_start, token_end=token_end, source_block_ids=live.push.src_block_ids[:end_block],
-            prompt_token_count=live.push.prompt_token_count))
+            prompt_token_count=live.push.prompt_token_count, plan_in_flight=live.plan_in_flight))
 
     def _flush_ready(self) -> None:
         if self._pending_ready and self._directory.session is not None:

@@ -119,7 +119,7 @@ class RenewLeaseResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class PlanTransferRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_count", "prefill_engine_id", "decode_engine_id", "trace_context", "ttl", "model")
+    __slots__ = ("request_id", "prompt_token_count", "prefill_engine_id", "decode_engine_id", "trace_context", "ttl", "model", "transfer_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class PlanTransferRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TTL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_count: int
     prefill_engine_id: str
@@ -134,7 +135,8 @@ class PlanTransferRequest(_message.Message):
     trace_context: str
     ttl: _duration_pb2.Duration
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., trace_context: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    transfer_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., trace_context: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class PlanTransferResponse(_message.Message):
     __slots__ = ("transfer", "prefill_endpoint", "decode_endpoint", "directory_incarnation_id")
@@ -171,7 +173,7 @@ class ReportAllocationResponse(_message.Message):
     def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class LayerReady(_message.Message):
-    __slots__ = ("transfer_id", "layer_start", "layer_end", "token_start", "token_end", "source_block_ids", "prompt_token_count")
+    __slots__ = ("transfer_id", "layer_start", "layer_end", "token_start", "token_end", "source_block_ids", "prompt_token_count", "plan_in_flight")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +181,7 @@ class LayerReady(_message.Message):
     TOKEN_END_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer_start: int
     layer_end: int
@@ -186,7 +189,8 @@ class LayerReady(_message.Message):
     token_end: int
     source_block_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_count: int
-    def __init__(self, transfer_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ...) -> None: ...
+    plan_in_flight: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ..., plan_in_flight: _Optional[bool] = ...) -> None: ...
 
 class LayerReadyBatch(_message.Message):
     __slots__ = ("events",)

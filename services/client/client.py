@@ -177,14 +177,17 @@ class DirectoryClient:
 
     async def plan_transfer(self, request_id: str = "", prompt_token_count: int = 0, prefill_engine_id: str = "",
                             decode_engine_id: str = "", trace_context: str = "", ttl_s: float | None = None,
-                            timeout_s: float | None = None, model: str = "") -> dpb.PlanTransferResponse:
-        """Pick engines (serving `model` when given) and mint a transfer (state PLANNED)."""
+                            timeout_s: float | None = None, model: str = "",
+                            transfer_id: str = "") -> dpb.PlanTransferResponse:
+        """Pick engines (serving `model` when given) and mint a transfer (state PLANNED). `transfer_id`: the
+        caller's id for it (the prefill leg may already be on its way; `prefill_engine_id` is then required),
+        sent to the replica that owns its shard."""
         request = dpb.PlanTransferRequest(
             request_id=request_id, prompt_token_count=prompt_token_count, prefill_engine_id=prefill_engine_id,
-            decode_engine_id=decode_engine_id, trace_context=trace_context, model=model)
+            decode_engine_id=decode_engine_id, trace_context=trace_context, model=model, transfer_id=transfer_id)
         if ttl_s is not None:
             request.ttl.CopyFrom(_duration(ttl_s))
-        return await self._unary("PlanTransfer", request, timeout_s)
+        return await self._unary("PlanTransfer", request, timeout_s, transfer_id=transfer_id)
 
     async def report_allocation(self, transfer_id: str, engine_id: str, block_ids: Sequence[int],
                                 prompt_token_count: int, prefix_hit_token_count: int = 0,

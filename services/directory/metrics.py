@@ -86,6 +86,9 @@ class DirectoryMetrics(TransferObserver):
         self.write_post = Histogram("kvpush_directory_write_post_seconds",
                                     "Per prefill rank of a COMPLETE transfer: time spent posting its WRITEs.",
                                     buckets=_FAST_BUCKETS, registry=r)
+        self.early_readiness = Counter("kvpush_directory_early_readiness",
+                                       "Unplanned transfers whose readiness (plan_in_flight) was held for their plan, "
+                                       "by how the hold ended: planned, expired, dropped.", ["outcome"], registry=r)
         self.lease_expiries = Counter("kvpush_directory_lease_expiries",
                                       "Worker leases that lapsed without renewal, by role.", ["role"], registry=r)
         self.stalls = Counter("kvpush_directory_stalls", "Reaper gaps over the stall threshold (leases extended).",
@@ -106,6 +109,10 @@ class DirectoryMetrics(TransferObserver):
     def on_planned(self, transfer: TransferRecord) -> None:
         """Count the plan."""
         self.transfers_planned.inc()
+
+    def on_early_readiness(self, outcome: str) -> None:
+        """Count how a hold of early readiness ended."""
+        self.early_readiness.labels(outcome).inc()
 
     def on_dispatched(self, transfer: TransferRecord) -> None:
         """Observe plan -> instruction."""
@@ -188,6 +195,9 @@ class _LiveCollector:
         for role, count in counts.items():
             workers.add_metric([role], count)
         yield workers
+        yield GaugeMetricFamily("kvpush_directory_early_transfers",
+                                "Unplanned transfers whose early readiness (plan_in_flight) is held now, or was "
+                                "stopped and is still remembered.", value=state.early_transfer_count())
         yield GaugeMetricFamily("kvpush_directory_prefill_stream_backlog_messages",
                                 "Instructions and cancellations queued for prefill workers, not yet written "
                                 "to their StreamPrefill streams.", value=backlog)
@@ -311,6 +321,11 @@ class TransferObservers(TransferObserver):
         """Fan out."""
         for observer in self._observers:
             observer.on_planned(transfer)
+
+    def on_early_readiness(self, outcome: str) -> None:
+        """Fan out."""
+        for observer in self._observers:
+            observer.on_early_readiness(outcome)
 
     def on_allocated(self, transfer: TransferRecord) -> None:
         """Fan out."""

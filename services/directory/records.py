@@ -77,6 +77,11 @@ class Limits:
     renew_stream_idle_s: float = 30.0
     # Open RenewLease, WatchTransfers and StreamPrefill calls together; past it a new one is RESOURCE_EXHAUSTED.
     max_open_streams: int = 20_000
+    # Early readiness (LayerReady.plan_in_flight for a transfer not planned yet): how long it is held for its
+    # PlanTransfer, and how many unplanned transfers one prefill engine may hold readiness for. The gateway sends
+    # the plan with the prefill leg, so the plan normally comes first or within milliseconds.
+    early_readiness_hold_s: float = 2.0
+    max_early_transfers_per_engine: int = 256
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -105,8 +110,35 @@ class Effects:
         return bool(self.prefill_outboxes or self.watch_engines)
 
 
+@dataclass
+class EarlyReadiness:
+    """Readiness a prefill engine reported for a transfer before its plan (LayerReady.plan_in_flight).
+
+    Held by `DirectoryState` until PlanTransfer names the id (then applied as if it came after the plan) or
+    until `Limits.early_readiness_hold_s` passes (then the engine is told to stop: `stopped`, kept as long again
+    so that its confirmation and a late plan get a precise answer).
+    """
+
+    engine_id: str
+    since: float  # monotonic, first event
+    layer_count: int
+    prompt_token_count: int
+    # tp_rank -> (event, wall time it arrived), in arrival order.
+    events: dict[int, list[tuple[dpb.LayerReady, float]]] = field(default_factory=dict)
+    stopped: bool = False
+
+    def event_count(self) -> int:
+        """Events held over every rank."""
+        return sum(len(held) for held in self.events.values())
+
+
 class TransferObserver:
     """Hooks called on a transfer's milestones (telemetry implements them); default no-ops."""
+
+    def on_early_readiness(self, outcome: str) -> None:
+        """Called once per unplanned transfer whose early readiness was held, when it is let go: "planned" (its
+        plan came), "expired" (no plan within the hold), "dropped" (its session or engine ended first, or the
+        plan named another engine)."""
 
     def on_planned(self, transfer: TransferRecord) -> None:
         """Called once when the transfer is minted."""

@@ -258,6 +258,12 @@ class Replica:
         """True when some shard may take a new transfer here."""
         return any(self.serves(s) for s in self.owned - self.draining)
 
+    def check_mintable(self, transfer_id: str) -> None:
+        """Unavailable when a caller's transfer id falls in a shard being handed over (it takes no new transfers)."""
+        shard = shard_of(transfer_id, self.config.shard_count)
+        if shard in self.draining:
+            raise Unavailable(f"shard {shard} of transfer {transfer_id} is being handed over; plan again shortly")
+
     def _mint_transfer_id(self) -> str:
         open_shards = {s for s in self.owned - self.draining if self.serves(s)}
         if not open_shards:

@@ -450,7 +450,12 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         try:
             ttl = check.check_plan(request, self.limits)
             self._principal(context).require_operator("PlanTransfer")
-            record = self.state.plan(request, ttl)
+            if request.transfer_id:
+                self._check_shard(request.transfer_id)
+                if self.replica is not None:
+                    self.replica.check_mintable(request.transfer_id)
+            record, effects = self.state.plan(request, ttl)
+            self.deliver(effects)
             if self.replica is not None:
                 await self._store(record)
         except DirectoryError as error:

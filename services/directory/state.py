@@ -5,7 +5,11 @@ No gRPC in here: the servicer validates wire input, calls one method, maps a rai
 
 Life cycle of a transfer (terminal states never change again):
 
-1. `plan()` picks a prefill and a decode engine and mints the transfer: PLANNED.
+1. `plan()` picks a prefill and a decode engine and mints the transfer: PLANNED. A caller that names the
+   transfer (PlanTransferRequest.transfer_id, prefill engine pinned) may have sent the prefill leg first:
+   readiness that engine marked `plan_in_flight` for an id not planned yet is held (`EarlyReadiness`, at most
+   `Limits.early_readiness_hold_s`) and applied by the plan as if it came after it; a hold that runs out
+   tells the engine to stop (Cancellation), and a plan that comes later still is refused.
 2. `report_allocation()` (decode's blocks) and `report_ready()` (prefill's first ready layers)
    arrive in either order. The first makes it ALLOCATED (or records readiness while PLANNED);
    when both are known it becomes STREAMING and ONE `PushInstruction` goes to the outbox of
@@ -44,6 +48,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from kvpush.services.directory.errors import (
+    AlreadyExists,
     DirectoryError,
     FailedPrecondition,
     InvalidArgument,
@@ -61,6 +66,7 @@ from kvpush.services.directory.records import (
     TERMINAL_STATES,
     Allocation,
     Clock,
+    EarlyReadiness,
     Effects,
     Ending,
     EngineGroup,
@@ -100,6 +106,8 @@ class DirectoryState:
         # Every retained transfer, in creation order (live and the last N terminal ones).
         self._transfers: dict[str, TransferRecord] = {}
         self._live: dict[str, TransferRecord] = {}
+        # Readiness for transfers not planned yet, by transfer id (see `plan()`).
+        self._early: dict[str, EarlyReadiness] = {}
         self._terminal_order: deque[str] = deque()
         # decode engine id -> block id -> transfer id owning it (non-terminal transfers only).
         self._owned_blocks: dict[str, dict[int, str]] = {}
@@ -159,6 +167,7 @@ class DirectoryState:
         lease deadline + max_write_s. The transfer ends then (or at once if it confirms earlier).
         """
         group = self.engines.remove(worker)
+        self._drop_early(worker.engine_id, worker.tp_rank)
         for transfer_id in list(group.active_transfers):
             record = self._live.get(transfer_id)
             if record is None:
@@ -213,24 +222,107 @@ class DirectoryState:
 
     # ---------------------------------------------------------------- planning
 
-    def plan(self, request: dpb.PlanTransferRequest, ttl_s: float | None) -> TransferRecord:
-        """Pick engines (`planning.choose_pair`) and mint a PLANNED transfer."""
+    def plan(self, request: dpb.PlanTransferRequest, ttl_s: float | None) -> tuple[TransferRecord, Effects]:
+        """Pick engines (`planning.choose_pair`) and mint a PLANNED transfer; apply its early readiness, if any."""
+        fx = Effects()
         ttl = self.limits.transfer_ttl_s if ttl_s is None else ttl_s
         if ttl > self.limits.max_transfer_ttl_s:
             raise InvalidArgument(f"ttl {ttl}s is over the server maximum {self.limits.max_transfer_ttl_s}s")
+        if request.transfer_id:
+            known = self._transfers.get(request.transfer_id)
+            if known is not None:
+                if (known.request_id == request.request_id and known.prefill_engine_id == request.prefill_engine_id
+                        and request.decode_engine_id in ("", known.decode_engine_id)):
+                    return known, fx  # the same call again (its answer was lost): the same transfer
+                raise AlreadyExists(f"transfer {request.transfer_id!r} exists")
+            early = self._early.get(request.transfer_id)
+            if early is not None and early.stopped:
+                raise FailedPrecondition(
+                    f"readiness for transfer {request.transfer_id!r} waited over {self.limits.early_readiness_hold_s}s "
+                    "for its plan; its prefill engine was told to stop")
         if len(self._live) >= self.limits.max_live_transfers:
             raise ResourceExhausted(f"{len(self._live)} live transfers; the cap is {self.limits.max_live_transfers}")
         prefill, decode = choose_pair(self.engines.candidates(PREFILL, request.prefill_engine_id),
                                       self.engines.candidates(DECODE, request.decode_engine_id),
                                       request.prompt_token_count, self.limits.max_active_transfers_per_engine,
                                       model=request.model)
-        return self._mint(request, prefill, decode, ttl)
+        record = self._mint(request, prefill, decode, ttl)
+        early = self._early.pop(record.transfer_id, None)
+        if early is not None:
+            self._apply_early(record, early, fx)
+        return record, fx
+
+    def _apply_early(self, record: TransferRecord, early: EarlyReadiness, fx: Effects) -> None:
+        """Apply readiness held for a transfer that is now planned, as if it had come after the plan."""
+        if early.engine_id != record.prefill_engine_id:  # the plan is the authority on who prefills
+            self._stop_early(record.transfer_id, early, f"transfer planned for engine {record.prefill_engine_id!r}",
+                             fx)
+            self.observer.on_early_readiness("dropped")
+            return
+        self.observer.on_early_readiness("planned")
+        for tp_rank, held in early.events.items():
+            for event, wall in held:
+                try:
+                    self._ready_one(early.engine_id, tp_rank, event, fx, wall=wall)
+                except DirectoryError as error:  # checked when held; kept as a guard, never silent
+                    self._decide_end(record, tpb.TRANSFER_STATE_FAILED, f"held readiness refused: {error}", fx)
+                    return
+
+    def _hold_early(self, engine_id: str, tp_rank: int, event: dpb.LayerReady) -> None:
+        """Hold `plan_in_flight` readiness for a transfer not planned yet; checked as `_ready_one` would."""
+        early = self._early.get(event.transfer_id)
+        if early is None:
+            group = self.engines.groups.get(engine_id)
+            if group is None:
+                raise NotFound(f"engine {engine_id!r} is not registered")
+            held = sum(1 for e in self._early.values() if e.engine_id == engine_id)
+            if held >= self.limits.max_early_transfers_per_engine:
+                raise ResourceExhausted(f"engine {engine_id!r} holds readiness for {held} unplanned transfers; "
+                                        f"the cap is {self.limits.max_early_transfers_per_engine}")
+            early = EarlyReadiness(engine_id=engine_id, since=self.clock.monotonic(),
+                                   layer_count=group.layout().layer_count, prompt_token_count=event.prompt_token_count)
+        elif early.engine_id != engine_id:
+            raise PermissionDenied(f"engine {early.engine_id!r} already reported readiness for this unplanned transfer")
+        if early.stopped:
+            raise FailedPrecondition(f"transfer {event.transfer_id!r} was not planned within "
+                                     f"{self.limits.early_readiness_hold_s}s; stop it")
+        if event.layer_end > early.layer_count:
+            raise InvalidArgument(f"layer_end {event.layer_end} is out of range (0, {early.layer_count}]")
+        if event.prompt_token_count != early.prompt_token_count:
+            raise InvalidArgument(
+                f"prompt_token_count {event.prompt_token_count} differs from {early.prompt_token_count}")
+        if early.event_count() >= self.limits.max_chunks_per_transfer:
+            raise ResourceExhausted(f"over {self.limits.max_chunks_per_transfer} readiness chunks")
+        early.events.setdefault(tp_rank, []).append((copy_message(event), self.clock.wall()))
+        self._early[event.transfer_id] = early
+
+    def _stop_early(self, transfer_id: str, early: EarlyReadiness, reason: str, fx: Effects) -> None:
+        """Tell every rank that reported early readiness for `transfer_id` to stop (it confirms with CANCELLED)."""
+        group = self.engines.groups.get(early.engine_id)
+        for rank in early.events:
+            worker = group.workers.get(rank) if group is not None else None
+            if worker is not None:
+                worker.outbox.append(dpb.StreamPrefillResponse(
+                    cancellation=dpb.Cancellation(transfer_id=transfer_id, reason=reason)))
+                fx.prefill_outboxes.add((early.engine_id, rank))
+
+    def _drop_early(self, engine_id: str, tp_rank: int | None = None) -> None:
+        """Forget early readiness of an engine (one rank: its session ended) whose work on it already stopped."""
+        for transfer_id, early in list(self._early.items()):
+            if early.engine_id != engine_id:
+                continue
+            if tp_rank is not None:
+                early.events.pop(tp_rank, None)
+            if tp_rank is None or not early.events:
+                del self._early[transfer_id]
+                if not early.stopped:
+                    self.observer.on_early_readiness("dropped")
 
     def _mint(self, request: dpb.PlanTransferRequest, prefill: EngineGroup, decode: EngineGroup,
               ttl: float) -> TransferRecord:
         wall = self.clock.wall()
         record = TransferRecord(
-            transfer_id=self.new_transfer_id(), sequence=next(self._transfer_sequence), request_id=request.request_id,
+            transfer_id=request.transfer_id or self.new_transfer_id(), sequence=next(self._transfer_sequence), request_id=request.request_id,
             prefill_engine_id=prefill.engine_id, decode_engine_id=decode.engine_id, tp_size=prefill.tp_size,
             layer_count=prefill.layout().layer_count, trace_context=request.trace_context, create_wall=wall,
             deadline=self.clock.monotonic() + ttl, deadline_wall=wall + ttl,
@@ -350,6 +442,7 @@ class DirectoryState:
             return fx
         worker.session_id = 0
         worker.outbox.clear()
+        self._drop_early(engine_id, tp_rank)  # the worker fails what it began when its session resets
         group = self.engines.groups[engine_id]
         for transfer_id in list(group.active_transfers):
             record = self._live.get(transfer_id)
@@ -371,10 +464,14 @@ class DirectoryState:
                 refused.append((event, exc))
         return fx, refused
 
-    def _ready_one(self, engine_id: str, tp_rank: int, event: dpb.LayerReady, fx: Effects) -> None:
+    def _ready_one(self, engine_id: str, tp_rank: int, event: dpb.LayerReady, fx: Effects,
+                   wall: float | None = None) -> None:
         record = self._transfers.get(event.transfer_id)
         if record is None:
-            raise NotFound(f"transfer {event.transfer_id!r} is unknown")
+            if not event.plan_in_flight:
+                raise NotFound(f"transfer {event.transfer_id!r} is unknown")
+            self._hold_early(engine_id, tp_rank, event)
+            return
         if record.prefill_engine_id != engine_id:
             raise PermissionDenied(f"engine {engine_id!r} is not the prefill engine of this transfer")
         if record.terminal:
@@ -402,11 +499,12 @@ class DirectoryState:
             record.chunk_count += 1
             seen = 0
         chunks[key] = seen | mask
+        wall = self.clock.wall() if wall is None else wall
         for layer in range(event.layer_start, event.layer_end):
-            record.layer_ready_walls.setdefault(layer, self.clock.wall())
+            record.layer_ready_walls.setdefault(layer, wall)
         record.ready_prompt_token_count = event.prompt_token_count
         if record.first_ready_wall is None:
-            record.first_ready_wall = self.clock.wall()
+            record.first_ready_wall = wall
             self.observer.on_first_ready(record)
             if record.allocation is not None and record.ending is None and not record.dispatch_held:
                 self._dispatch(record, fx)
@@ -438,7 +536,18 @@ class DirectoryState:
         fx = Effects()
         record = self._transfers.get(result.transfer_id)
         if record is None:
-            raise NotFound(f"transfer {result.transfer_id!r} is unknown")
+            early = self._early.get(result.transfer_id)
+            if early is None or early.engine_id != engine_id:
+                raise NotFound(f"transfer {result.transfer_id!r} is unknown")
+            if result.status not in (dpb.WRITE_RESULT_STATUS_CANCELLED, dpb.WRITE_RESULT_STATUS_FAILED):
+                raise FailedPrecondition("this worker has no push instruction for the transfer")
+            # The rank stopped before any plan (told to, or its request ended): nothing of it is held any more.
+            # A plan that comes now still gets a transfer (the leg that failed tells its caller to cancel it).
+            early.events.pop(tp_rank, None)
+            if not early.events and not early.stopped:
+                del self._early[result.transfer_id]
+                self.observer.on_early_readiness("dropped")
+            return fx
         if record.prefill_engine_id != engine_id:
             raise PermissionDenied(f"engine {engine_id!r} is not the prefill engine of this transfer")
         status = result.status
@@ -585,6 +694,7 @@ class DirectoryState:
                 fx.expired_lease_roles.append(worker.role)
         for record in [r for r in self._live.values() if r.deadline < now and r.ending is None]:
             self._decide_end(record, tpb.TRANSFER_STATE_EXPIRED, "transfer deadline passed", fx)
+        self._reap_early(now, fx)
         for record in [r for r in self._live.values() if r.ending is not None]:
             if record.ending.confirm_by < now:
                 self._revoke_silent_ranks(record, now, fx)
@@ -594,6 +704,22 @@ class DirectoryState:
                           if e not in self.engines.groups and (log.gone_since is None or now - log.gone_since > retention)]:
             del self._watch_logs[engine_id]
         return fx
+
+    def _reap_early(self, now: float, fx: Effects) -> None:
+        """Stop early readiness whose plan did not come within the hold; forget it a lease TTL later (by then
+        its ranks confirmed or lost their lease, and the caller of a late plan has long given up)."""
+        hold = self.limits.early_readiness_hold_s
+        for transfer_id, early in list(self._early.items()):
+            if not early.stopped and now - early.since > hold:
+                early.stopped = True
+                self._stop_early(transfer_id, early, f"no PlanTransfer named this transfer within {hold}s", fx)
+                self.observer.on_early_readiness("expired")
+            elif early.stopped and now - early.since > hold + self.limits.lease_ttl_s:
+                del self._early[transfer_id]
+
+    def early_transfer_count(self) -> int:
+        """Unplanned transfers whose early readiness is held (or was stopped and is still remembered)."""
+        return len(self._early)
 
     def _revoke_silent_ranks(self, record: TransferRecord, now: float, fx: Effects) -> None:
         """Prefill ranks that did not confirm a decided end in time lose their lease (then their fence applies)."""
@@ -817,4 +943,9 @@ class DirectoryState:
             for transfer_id in group.active_transfers:
                 if transfer_id not in self._live:
                     problems.append(f"engine {group.engine_id} lists ended transfer {transfer_id}")
+        for transfer_id, early in self._early.items():
+            if transfer_id in self._transfers:
+                problems.append(f"{transfer_id}: planned and still holding early readiness")
+            if early.engine_id not in self.engines.groups:
+                problems.append(f"{transfer_id}: early readiness of an unregistered engine {early.engine_id}")
         return problems

@@ -163,6 +163,10 @@ def check_plan(request: dpb.PlanTransferRequest, limits: Limits) -> float | None
     require_id(request.decode_engine_id, "decode_engine_id", limits, required=False)
     require_text(request.trace_context, "trace_context")
     require_text(request.model, "model")
+    require_id(request.transfer_id, "transfer_id", limits, required=False)
+    if request.transfer_id and not request.prefill_engine_id:
+        raise InvalidArgument("transfer_id is set without prefill_engine_id: the caller that names the transfer "
+                              "has already chosen its prefill engine")
     _non_negative(request.prompt_token_count, "prompt_token_count")
     if not request.HasField("ttl"):
         return None

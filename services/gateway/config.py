@@ -42,6 +42,10 @@ class GatewayConfig:
     # max_tokens=1; decode engines need the ForcePrefillFirstToken logits processor). Both legs still leave at
     # once: prefill's token reaches decode with the transfer's completion. See docs/gateway.md.
     first_token_from_prefill: bool = True
+    # kvpush mode: send the prefill leg at the same time as PlanTransfer instead of after it. The gateway picks
+    # the prefill engine (from its engine list) and names the transfer; the directory holds readiness that comes
+    # before the plan. Takes the plan's round trip off time to first token. See docs/gateway.md.
+    prefill_before_plan: bool = True
     # Failover: how many times one request is planned again after an engine could not be reached (refused,
     # reset, closed before any response byte), each time reporting that engine to the directory, which
     # leaves it out of plans until it renews its lease. Only before any byte reached the client. 0: never.
@@ -105,6 +109,9 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                              "(kvpush mode; decode engines need --logits-processors "
                              "kvpush.connector.first_token:ForcePrefillFirstToken). On by default; "
                              "--no-first-token-from-prefill streams decode's tokens only")
+    parser.add_argument("--prefill-before-plan", action=argparse.BooleanOptionalAction, default=True,
+                        help="kvpush mode: send the prefill leg with PlanTransfer instead of after it (the gateway "
+                             "picks the prefill engine and names the transfer; on by default)")
     parser.add_argument("--max-failovers", type=int, default=2,
                         help="times one request is planned again on other engines after an engine could not be "
                              "reached (refused, reset, closed before answering), before any byte reached the "
@@ -121,6 +128,7 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                            upstream_keepalive_s=args.upstream_keepalive,
                            api_key=args.api_key, count_prompt_tokens=args.count_prompt_tokens,
                            first_token_from_prefill=args.first_token_from_prefill,
+                           prefill_before_plan=args.prefill_before_plan,
                            max_failovers=args.max_failovers, uvloop=args.uvloop)
     try:
         config.validate()

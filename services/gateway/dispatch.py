@@ -1,9 +1,13 @@
 """One disaggregated request, start to end: plan, send both legs, return the decode answer.
 
 Life cycle (concurrent routes: kvpush, nixl-push):
-  1. `router.plan` (kvpush: PlanTransfer at the directory) gives the engines and the legs' params.
+  1. `router.plan` (kvpush: PlanTransfer at the directory) gives the engines and the legs' params. Prefill
+     before plan (kvpush, on by default): `router.pick_prefill` names the prefill engine and the transfer and
+     the prefill leg leaves at once, PlanTransfer alongside it (the directory holds readiness that comes first);
+     a directory that refuses the pick gets the leg stopped and the request planned the usual way.
   2. The prefill leg (max_tokens=1, not streamed) and the decode leg (the client's request) are sent
-     at the same time, both with the same X-Request-Id and the request's traceparent.
+     at the same time (prefill before plan: the decode leg once the plan returns), both with the same
+     X-Request-Id and the request's traceparent.
   3. Non-streaming: wait for both; the first failure cancels the other leg and the transfer, and
      ends the request with that leg's error. Streaming: wait for either the prefill failing or the
      decode's first chunk; only then are headers sent to the client, so a failed prefill still gets
@@ -41,7 +45,7 @@ from kvpush.services.gateway import first_token, legs
 from kvpush.services.gateway.config import GatewayConfig
 from kvpush.services.gateway.errors import EngineUnreachable, GatewayError, LegTimeout, bad_gateway
 from kvpush.services.gateway.metrics import GatewayMetrics
-from kvpush.services.gateway.routing import Route, Router, pull_decode_params
+from kvpush.services.gateway.routing import PickRefused, PrefillPick, Route, Router, pull_decode_params
 from kvpush.services.gateway.validation import (
     ClientRequest,
     decode_body,
@@ -150,12 +154,15 @@ class Dispatcher:
             bound = 0
         failovers = 0
         while True:
-            route = await self._plan(request, request_id, prompt_token_count, bound, traceparent, model, outcome)
             headers = {"X-Request-Id": request_id}
             propagate.inject(headers)
+            # After a failover the directory chooses: it knows which engine was just reported unreachable.
+            pick = await self._router.pick_prefill(model, prompt_token_count) if failovers == 0 else None
+            route, prefill_task = await self._plan_with_prefill(request, request_id, prompt_token_count, bound,
+                                                                traceparent, model, outcome, headers, pick)
             try:
                 with bound_contextvars(**({"transfer_id": route.transfer_id} if route.transfer_id else {})):
-                    return await self._legs(http_request, request, request_id, route, headers, outcome)
+                    return await self._legs(http_request, request, request_id, route, headers, outcome, prefill_task)
             except EngineUnreachable as error:
                 # `_legs` already cancelled the other leg and the transfer.
                 if not await self._fail_over(route, error, outcome, failovers):
@@ -180,35 +187,68 @@ class Dispatcher:
                      report=result, failover_count=failovers + 1, error=error.message)
         return True
 
+    async def _plan_with_prefill(self, request: ClientRequest, request_id: str, prompt_token_count: int, bound: int,
+                                 traceparent: str, model: str, outcome: Outcome, headers: dict[str, str],
+                                 pick: PrefillPick | None) -> tuple[Route, asyncio.Task | None]:
+        """The route, and with a `pick` the prefill leg already on its way (sent before PlanTransfer)."""
+        if pick is None:
+            return await self._plan(request, request_id, prompt_token_count, bound, traceparent, model, outcome), None
+        prefill_task = self._start_prefill(request, pick.early_route(traceparent), headers, outcome)
+        try:
+            route = await self._plan(request, request_id, prompt_token_count, bound, traceparent, model, outcome,
+                                     pick)
+        except PickRefused as error:
+            # The leg's readiness, if the directory holds any, is let go within its hold bound.
+            await _stop(prefill_task)
+            outcome.prefill_ok, outcome.prefill_params, outcome.prefill_ms = False, None, 0.0
+            self._metrics.prefill_before_plan.labels("replanned").inc()
+            _log.info("prefill pick refused; planning the usual way", prefill_engine_id=pick.engine_id,
+                      error=error.message)
+            return await self._plan(request, request_id, prompt_token_count, bound, traceparent, model, outcome), None
+        except BaseException:
+            await asyncio.shield(_stop(prefill_task))
+            raise
+        self._metrics.prefill_before_plan.labels("planned").inc()
+        return route, prefill_task
+
     async def _plan(self, request: ClientRequest, request_id: str, prompt_token_count: int, bound: int,
-                    traceparent: str, model: str, outcome: Outcome) -> Route:
+                    traceparent: str, model: str, outcome: Outcome, pick: PrefillPick | None = None) -> Route:
         """PlanTransfer (through the router) under a `gateway.plan` span; records the route in `outcome`."""
         planning = time.monotonic()
         with _tracer.start_as_current_span("gateway.plan") as span:
             span.set_attribute("kvpush.prompt_token_count", prompt_token_count)
             span.set_attribute("kvpush.prompt_token_count_is_bound", bool(bound))
+            span.set_attribute("kvpush.prefill_before_plan", pick is not None)
             try:
-                route = await self._router.plan(request_id, prompt_token_count, traceparent, model)
+                route = await self._router.plan(request_id, prompt_token_count, traceparent, model, pick)
+            except PickRefused:
+                raise
             except GatewayError as error:
                 if not bound or error.status != 503:
                     raise
                 # The directory's view of free blocks was tighter than the cached one: plan with the exact count.
                 route = await self._router.plan(request_id, await self._count_prompt_tokens(request, model),
-                                                traceparent, model)
+                                                traceparent, model, pick)
         outcome.plan_ms = (outcome.plan_ms or 0.0) + (time.monotonic() - planning) * 1000
         outcome.transfer_id = route.transfer_id
         remember_transfer(route.transfer_id, request_id, trace.get_current_span())
         return route
 
     async def _legs(self, http_request: web.Request, request: ClientRequest, request_id: str, route: Route,
-                    headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
+                    headers: dict[str, str], outcome: Outcome,
+                    prefill_task: asyncio.Task | None = None) -> web.StreamResponse:
+        """Run the legs of a planned route; `prefill_task`: its prefill leg, already sent (`_start_prefill`)."""
         try:
+            if route.concurrent and prefill_task is None:
+                prefill_task = self._start_prefill(request, route, headers, outcome)
             if self._first_token_applies(request, route):
-                return await self._first_token(http_request, request, route, headers, outcome)
+                return await self._first_token(http_request, request, route, headers, outcome, prefill_task)
             if route.concurrent:
-                return await self._concurrent(http_request, request, route, headers, outcome)
+                return await self._concurrent(http_request, request, route, headers, outcome, prefill_task)
             return await self._sequential(http_request, request, route, headers, outcome)
         except BaseException as error:
+            if prefill_task is not None and not prefill_task.done() and not outcome.kv_delivered:
+                prefill_task.cancel()
             if not outcome.kv_delivered:
                 reason = error.message if isinstance(error, GatewayError) else f"gateway: {type(error).__name__}"
                 outcome.cancelled = bool(route.transfer_id)
@@ -301,10 +341,24 @@ class Dispatcher:
             await events.aclose()
             response.release()
 
+    def _start_prefill(self, request: ClientRequest, route: Route, headers: dict[str, str],
+                       outcome: Outcome) -> asyncio.Task:
+        """A concurrent route's prefill leg, started, in the form the leg handler (`_legs`) reads: first token
+        from prefill wants prefill's token (streamed unless it is the whole answer); otherwise the plain leg."""
+        if self._first_token_applies(request, route):
+            if first_token.client_max_tokens(request) == 1:
+                leg = self._prefill(request, route, headers, outcome, want_token=True, streamed=request.stream)
+            else:
+                route = dataclasses.replace(route, prefill_params={**route.prefill_params,
+                                                                   first_token.FROM_PREFILL_KEY: True})
+                leg = self._prefill(request, route, headers, outcome, want_token=True, streamed=True)
+        else:
+            leg = self._prefill(request, route, headers, outcome)
+        return asyncio.create_task(leg)
+
     async def _concurrent(self, http_request: web.Request, request: ClientRequest, route: Route,
-                          headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
+                          headers: dict[str, str], outcome: Outcome, prefill_task: asyncio.Task) -> web.StreamResponse:
         assert route.decode_params is not None
-        prefill_task = asyncio.create_task(self._prefill(request, route, headers, outcome))
         decode_url = route.decode_url + request.path
         try:
             if not request.stream:
@@ -327,7 +381,7 @@ class Dispatcher:
                 and (request.stream or first_token.client_max_tokens(request) == 1))
 
     async def _first_token(self, http_request: web.Request, request: ClientRequest, route: Route,
-                           headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
+                           headers: dict[str, str], outcome: Outcome, prefill_task: asyncio.Task) -> web.StreamResponse:
         """Both legs at once; prefill's token to the client when its leg returns; decode from the second token.
 
         The decode leg says `first_token_from_prefill`: its engine waits for prefill's token, which comes with
@@ -335,12 +389,8 @@ class Dispatcher:
         """
         assert route.decode_params is not None
         if first_token.client_max_tokens(request) == 1:
-            return await self._prefill_only(http_request, request, route, headers, outcome)
+            return await self._prefill_only(http_request, request, route, outcome, prefill_task)
         started = time.monotonic()
-        prefill_route = dataclasses.replace(route, prefill_params={**route.prefill_params,
-                                                                   first_token.FROM_PREFILL_KEY: True})
-        prefill_task = asyncio.create_task(self._prefill(request, prefill_route, headers, outcome, want_token=True,
-                                                         streamed=True))
         decode_url = route.decode_url + request.path
         decode_params = {**route.decode_params, first_token.FROM_PREFILL_KEY: True}
         stream_task = asyncio.create_task(self._open_decode_stream(decode_url, request, decode_params, headers))
@@ -414,10 +464,10 @@ class Dispatcher:
         return out
 
     async def _prefill_only(self, http_request: web.Request, request: ClientRequest, route: Route,
-                            headers: dict[str, str], outcome: Outcome) -> web.StreamResponse:
+                            outcome: Outcome, prefill_task: asyncio.Task) -> web.StreamResponse:
         """max_tokens=1: prefill's answer is the whole answer; no decode leg, the transfer is cancelled."""
         started = time.monotonic()
-        answer = await self._prefill(request, route, headers, outcome, want_token=True, streamed=request.stream)
+        answer = await prefill_task
         try:
             token = first_token.prefill_token(request, answer)
         except ValueError as error:
@@ -550,6 +600,12 @@ class Dispatcher:
                 _log.warning("prefill leg failed after decode streamed", transfer_id=route.transfer_id,
                              error=str(prefill_task.exception()))
         return out
+
+
+async def _stop(task: asyncio.Task) -> None:
+    """Cancel a leg's task and wait for it to end (its outcome, whatever it was, no longer matters)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _stream_error(first_chunk: bytes) -> str | None:

@@ -56,6 +56,11 @@ class GatewayMetrics:
         self.leg_timeouts = Counter("kvpush_gateway_leg_timeouts",
                                     "Legs that exceeded their bound (answered 504, or an error event once streaming).",
                                     ["leg"], registry=r)
+        self.prefill_before_plan = Counter("kvpush_gateway_prefill_before_plan",
+                                           "Prefill legs sent with PlanTransfer (--prefill-before-plan), by outcome: "
+                                           "planned (the directory took the gateway's engine and transfer id), "
+                                           "replanned (it refused them: the leg was stopped and the request planned "
+                                           "the usual way).", ["outcome"], registry=r)
         self.in_flight = Gauge("kvpush_gateway_requests_in_flight", "Requests being served now.", registry=r)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:

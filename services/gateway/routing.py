@@ -2,7 +2,9 @@
 
 One strategy per deployment (`GatewayConfig.mode`):
 - `kvpush`      plans at the KV directory (PlanTransfer mints the transfer id and picks the engines);
-                both legs go out at once; a failed leg cancels the transfer (CancelTransfer).
+                both legs go out at once; a failed leg cancels the transfer (CancelTransfer). With
+                `prefill_before_plan` the gateway picks the prefill engine itself (`pick_prefill`, from its
+                engine list) and names the transfer, so the prefill leg leaves with PlanTransfer, not after it.
 - `nixl-pull`   vLLM's NixlConnector proxy logic: prefill leg first, then the decode leg carrying
                 the prefill response's kv_transfer_params (sequential by design).
 - `nixl-push`   vLLM's NixlPushConnector: both legs at once, matched by the shared X-Request-Id;
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,11 +53,47 @@ class Route:
         return self.decode_params is not None
 
 
+# The prefill leg's kv_transfer_params key saying it left before its plan (kvpush.connector.params).
+PLAN_IN_FLIGHT_KEY = "plan_in_flight"
+
+
+def kvpush_params(transfer_id: str, traceparent: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The prefill and the decode leg's kv_transfer_params of a kvpush transfer."""
+    common = {"transfer_id": transfer_id, "traceparent": traceparent}
+    return ({**common, "do_remote_decode": True, "do_remote_prefill": False},
+            {**common, "do_remote_prefill": True, "do_remote_decode": False})
+
+
+@dataclass(frozen=True)
+class PrefillPick:
+    """A prefill engine and a transfer id chosen by the gateway, so the prefill leg can leave before the plan."""
+
+    engine_id: str
+    url: str
+    transfer_id: str
+
+    def early_route(self, traceparent: str) -> Route:
+        """The route as far as the prefill leg needs it before the plan (its params say the plan is in flight)."""
+        prefill_params, _ = kvpush_params(self.transfer_id, traceparent)
+        return Route(prefill_url=self.url, decode_url="", prefill_params={**prefill_params, PLAN_IN_FLIGHT_KEY: True},
+                     decode_params={}, transfer_id=self.transfer_id, extra={"prefill_engine_id": self.engine_id})
+
+
+class PickRefused(GatewayError):
+    """The directory would not plan with the gateway's `PrefillPick` (engine gone, busy or incompatible, id
+    taken): the request is planned again without it."""
+
+
 class Router(Protocol):
     """A routing strategy (see the module docstring)."""
 
-    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "") -> Route:
-        """Choose engines (serving `model` when given) and build both legs' parameters; GatewayError when impossible."""
+    async def pick_prefill(self, model: str, prompt_token_count: int) -> PrefillPick | None:
+        """A prefill engine and transfer id for a leg sent before the plan; None: plan first."""
+
+    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "",
+                   pick: PrefillPick | None = None) -> Route:
+        """Choose engines (serving `model` when given; the picked prefill engine and transfer id when `pick`) and
+        build both legs' parameters; GatewayError when impossible (PickRefused: not with that pick)."""
 
     async def tokenizer_url(self, model: str) -> str | None:
         """An engine URL whose /tokenize counts prompt tokens for `model` (None: do not count)."""
@@ -93,6 +132,9 @@ _PLAN_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.PERMISSION_DENIED: 502,
     grpc.StatusCode.INVALID_ARGUMENT: 502,
 }
+# PlanTransfer codes that refuse a gateway's pick (pinned prefill engine, named transfer) rather than the request.
+_PICK_REFUSALS = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  grpc.StatusCode.ALREADY_EXISTS}
 
 
 class DirectoryRouter:
@@ -112,6 +154,8 @@ class DirectoryRouter:
         self._engines: list[tpb.Engine] = []
         self._engines_read_at: float | None = None  # monotonic time of the last read that succeeded
         self._engines_reading: asyncio.Task | None = None
+        # Prefill picks per engine since the engine list was last read (the list's transfer counts lag them).
+        self._picks_since_read: dict[str, int] = {}
 
     async def _registered(self) -> list[tpb.Engine]:
         """Registered workers (for model checks, /tokenize and free-block checks), at most ENGINE_CACHE_S + one
@@ -133,6 +177,7 @@ class DirectoryRouter:
         try:
             self._engines = await self._client.list_engines()
             self._engines_read_at = started
+            self._picks_since_read = {}
         except DirectoryCallError as error:
             _log.warning("engine list unavailable", code=error.code.name, details=error.details)
 
@@ -156,35 +201,68 @@ class DirectoryRouter:
                    if e.role == types_pb2.ENGINE_ROLE_DECODE and (not model or e.model == model)]
         if not decodes:
             return False
-        for engine in decodes:
-            free = engine.load.free_block_count if engine.HasField("load") else engine.layout.block_count
-            if free * engine.layout.block_size_tokens < token_count:
-                return False
-        return True
+        return all(_has_room(engine, token_count) for engine in decodes)
 
-    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "") -> Route:
-        """PlanTransfer (by model), then build the kvpush legs' params from the transfer id and endpoints."""
+    async def pick_prefill(self, model: str, prompt_token_count: int) -> PrefillPick | None:
+        """The prefill engine PlanTransfer would choose, as far as the engine list (at most ENGINE_CACHE_S old)
+        tells: every rank registered, serving `model`, not marked unreachable; fewest active transfers (counting
+        this gateway's picks since the list was read), then fewest queued requests. None (plan first) with
+        `prefill_before_plan` off, without a candidate, or when no decode engine listed has room for the prompt
+        (the plan would most likely be refused, and no leg should have been sent)."""
+        if not self._config.prefill_before_plan:
+            return None
+        engines = await self._registered()
+        if prompt_token_count and not any(_has_room(w, prompt_token_count) for w in engines
+                                          if w.role == types_pb2.ENGINE_ROLE_DECODE and (not model or w.model == model)):
+            return None
+        ranks: dict[str, int] = {}
+        for worker in engines:
+            if worker.role == types_pb2.ENGINE_ROLE_PREFILL:
+                ranks[worker.engine_id] = ranks.get(worker.engine_id, 0) + 1
+        candidates = [w for w in engines if w.role == types_pb2.ENGINE_ROLE_PREFILL and w.tp_rank == 0 and w.endpoint
+                      and (not model or w.model == model) and ranks[w.engine_id] == w.tp_size
+                      and not w.HasField("unreachable_time")]
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda w: (w.active_transfer_count + self._picks_since_read.get(w.engine_id, 0),
+                                              w.load.running_request_count + w.load.waiting_request_count,
+                                              w.engine_id))
+        self._picks_since_read[best.engine_id] = self._picks_since_read.get(best.engine_id, 0) + 1
+        return PrefillPick(engine_id=best.engine_id, url=best.endpoint.rstrip("/"), transfer_id=uuid.uuid4().hex)
+
+    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "",
+                   pick: PrefillPick | None = None) -> Route:
+        """PlanTransfer (by model; with `pick`, its engine pinned and its transfer id), then build the kvpush legs'
+        params from the transfer id and endpoints."""
         if model:
             await self._check_model(model)
         try:
             response = await self._client.plan_transfer(
                 request_id=request_id, prompt_token_count=prompt_token_count, trace_context=traceparent,
-                ttl_s=self._config.transfer_ttl_s or None, model=model)
+                ttl_s=self._config.transfer_ttl_s or None, model=model,
+                prefill_engine_id=pick.engine_id if pick else "", transfer_id=pick.transfer_id if pick else "")
         except DirectoryCallError as error:
             status = _PLAN_STATUS.get(error.code, 502)
-            raise GatewayError(status, f"directory PlanTransfer failed: {error.code.name}: {error.details}",
-                               "service_unavailable" if status == 503 else "bad_gateway") from error
+            message = f"directory PlanTransfer failed: {error.code.name}: {error.details}"
+            kind = "service_unavailable" if status == 503 else "bad_gateway"
+            if pick is not None and error.code in _PICK_REFUSALS:
+                raise PickRefused(status, message, kind) from error
+            raise GatewayError(status, message, kind) from error
         transfer = response.transfer
+        if pick is not None and (transfer.transfer_id != pick.transfer_id
+                                 or transfer.prefill_engine_id != pick.engine_id):
+            # A directory that predates caller-named transfers plans as it likes: the early leg is not this one's.
+            await self.cancel(Route("", "", {}, {}, transfer.transfer_id), "the directory did not take the pick")
+            raise PickRefused(503, f"directory planned {transfer.transfer_id!r} on {transfer.prefill_engine_id!r}, "
+                                   f"not the gateway's {pick.transfer_id!r} on {pick.engine_id!r}")
         if not response.prefill_endpoint or not response.decode_endpoint:
             await self.cancel(Route("", "", {}, {}, transfer.transfer_id), "engine has no endpoint")
             raise unavailable(f"planned engines have no HTTP endpoint (prefill {transfer.prefill_engine_id!r}: "
                               f"{response.prefill_endpoint!r}, decode {transfer.decode_engine_id!r}: "
                               f"{response.decode_endpoint!r}); set engine_endpoint in kv_connector_extra_config")
-        common = {"transfer_id": transfer.transfer_id, "traceparent": traceparent}
+        prefill_params, decode_params = kvpush_params(transfer.transfer_id, traceparent)
         return Route(prefill_url=response.prefill_endpoint.rstrip("/"), decode_url=response.decode_endpoint.rstrip("/"),
-                     prefill_params={**common, "do_remote_decode": True, "do_remote_prefill": False},
-                     decode_params={**common, "do_remote_prefill": True, "do_remote_decode": False},
-                     transfer_id=transfer.transfer_id,
+                     prefill_params=prefill_params, decode_params=decode_params, transfer_id=transfer.transfer_id,
                      extra={"prefill_engine_id": transfer.prefill_engine_id,
                             "decode_engine_id": transfer.decode_engine_id})
 
@@ -260,6 +338,10 @@ class DirectoryRouter:
 class StaticRouter:
     """One fixed prefill and decode engine, with vLLM's NixlConnector (pull) or NixlPushConnector params."""
 
+    async def pick_prefill(self, model: str, prompt_token_count: int) -> PrefillPick | None:
+        """None: vLLM's connectors have no plan to overlap."""
+        return None
+
     def __init__(self, config: GatewayConfig) -> None:
         if not config.prefill_url or not config.decode_url:
             raise ValueError(f"mode {config.mode} needs --prefill-url and --decode-url")
@@ -275,7 +357,8 @@ class StaticRouter:
         """Nothing is checked for static engines."""
         return True
 
-    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "") -> Route:
+    async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "",
+                   pick: PrefillPick | None = None) -> Route:
         """Static engines; params as vLLM's own proxies build them."""
         config = self._config
         prefill_params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -307,6 +390,12 @@ class StaticRouter:
         """Nothing to release."""
 
 
+def _has_room(decode: types_pb2.EngineWorker, token_count: int) -> bool:
+    """From a listed decode worker's last load: free blocks for `token_count` tokens."""
+    free = decode.load.free_block_count if decode.HasField("load") else decode.layout.block_count
+    return free * decode.layout.block_size_tokens >= token_count
+
+
 def make_router(config: GatewayConfig) -> Router:
     """The strategy for `config.mode`; ValueError for an unknown mode or missing settings."""
     if config.mode == "kvpush":
@@ -324,4 +413,5 @@ def pull_decode_params(prefill_response: dict) -> dict:
     return params
 
 
-__all__ = ["Route", "Router", "DirectoryRouter", "StaticRouter", "make_router", "pull_decode_params"]
+__all__ = ["Route", "Router", "PrefillPick", "PickRefused", "DirectoryRouter", "StaticRouter", "make_router",
+           "pull_decode_params"]

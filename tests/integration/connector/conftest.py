@@ -31,6 +31,7 @@ from kvpush.localstack.vllm_bench import kv_cache_usage, wait_kv_usage_zero
 from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures import metrics
 
 BLOCK_SIZE = 128
 MAX_BATCHED_TOKENS = 256
@@ -80,6 +81,7 @@ class ConnectorStack:
     colocated: EngineHandle
     directory: SyncDirectoryClient
     model_dir: Path
+    directory_metrics_url: str
     _reference_cache: dict[tuple, list[int]] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- requests
@@ -128,6 +130,19 @@ class ConnectorStack:
                                 {"transfer_id": transfer_id, "do_remote_decode": True})
             return p_leg.result(), d_leg.result(), transfer_id
 
+    def directory_metric(self, name: str, **labels: str) -> float:
+        """One of the directory's metrics now (summed over samples with `labels`)."""
+        return metrics.value(metrics.scrape(self.directory_metrics_url), name, **labels)
+
+    def wait_directory_metric(self, name: str, at_least: float, timeout_s: float = 30.0, **labels: str) -> float:
+        """Poll the directory's metric until it reaches `at_least` (bounded); return the last value."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = self.directory_metric(name, **labels)
+            if seen >= at_least or time.monotonic() > deadline:
+                return seen
+            time.sleep(0.05)
+
     def wait_transfer(self, transfer_id: str, states: set[int], timeout_s: float = 60.0):
         """Poll GetTransfer until its state is in `states` (bounded); return the transfer."""
         deadline = time.monotonic() + timeout_s
@@ -171,7 +186,9 @@ def connector_stack(otlp_receiver, session_log_dir) -> ConnectorStack:
     """
     model_dir = ensure_tiny_model(MODEL_SPEC)
     log_dir = session_log_dir / "connector"
-    directory = start_directory(log_dir, extra_args=["--lease-ttl-s", str(LEASE_TTL_S)], env=otlp_receiver.env("conn-directory"))
+    metrics_port = free_port()
+    directory = start_directory(log_dir, extra_args=["--lease-ttl-s", str(LEASE_TTL_S), "--metrics-port",
+                                                     str(metrics_port)], env=otlp_receiver.env("conn-directory"))
     address = directory.address
     specs = [
         _kvpush_spec("conn-prefill", "prefill", PREFILL_ID, model_dir, address, otlp_receiver.env("conn-prefill")),
@@ -190,7 +207,8 @@ def connector_stack(otlp_receiver, session_log_dir) -> ConnectorStack:
         for handle in handles:
             handle.wait_ready(READY_TIMEOUT_S)
         client = SyncDirectoryClient(ChannelConfig(address=address))
-        yield ConnectorStack(address, handles[0], handles[1], handles[2], handles[3], client, model_dir)
+        yield ConnectorStack(address, handles[0], handles[1], handles[2], handles[3], client, model_dir,
+                             f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         for handle in handles:
             handle.process.terminate()

@@ -11,9 +11,12 @@ import concurrent.futures
 import os
 import signal
 import time
+import uuid
 
+import grpc
 import pytest
 
+from kvpush.services.client.errors import DirectoryCallError
 from kvpush.v1 import types_pb2 as tpb
 from tests.integration.connector.conftest import (
     BLOCK_SIZE,
@@ -167,6 +170,47 @@ def test_prefill_killed_mid_transfer_ends_decode_request(connector_stack):
     # The broken StreamPrefill session usually tells the directory first; the lease is the backstop.
     assert ended.state == tpb.TRANSFER_STATE_FAILED
     assert "prefill stream" in ended.failure_reason or "lease expired" in ended.failure_reason, ended.failure_reason
+
+
+def test_a_prefill_leg_sent_before_its_plan_is_held_then_pushed(connector_stack):
+    """plan_in_flight (the gateway's prefill before plan): the prefill leg answers before any PlanTransfer names
+    its transfer, so the directory holds its readiness; the plan applies it (PLANNED with layers ready before
+    decode said anything) and the decode leg then gets the pushed KV: greedy tokens equal colocated, COMPLETE."""
+    s = connector_stack
+    prompt = prompt_of(3 * BLOCK_SIZE + 5, seed=91)
+    want = s.reference(prompt, MAX_TOKENS)
+    held, planned = (s.directory_metric("kvpush_directory_early_transfers"),
+                     s.directory_metric("kvpush_directory_early_readiness_total", outcome="planned"))
+    transfer_id = uuid.uuid4().hex
+    s.complete(s.prefill, prompt, 1, {"transfer_id": transfer_id, "do_remote_decode": True, "plan_in_flight": True})
+    assert s.wait_directory_metric("kvpush_directory_early_transfers", held + 1) >= held + 1
+    response = s.directory.plan_transfer(prompt_token_count=len(prompt), prefill_engine_id=PREFILL_ID,
+                                         decode_engine_id=DECODE_ID, transfer_id=transfer_id)
+    assert response.transfer.transfer_id == transfer_id
+    assert s.directory_metric("kvpush_directory_early_readiness_total", outcome="planned") == planned + 1
+    transfer = s.directory.get_transfer(transfer_id)
+    assert transfer.state == tpb.TRANSFER_STATE_PLANNED and transfer.layer_timings
+    decode_body = s.complete(s.decode, prompt, MAX_TOKENS, {"transfer_id": transfer_id, "do_remote_prefill": True})
+    assert decode_body["choices"][0]["token_ids"] == want
+    transfer = s.wait_transfer(transfer_id, TERMINAL)
+    assert transfer.state == tpb.TRANSFER_STATE_COMPLETE and transfer.bytes_written > 0, transfer.failure_reason
+
+
+def test_a_prefill_leg_whose_plan_never_comes_is_stopped_and_frees_its_blocks(connector_stack):
+    """No PlanTransfer within the directory's hold (2 s): prefill is told to stop, releases the request's blocks,
+    and a plan that comes later is refused FAILED_PRECONDITION."""
+    s = connector_stack
+    prompt = prompt_of(2 * BLOCK_SIZE + 9, seed=92)
+    expired = s.directory_metric("kvpush_directory_early_readiness_total", outcome="expired")
+    transfer_id = uuid.uuid4().hex
+    s.complete(s.prefill, prompt, 1, {"transfer_id": transfer_id, "do_remote_decode": True, "plan_in_flight": True})
+    assert s.wait_directory_metric("kvpush_directory_early_readiness_total", expired + 1, outcome="expired") \
+        == expired + 1
+    with pytest.raises(DirectoryCallError) as refused:
+        s.directory.plan_transfer(prompt_token_count=len(prompt), prefill_engine_id=PREFILL_ID,
+                                  decode_engine_id=DECODE_ID, transfer_id=transfer_id)
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and "waited over" in refused.value.details
+    assert s.wait_kv_usage_zero(s.prefill) == 0.0
 
 
 def test_zz_no_blocks_leak_on_either_side(connector_stack):

@@ -22,7 +22,7 @@ def _events_in_state(state, count: int) -> list[str]:
     state.register(register_request("d1", DECODE))
     ids = []
     for _ in range(count):
-        record = state.plan(dpb.PlanTransferRequest(), None)
+        record = state.plan(dpb.PlanTransferRequest(), None)[0]
         state.cancel(record.transfer_id, "before the old client reconnects")
         ids.append(record.transfer_id)
     return ids

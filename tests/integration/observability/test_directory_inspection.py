@@ -8,12 +8,10 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from google.protobuf import timestamp_pb2
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.localstack.processes import free_port, start_directory
 from kvpush.services.client import ChannelConfig, DirectoryCallError, DirectoryClient, EngineRegistration, PrefillSession
@@ -21,6 +19,7 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, make_layout, ready, register_request
 from tests.integration.directory.helpers import run
+from tests.fixtures.metrics import scrape, value
 
 TRACEPARENT = "00-6bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -40,17 +39,6 @@ def _stamp(seconds: float) -> timestamp_pb2.Timestamp:
     stamp = timestamp_pb2.Timestamp()
     stamp.FromNanoseconds(int(seconds * 1e9))
     return stamp
-
-
-def _scrape(url: str) -> dict[tuple[str, tuple], float]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(url, timeout=10) as response:
-        families = text_string_to_metric_families(response.read().decode())
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
-
-
-def _value(samples: dict, name: str, **labels) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
 
 
 async def _drive(address: str, suffix: str, finish: str) -> str:
@@ -121,7 +109,7 @@ def test_kvpush_trace_prints_the_timeline(directory):
 def test_directory_metrics_after_real_calls(directory):
     """/metrics: a cancelled and a completed transfer are counted by state and cause, with bytes, layers, RPC
     codes (a refused plan is RESOURCE_EXHAUSTED) and no live transfer left."""
-    before = _scrape(directory.metrics_url)
+    before = scrape(directory.metrics_url)
     run(_drive(directory.address, "m1", "done"))
     run(_drive(directory.address, "m2", "cancel"))
 
@@ -130,10 +118,10 @@ def test_directory_metrics_after_real_calls(directory):
             with pytest.raises(DirectoryCallError):
                 await client.plan_transfer(request_id="r", model="no-such-model")
     run(refused())
-    after = _scrape(directory.metrics_url)
+    after = scrape(directory.metrics_url)
 
     def delta(name: str, **labels) -> float:
-        return _value(after, name, **labels) - _value(before, name, **labels)
+        return value(after, name, **labels) - value(before, name, **labels)
 
     assert delta("kvpush_directory_transfers_planned_total") == 2
     assert delta("kvpush_directory_transfers_ended_total", state="complete", cause="none") == 1
@@ -147,7 +135,7 @@ def test_directory_metrics_after_real_calls(directory):
     assert delta("kvpush_directory_rpc_duration_seconds_count", method="PlanTransfer",
                  code="RESOURCE_EXHAUSTED") == 1
     assert delta("kvpush_directory_rpc_duration_seconds_count", method="CancelTransfer", code="OK") == 1
-    assert _value(after, "kvpush_directory_live_transfers") == 0
+    assert value(after, "kvpush_directory_live_transfers") == 0
 
 
 async def _register_with_load(client: DirectoryClient, engine_id: str, role: int, free_blocks: int,

@@ -142,3 +142,13 @@ def test_first_token_from_prefill_is_a_boolean_on_either_leg():
         assert not parse_transfer_params({"transfer_id": "t", leg: True}).first_token_from_prefill
         with pytest.raises(TransferParamsError, match="first_token_from_prefill"):
             parse_transfer_params({"transfer_id": "t", leg: True, "first_token_from_prefill": "yes"})
+
+
+def test_plan_in_flight_is_a_boolean_of_the_prefill_leg():
+    """plan_in_flight (the leg left before its PlanTransfer returned) is read on the prefill leg only."""
+    assert parse_transfer_params({"transfer_id": "t", "do_remote_decode": True, "plan_in_flight": True}).plan_in_flight
+    assert not parse_transfer_params({"transfer_id": "t", "do_remote_decode": True}).plan_in_flight
+    for bad in ({"transfer_id": "t", "do_remote_decode": True, "plan_in_flight": 1},
+                {"transfer_id": "t", "do_remote_prefill": True, "plan_in_flight": True}):
+        with pytest.raises(TransferParamsError, match="plan_in_flight"):
+            parse_transfer_params(bad)

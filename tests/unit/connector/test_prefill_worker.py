@@ -355,3 +355,27 @@ def test_only_an_empty_step_after_an_empty_step_waits_for_the_owner():
     assert worker.has_live_transfers()
     assert waited[0] < 0.08, waited  # right after the forward: no wait (room left for a loaded machine)
     assert waited[1] >= 0.09 and waited[2] >= 0.09, waited  # back-to-back empty steps: the bounded wait
+
+
+def test_readiness_of_a_leg_sent_before_its_plan_says_so_and_a_cancellation_before_any_instruction_settles_it():
+    """A chunk marked plan_in_flight: every readiness event carries the mark (re-announced ones too), so the
+    directory holds them for the plan; the directory's Cancellation when no plan came (no instruction, nothing
+    written) settles the push CANCELLED at once."""
+    worker, transport, directory, loop = _worker()
+    chunk = PrefillChunk(request_id="r1", transfer_id="t1", token_start=0, token_end=40, prompt_token_count=40,
+                         block_ids=(10, 11, 12), plan_in_flight=True)
+    worker.begin_step(KVPushMetadata(prefill_chunks=[chunk]))
+    for layer in LAYERS:
+        worker.save_kv_layer(layer)
+    worker.wait_for_save()
+    loop.run()
+    assert directory.session.ready and all(e.plan_in_flight for e in directory.session.ready)
+    directory.session.ready.clear()
+    worker.on_session_reset()
+    loop.run()
+    assert directory.session.ready and all(e.plan_in_flight for e in directory.session.ready)
+    worker.on_cancellation(dpb.Cancellation(transfer_id="t1", reason="no PlanTransfer named this transfer"))
+    loop.run()
+    (result,) = directory.session.results
+    assert result.transfer_id == "t1" and result.status == dpb.WRITE_RESULT_STATUS_CANCELLED
+    assert transport.writes == []

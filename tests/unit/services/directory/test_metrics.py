@@ -28,7 +28,7 @@ def _state() -> tuple[DirectoryState, DirectoryMetrics, ManualClock]:
 def test_lease_expiry_counts_the_role_and_fails_the_transfer_with_its_cause():
     """A decode lease lapsing is one decode lease expiry, and its live transfer ends failed/lease_expired."""
     state, metrics, clock = _state()
-    state.plan(dpb.PlanTransferRequest(request_id="r"), None)
+    state.plan(dpb.PlanTransferRequest(request_id="r"), None)[0]
     clock.advance(5.0)
     state.renew(state.get_engine("p1")[0].lease_id, None)
     clock.advance(6.0)
@@ -43,8 +43,8 @@ def test_lease_expiry_counts_the_role_and_fails_the_transfer_with_its_cause():
 def test_cancel_and_expiry_have_their_causes_and_live_gauges_follow():
     """A cancelled transfer ends cancelled/cancelled; one past its deadline expired/deadline; gauges read live state."""
     state, metrics, clock = _state()
-    cancelled = state.plan(dpb.PlanTransferRequest(request_id="a"), None)
-    state.plan(dpb.PlanTransferRequest(request_id="b"), 1.0)
+    cancelled = state.plan(dpb.PlanTransferRequest(request_id="a"), None)[0]
+    state.plan(dpb.PlanTransferRequest(request_id="b"), 1.0)[0]
     assert _samples(metrics)[("kvpush_directory_live_transfers", (("state", "planned"),))] == 2
     state.cancel(cancelled.transfer_id, "client went away")
     clock.advance(2.0)
@@ -61,7 +61,7 @@ def test_cancel_and_expiry_have_their_causes_and_live_gauges_follow():
 def test_causes_are_a_closed_set():
     """Whatever the reason text, the cause label is one of CAUSES (or none for COMPLETE)."""
     state, _, _ = _state()
-    record = state.plan(dpb.PlanTransferRequest(), None)
+    record = state.plan(dpb.PlanTransferRequest(), None)[0]
     for reason in ("rank 0 write failed: NIXL_ERR_REMOTE_DISCONNECT", "prefill stream broken", "free-form text",
                    "engine p1 rank 0 deregistered", "engine d1 rank 0 lease expired"):
         record.state, record.failure_reason = 5, reason  # FAILED

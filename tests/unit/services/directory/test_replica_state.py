@@ -53,7 +53,7 @@ def test_mirrored_registrations_never_lapse_in_the_reaper():
 
 def test_mirror_register_is_idempotent_and_a_new_agent_replaces_the_worker():
     state, _ = mirrored()
-    transfer_id = state.plan(dpb.PlanTransferRequest(), None).transfer_id
+    transfer_id = state.plan(dpb.PlanTransferRequest(), None)[0].transfer_id
     assert not state.mirror_register(register_request("d1", DECODE), "key-d1")  # the watch echo: nothing
     assert state.get_transfer(transfer_id).state == tpb.TRANSFER_STATE_PLANNED
     effects = state.mirror_register(register_request("d1", DECODE, agent_name="d1-new"), "key-d1b")
@@ -65,7 +65,7 @@ def test_mirror_register_is_idempotent_and_a_new_agent_replaces_the_worker():
 
 def test_mirror_remove_fails_the_engines_transfers():
     state, _ = mirrored()
-    transfer_id = state.plan(dpb.PlanTransferRequest(), None).transfer_id
+    transfer_id = state.plan(dpb.PlanTransferRequest(), None)[0].transfer_id
     state.mirror_remove("d1", 0, "engine d1 rank 0 lease expired or revoked")
     record = state.get_transfer(transfer_id)
     assert record.state == tpb.TRANSFER_STATE_FAILED and "lease expired" in record.failure_reason
@@ -75,7 +75,7 @@ def test_mirror_remove_fails_the_engines_transfers():
 
 def test_held_dispatch_goes_out_only_when_released():
     state, _ = mirrored()
-    transfer_id = state.plan(dpb.PlanTransferRequest(), None).transfer_id
+    transfer_id = state.plan(dpb.PlanTransferRequest(), None)[0].transfer_id
     state.report_ready("p1", 0, [ready(transfer_id, 0, 2)])
     record, effects = state.report_allocation(allocation(transfer_id), hold_dispatch=True)
     assert record.dispatch_held and not record.dispatched and not effects.prefill_outboxes
@@ -119,7 +119,7 @@ def test_adopted_in_flight_transfer_fails_only_after_prefill_confirmed():
     assert [m.cancellation.transfer_id for m in outbox(state)] == ["t-1"]
     record = state.get_transfer("t-1")
     assert not record.terminal  # decode keeps its blocks while a write may land
-    other = state.plan(dpb.PlanTransferRequest(), None).transfer_id
+    other = state.plan(dpb.PlanTransferRequest(), None)[0].transfer_id
     with pytest.raises(FailedPrecondition, match="block 3 is already allocated"):  # adopted blocks stay owned
         state.report_allocation(allocation(other, block_ids=(3, 4, 5)))
     state.report_result("p1", 0, result("t-1", dpb.WRITE_RESULT_STATUS_CANCELLED))
@@ -156,7 +156,7 @@ def test_adopting_a_transfer_of_a_gone_prefill_ends_it_once_no_write_can_land():
 
 def test_forget_drops_without_telling_anyone():
     state, _ = mirrored()
-    transfer_id = state.plan(dpb.PlanTransferRequest(), None).transfer_id
+    transfer_id = state.plan(dpb.PlanTransferRequest(), None)[0].transfer_id
     state.report_allocation(allocation(transfer_id))
     state.report_ready("p1", 0, [ready(transfer_id, 0, 4)])
     assert state.forget([transfer_id]) == 1
@@ -170,7 +170,7 @@ def test_forget_drops_without_telling_anyone():
 def test_new_transfer_id_is_the_minting_hook():
     state, _ = mirrored()
     state.new_transfer_id = lambda: "minted-here"
-    assert state.plan(dpb.PlanTransferRequest(), None).transfer_id == "minted-here"
+    assert state.plan(dpb.PlanTransferRequest(), None)[0].transfer_id == "minted-here"
 
 
 def test_shard_of_is_stable_and_spread():

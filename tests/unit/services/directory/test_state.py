@@ -49,7 +49,7 @@ class Directory:
                          for rank in range(tp_size)}
 
     def plan(self, **fields) -> str:
-        return self.state.plan(dpb.PlanTransferRequest(**fields), None).transfer_id
+        return self.state.plan(dpb.PlanTransferRequest(**fields), None)[0].transfer_id
 
     def allocated(self) -> str:
         """A planned transfer whose decode allocation (blocks 1, 2, 3) has been reported."""
@@ -439,30 +439,30 @@ def test_planning_prefers_free_blocks_then_fewest_transfers():
     lease, _ = d.state.register(register_request("d2", DECODE))
     d.state.renew(lease.lease_id, tpb.EngineLoad(free_block_count=60))
     d.state.renew(d.leases[("d1", 0)], tpb.EngineLoad(free_block_count=10))
-    first = d.state.plan(dpb.PlanTransferRequest(), None)
-    second = d.state.plan(dpb.PlanTransferRequest(), None)
+    first = d.state.plan(dpb.PlanTransferRequest(), None)[0]
+    second = d.state.plan(dpb.PlanTransferRequest(), None)[0]
     assert first.decode_engine_id == "d2" and second.decode_engine_id == "d2"
     assert {first.prefill_engine_id, second.prefill_engine_id} == {"p1", "p2"}
     with pytest.raises(ResourceExhausted):  # 1000 tokens need 63 blocks; nobody has them
-        d.state.plan(dpb.PlanTransferRequest(prompt_token_count=1000), None)
+        d.state.plan(dpb.PlanTransferRequest(prompt_token_count=1000), None)[0]
 
 
 def test_planning_refuses_incompatible_and_missing_engines():
     """Pinned unknown engine: NOT_FOUND; layouts or TP sizes that differ: FAILED_PRECONDITION; none: RESOURCE_EXHAUSTED."""
     d = Directory()
     with pytest.raises(NotFound):
-        d.state.plan(dpb.PlanTransferRequest(prefill_engine_id="ghost"), None)
+        d.state.plan(dpb.PlanTransferRequest(prefill_engine_id="ghost"), None)[0]
     d.state.register(register_request("d8", DECODE, layout=make_layout(layer_count=8)))
     with pytest.raises(FailedPrecondition):
-        d.state.plan(dpb.PlanTransferRequest(decode_engine_id="d8"), None)
+        d.state.plan(dpb.PlanTransferRequest(decode_engine_id="d8"), None)[0]
     d.state.register(register_request("dtp", DECODE, tp_size=2))
     with pytest.raises(FailedPrecondition):  # only rank 0 of 2 registered
-        d.state.plan(dpb.PlanTransferRequest(decode_engine_id="dtp"), None)
+        d.state.plan(dpb.PlanTransferRequest(decode_engine_id="dtp"), None)[0]
     empty = DirectoryState(Limits(), ManualClock().clock())
     with pytest.raises(ResourceExhausted):
         empty.plan(dpb.PlanTransferRequest(), None)
     with pytest.raises(InvalidArgument):
-        d.state.plan(dpb.PlanTransferRequest(), 10_000.0)
+        d.state.plan(dpb.PlanTransferRequest(), 10_000.0)[0]
 
 
 def test_transfer_cap_per_engine():

@@ -61,7 +61,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     @rule()
     def plan(self) -> None:
         try:
-            self.transfers.append(self.state.plan(dpb.PlanTransferRequest(), None).transfer_id)
+            self.transfers.append(self.state.plan(dpb.PlanTransferRequest(), None)[0].transfer_id)
         except DirectoryError:
             pass
 
@@ -248,7 +248,7 @@ def test_any_order_of_allocation_and_readiness_dispatches_exactly_once(order):
     for engine_id, role in (("p1", PREFILL), ("d1", DECODE)):
         worker, _ = state.register(register_request(engine_id, role))
     session, _ = state.open_session("p1", 0, state.get_engine("p1")[0].lease_id)
-    tid = state.plan(dpb.PlanTransferRequest(), None).transfer_id
+    tid = state.plan(dpb.PlanTransferRequest(), None)[0].transfer_id
     instructions = 0
     for step in order:
         if step == "alloc":
