@@ -33,6 +33,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -185,7 +186,8 @@ class Stack:
             raise
         return self
 
-    def _start_gateway(self, mode: str, first_token: bool) -> GatewayHandle:
+    def _start_gateway(self, mode: str, first_token: bool, extra_args: tuple[str, ...] = (),
+                       name: str = "") -> GatewayHandle:
         port = free_port()
         argv = [sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1", "--port", str(port),
                 "--mode", mode, "--prefill-timeout", "300", "--decode-timeout", "300"]
@@ -196,8 +198,9 @@ class Stack:
             argv += ["--prefill-url", self.engines["prefill"].url, "--decode-url", self.engines["decode"].url]
         if mode == "nixl-push":
             argv += ["--prefill-engine-id", "nixl-push-prefill", "--prefill-side-channel", "127.0.0.1:5611"]
-        proc = ManagedProcess(f"gateway-{mode}", argv, self.log_dir / f"gateway-{mode}.log",
-                              env={"KVPUSH_LOG_FORMAT": "json"})
+        argv += list(extra_args)
+        name = f"gateway-{mode}{name}"
+        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env={"KVPUSH_LOG_FORMAT": "json"})
         proc.start()
         url = f"http://127.0.0.1:{port}"
         proc.wait_ready(lambda: http_ok(url + "/health"), 60.0, progress=say)
@@ -633,19 +636,25 @@ def run_hops(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpush-gpu-hops-"))
     stack = Stack(args, model_dir, log_dir)
     pairs: list[dict[str, Any]] = []
+    gateway_b = None
     try:
         stack.start("kvpush-first-token", with_colocated=False)
+        if args.gateway_b_args is not None:  # a second gateway side by side: kind kvpush_b in every round
+            gateway_b = stack._start_gateway("kvpush", True, tuple(shlex.split(args.gateway_b_args)), name="-b")
         body = {"model": SERVED_NAME, "max_tokens": args.output_tokens, "temperature": 0.0, "ignore_eos": True}
         for i in range(args.warmup + args.iterations):
             prompt = prompt_of(args.prompt_tokens, seed=1000 + i, vocab=config["vocab_size"])
             pair = hops_bench.measure_round(i, prompt, body, stack.gateway.url, stack.engines["prefill"].url,
-                                            stack.client, PREFILL_ID, DECODE_ID, args.gap_s)
+                                            stack.client, PREFILL_ID, DECODE_ID, args.gap_s,
+                                            gateway_b.url if gateway_b else "")
             if i >= args.warmup:
                 record = stack.transfer(pair["transfer_id"])
                 pair["state"] = record.get("state")
                 pair["transfer_hops_ms"] = transfer_hops(record)
                 pairs.append(pair)
     finally:
+        if gateway_b is not None:
+            gateway_b.process.stop(grace_s=5.0)
         stack.stop()
     hop_names = sorted({hop for pair in pairs for hop in pair["transfer_hops_ms"]})
     report = {
@@ -801,6 +810,9 @@ def main(argv: list[str] | None = None) -> int:
     hops.add_argument("--output-tokens", type=int, default=8)
     hops.add_argument("--gap-s", type=float, default=0.3, help="pause between requests (low load)")
     hops.add_argument("--tag", default="")
+    hops.add_argument("--gateway-b-args", default=None,
+                      help="start a second gateway with these extra flags (e.g. --no-prefill-before-plan) and send "
+                           "every round through it too (kind kvpush_b)")
     plot = sub.add_parser("plot")
     plot.add_argument("results", nargs="+")
     plot.add_argument("--png", default=str(Path(__file__).parent / "results" / "gpu_serve.png"))
