@@ -306,23 +306,25 @@ class DirectoryState:
                     cancellation=dpb.Cancellation(transfer_id=transfer_id, reason=reason)))
                 fx.prefill_outboxes.add((early.engine_id, rank))
 
-    def _drop_early(self, engine_id: str, tp_rank: int | None = None) -> None:
-        """Forget early readiness of an engine (one rank: its session ended) whose work on it already stopped."""
+    def _drop_early(self, engine_id: str, tp_rank: int) -> None:
+        """Forget the early readiness of a rank whose session or registration ended (its work on it stopped). A
+        stopped hold stays (a late plan is still refused) while its engine is registered."""
         for transfer_id, early in list(self._early.items()):
             if early.engine_id != engine_id:
                 continue
-            if tp_rank is not None:
-                early.events.pop(tp_rank, None)
-            if tp_rank is None or not early.events:
+            early.events.pop(tp_rank, None)
+            if not early.events and not early.stopped:
                 del self._early[transfer_id]
-                if not early.stopped:
-                    self.observer.on_early_readiness("dropped")
+                self.observer.on_early_readiness("dropped")
+            elif not early.events and engine_id not in self.engines.groups:
+                del self._early[transfer_id]
 
     def _mint(self, request: dpb.PlanTransferRequest, prefill: EngineGroup, decode: EngineGroup,
               ttl: float) -> TransferRecord:
         wall = self.clock.wall()
         record = TransferRecord(
-            transfer_id=request.transfer_id or self.new_transfer_id(), sequence=next(self._transfer_sequence), request_id=request.request_id,
+            transfer_id=request.transfer_id or self.new_transfer_id(), sequence=next(self._transfer_sequence),
+            request_id=request.request_id,
             prefill_engine_id=prefill.engine_id, decode_engine_id=decode.engine_id, tp_size=prefill.tp_size,
             layer_count=prefill.layout().layer_count, trace_context=request.trace_context, create_wall=wall,
             deadline=self.clock.monotonic() + ttl, deadline_wall=wall + ttl,

@@ -168,3 +168,20 @@ def test_an_early_rank_that_stops_or_loses_its_session_is_let_go():
     assert d.state.early_transfer_count() == 0 and d.outcomes.seen == ["dropped", "dropped"]
     record, _ = d.plan("b" * 32)  # a plan after that gets a transfer with nothing ready
     assert not record.ready and d.state.check_invariants() == []
+
+
+def test_a_stopped_hold_outlives_the_session_but_not_the_engine():
+    """After the hold ran out, a broken session still leaves the late plan refused; the engine's lease lapsing
+    forgets it (nothing of an unregistered engine is kept)."""
+    d = Directory()
+    d.early()
+    d.time.advance(HOLD_S + 0.1)
+    d.state.reap()
+    d.state.close_session("p1", 0, d.sessions["p1"], "stream broke")
+    with pytest.raises(FailedPrecondition):
+        d.plan()
+    assert d.state.early_transfer_count() == 1
+    for _ in range(17):  # to 10.6 s: past p1's lease (no renewals here), before the hold's age limit (2 s + TTL)
+        d.time.advance(0.5)  # reaped often: one long gap would read as the directory's own stall
+        d.state.reap()
+    assert d.state.early_transfer_count() == 0 and d.state.check_invariants() == []
