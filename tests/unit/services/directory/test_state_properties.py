@@ -22,6 +22,9 @@ STATUSES = (dpb.WRITE_RESULT_STATUS_PROGRESS, dpb.WRITE_RESULT_STATUS_DONE, dpb.
             dpb.WRITE_RESULT_STATUS_CANCELLED)
 LEASE_TTL = 10.0
 TRANSFER_TTL = 30.0
+# Caller-named transfers (the gateway's prefill before plan): readiness may come before their plan.
+NAMED = tuple(c * 32 for c in "abcd")
+EARLY_HOLD = 2.0
 
 
 class DirectoryMachine(RuleBasedStateMachine):
@@ -35,7 +38,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.state = DirectoryState(
             # Time jumps model time passing while the directory reaps regularly, not a directory stall.
             Limits(lease_ttl_s=LEASE_TTL, transfer_ttl_s=TRANSFER_TTL, max_active_transfers_per_engine=8,
-                   reap_stall_threshold_s=1e9),
+                   reap_stall_threshold_s=1e9, early_readiness_hold_s=EARLY_HOLD, max_early_transfers_per_engine=3),
             self.time.clock())
         self.transfers: list[str] = []
         self.terminal_seen: dict[str, int] = {}
@@ -62,6 +65,29 @@ class DirectoryMachine(RuleBasedStateMachine):
     def plan(self) -> None:
         try:
             self.transfers.append(self.state.plan(dpb.PlanTransferRequest(), None)[0].transfer_id)
+        except DirectoryError:
+            pass
+
+    @rule(data=st.data(), name=st.sampled_from(NAMED), engine=st.sampled_from(["p1", "p2"]), first=st.integers(0, 3))
+    def early_ready(self, data, name, engine, first) -> None:
+        """Readiness of a leg sent before its plan (plan_in_flight), for a named id planned or not."""
+        self.state.report_ready(engine, self._rank(data), [ready(name, first, 4, plan_in_flight=True)])
+
+    @rule(name=st.sampled_from(NAMED), engine=st.sampled_from(["p1", "p2"]))
+    def plan_named(self, name, engine) -> None:
+        try:
+            record, _ = self.state.plan(dpb.PlanTransferRequest(transfer_id=name, prefill_engine_id=engine,
+                                                                request_id=f"r-{name[0]}"), None)
+        except DirectoryError:
+            return
+        if record.transfer_id not in self.transfers:
+            self.transfers.append(record.transfer_id)
+
+    @rule(data=st.data(), name=st.sampled_from(NAMED), engine=st.sampled_from(["p1", "p2"]),
+          status=st.sampled_from(STATUSES))
+    def early_result(self, data, name, engine, status) -> None:
+        try:
+            self.state.report_result(engine, self._rank(data), result(name, status))
         except DirectoryError:
             pass
 
@@ -165,6 +191,9 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.time.advance(seconds)
         self.state.reap()
         now = self.time.now
+        for early in self.state._early.values():  # a hold past its bound was stopped by this reap
+            assert early.stopped or now - early.since <= EARLY_HOLD
+            assert now - early.since <= EARLY_HOLD + LEASE_TTL
         for record in self.state.live_transfers():
             self._live_within_bounds(record, now)
         for engine_id, _ in ENGINES:
@@ -217,6 +246,10 @@ class DirectoryMachine(RuleBasedStateMachine):
             elif record.terminal:
                 self.terminal_seen[tid] = record.state
             assert record.state != tpb.TRANSFER_STATE_UNSPECIFIED
+
+    @invariant()
+    def early_holds_bounded(self) -> None:
+        assert self.state.early_transfer_count() <= len(NAMED)
 
     @invariant()
     def counters_never_negative(self) -> None:
