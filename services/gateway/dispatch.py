@@ -412,10 +412,12 @@ class Dispatcher:
             # Prefill's answer is the whole answer (EOS or a stop on its first token): end the stream now and stop
             # the decode leg, whose engine would only produce the same token.
             out = await self._open_client_stream(http_request, route, outcome)
-            await out.write(first_token.first_events(request, token))
+            events, done, _ = first_token.first_events(request, token).partition(first_token.DONE_EVENT)
+            await out.write(events)
             outcome.first_token_ms = (time.monotonic() - started) * 1000
-            await out.write_eof()
             await self._stop_decode_leg(stream_task, route, "the prefill leg finished the request")
+            await out.write(done)  # the stream ends once the transfer is ended
+            await out.write_eof()
             return out
         held_back = first_token.hold_back_reason(request, token)
         if held_back:
@@ -459,7 +461,7 @@ class Dispatcher:
                 await asyncio.shield(self._router.cancel(route, message))
                 outcome.kv_delivered = True
             event = {"error": {"message": message[:500], "type": "bad_gateway", "code": code}}
-            await out.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
+            await out.write(b"data: " + json.dumps(event).encode() + b"\n\n" + first_token.DONE_EVENT)
         await out.write_eof()
         return out
 
@@ -474,7 +476,7 @@ class Dispatcher:
             raise bad_gateway(f"prefill engine at {route.prefill_url}: {error}") from error
         # Decode never allocated, so ending the transfer frees prefill's blocks and changes nothing on decode.
         outcome.kv_delivered = True  # nothing left for a later failure to cancel
-        # The cancellation's round trip runs while the answer goes out; the handler still ends only after it.
+        # The cancellation's round trip runs while the answer goes out; the answer ends only after it.
         cancelled = asyncio.ensure_future(
             self._router.cancel(route, "first token only: the prefill leg finished the request"))
         if not request.stream:
@@ -487,9 +489,11 @@ class Dispatcher:
             await asyncio.shield(cancelled)
             return self._json_response(answer, route, outcome)
         out = await self._open_client_stream(http_request, route, outcome)
-        await out.write(first_token.first_events(request, token))
+        events, done, _ = first_token.first_events(request, token).partition(first_token.DONE_EVENT)
+        await out.write(events)
         outcome.first_token_ms = (time.monotonic() - started) * 1000
         await asyncio.shield(cancelled)
+        await out.write(done)  # the stream ends ([DONE]) once the transfer is ended, as a JSON answer does
         await out.write_eof()
         return out
 

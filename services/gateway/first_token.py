@@ -174,6 +174,10 @@ def _sse(event: dict) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
+# The SSE event that ends a stream.
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
 def first_events(request: ClientRequest, token: PrefillToken) -> bytes:
     """The stream's first SSE event(s) from prefill's answer; complete with usage and [DONE] if it finished."""
     body = request.body
@@ -202,7 +206,7 @@ def first_events(request: ClientRequest, token: PrefillToken) -> bytes:
         if options.get("include_usage") and token.usage:
             out += _sse({"id": token.response_id, "object": obj, "created": token.created, "model": token.model,
                          "choices": [], "usage": token.usage})
-        out += b"data: [DONE]\n\n"
+        out += DONE_EVENT
     return out
 
 
@@ -250,7 +254,7 @@ class DecodeStreamRewriter:
             return raw + b"\n\n" if line else b""
         data = line[5:].strip()
         if data == b"[DONE]":
-            return b"data: [DONE]\n\n"
+            return DONE_EVENT
         try:
             event = json.loads(data)
         except ValueError:
