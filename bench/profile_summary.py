@@ -5,6 +5,10 @@ for each thread, the outermost kvpush frame and the leaf frames under kvpush, mo
 (and to --out).
 
     python bench/profile_summary.py prefill_prof.txt [--top 12] [--out bench/results/NAME.json]
+                                    [--marker kvpush/ --marker /work/main/connector/ ...]
+
+A frame is kvpush's when its file path holds a marker: `kvpush/` for an installed wheel (the GPU machine); a
+checkout installed in place (this repository's venv) needs its folders, e.g. `--marker /work/main/connector/`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def parse_line(line: str) -> tuple[str, str, list[str], int] | None:
     return None
 
 
-def summarise(lines, top: int = 12) -> dict:
+def summarise(lines, top: int = 12, markers: tuple[str, ...] = ("kvpush/",)) -> dict:
     samples: collections.Counter = collections.Counter()
     in_kvpush: collections.Counter = collections.Counter()
     outer: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
@@ -49,7 +53,7 @@ def summarise(lines, top: int = 12) -> dict:
         process, thread, frames, count = parsed
         key = (process, thread)
         samples[key] += count
-        kvpush = [i for i, frame in enumerate(frames) if "kvpush/" in frame]
+        kvpush = [i for i, frame in enumerate(frames) if any(marker in frame for marker in markers)]
         if kvpush:
             in_kvpush[key] += count
             outer[key][frames[kvpush[0]]] += count
@@ -66,9 +70,12 @@ def main(argv=None) -> int:
     parser.add_argument("profile", type=Path)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--marker", action="append", default=None,
+                        help="a path fragment of kvpush's files (repeatable; default kvpush/)")
     args = parser.parse_args(argv)
+    markers = tuple(args.marker or ("kvpush/",))
     with args.profile.open() as lines:
-        summary = {"profile": args.profile.name, **summarise(lines, args.top)}
+        summary = {"profile": args.profile.name, "markers": list(markers), **summarise(lines, args.top, markers)}
     text = json.dumps(summary, indent=1)
     print(text)
     if args.out:

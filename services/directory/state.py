@@ -273,8 +273,8 @@ class DirectoryState:
         early = self._early.get(event.transfer_id)
         if early is None:
             group = self.engines.groups.get(engine_id)
-            if group is None:
-                raise NotFound(f"engine {engine_id!r} is not registered")
+            if group is None or tp_rank not in group.workers:
+                raise NotFound(f"engine {engine_id!r} rank {tp_rank} is not registered")
             held = sum(1 for e in self._early.values() if e.engine_id == engine_id)
             if held >= self.limits.max_early_transfers_per_engine:
                 raise ResourceExhausted(f"engine {engine_id!r} holds readiness for {held} unplanned transfers; "
@@ -307,17 +307,18 @@ class DirectoryState:
                 fx.prefill_outboxes.add((early.engine_id, rank))
 
     def _drop_early(self, engine_id: str, tp_rank: int) -> None:
-        """Forget the early readiness of a rank whose session or registration ended (its work on it stopped). A
-        stopped hold stays (a late plan is still refused) while its engine is registered."""
+        """Forget the early readiness of a rank whose session or registration ended (its work on it stopped); every
+        hold of an engine that is no longer registered goes."""
+        registered = engine_id in self.engines.groups
         for transfer_id, early in list(self._early.items()):
             if early.engine_id != engine_id:
                 continue
             early.events.pop(tp_rank, None)
-            if not early.events and not early.stopped:
-                del self._early[transfer_id]
+            if registered and (early.events or early.stopped):
+                continue  # other ranks still hold readiness, or a stopped hold still refuses a late plan
+            del self._early[transfer_id]
+            if not early.stopped:
                 self.observer.on_early_readiness("dropped")
-            elif not early.events and engine_id not in self.engines.groups:
-                del self._early[transfer_id]
 
     def _mint(self, request: dpb.PlanTransferRequest, prefill: EngineGroup, decode: EngineGroup,
               ttl: float) -> TransferRecord:
@@ -716,7 +717,7 @@ class DirectoryState:
                 early.stopped = True
                 self._stop_early(transfer_id, early, f"no PlanTransfer named this transfer within {hold}s", fx)
                 self.observer.on_early_readiness("expired")
-            elif early.stopped and now - early.since > hold + self.limits.lease_ttl_s:
+            if early.stopped and now - early.since > hold + self.limits.lease_ttl_s:
                 del self._early[transfer_id]
 
     def early_transfer_count(self) -> int:

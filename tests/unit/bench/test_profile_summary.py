@@ -29,3 +29,12 @@ def test_samples_and_kvpush_frames_per_thread():
     assert (io["samples"], io["samples_in_kvpush"]) == (8, 8)
     # The command line's "kvpush.connector" is not a frame: the first thread's kvpush count is 5, not 25.
     assert list(threads)[0] == ("9 VLLM::EngineCore", "MainThread")
+
+
+def test_markers_name_the_files_of_a_checkout_installed_in_place():
+    """With the repository's own folders as markers, its frames count (here: none says kvpush/)."""
+    lines = ['process 9:"VLLM::EngineCore";thread (11): kvpush-nixl-io;'
+             "TransferAgent._loop (/repo/connector/dataplane/agent.py:272) 8\n"]
+    summarise = load_bench("profile_summary").summarise
+    assert summarise(lines)["threads"][0]["samples_in_kvpush"] == 0
+    assert summarise(lines, markers=("/repo/connector/",))["threads"][0]["samples_in_kvpush"] == 8

@@ -185,3 +185,19 @@ def test_a_stopped_hold_outlives_the_session_but_not_the_engine():
         d.time.advance(0.5)  # reaped often: one long gap would read as the directory's own stall
         d.state.reap()
     assert d.state.early_transfer_count() == 0 and d.state.check_invariants() == []
+
+
+def test_an_unregistered_rank_holds_nothing_and_one_late_reap_stops_and_forgets():
+    """Found by the property test: readiness of a rank with no registration is NOT_FOUND (a hold of it would
+    outlive its engine); the first reap after the hold's end plus a lease TTL stops it and forgets it at once."""
+    d = Directory()
+    _, refused = d.state.report_ready("p1", 1, [ready(TID, 0, 4, plan_in_flight=True)])
+    assert [type(error) for _, error in refused] == [NotFound] and d.state.early_transfer_count() == 0
+    d.early()
+    d.time.advance(9)  # no reap meanwhile (the directory's first); the leases are renewed, so p1 stays
+    for engine in ("p1", "p2", "d1"):
+        d.state.renew(d.state.get_engine(engine)[0].lease_id, None)
+    d.time.advance(HOLD_S + 10 + 1 - 9)
+    effects = d.state.reap()
+    assert effects.prefill_outboxes == {("p1", 0)} and d.outbox()[0].cancellation.transfer_id == TID
+    assert d.state.early_transfer_count() == 0 and d.state.check_invariants() == []
