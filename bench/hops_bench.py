@@ -129,6 +129,12 @@ def _median(values) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
+def _decile(values, which: int) -> float | None:
+    """The `which`-th decile (1: p10, 9: p90) of the values, by the nearest rank below."""
+    values = sorted(values)
+    return round(values[len(values) * which // 10], 3) if values else None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=30)
@@ -208,10 +214,18 @@ def split_of(pairs: list[dict]) -> dict[str, float | None]:
         "connector_on_prefill": _median(p["p_leg_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
         "gateway": _median(p["kvpush_one_token_ttft_ms"] - p["p_leg_ttft_ms"] for p in pairs),
         "decode_leg": _median(p["kvpush_ttft_ms"] - p["kvpush_one_token_ttft_ms"] for p in pairs),
-        **({"kvpush_b_ttft": _median(p["kvpush_b_ttft_ms"] for p in pairs),
-            "kvpush_b_minus_kvpush": _median(p["kvpush_b_ttft_ms"] - p["kvpush_ttft_ms"] for p in pairs)}
-           if pairs and "kvpush_b_ttft_ms" in pairs[0] else {}),
+        **(_b_against_a(pairs) if pairs and "kvpush_b_ttft_ms" in pairs[0] else {}),
     }
+
+
+def _b_against_a(pairs: list[dict]) -> dict[str, float | int | None]:
+    """The second gateway (kvpush_b) against the first, per round: median, p10 and p90 of b − a, rounds b was slower."""
+    differences = [p["kvpush_b_ttft_ms"] - p["kvpush_ttft_ms"] for p in pairs]
+    return {"kvpush_b_ttft": _median(p["kvpush_b_ttft_ms"] for p in pairs),
+            "kvpush_b_minus_kvpush": _median(differences),
+            "kvpush_b_minus_kvpush_p10": _decile(differences, 1),
+            "kvpush_b_minus_kvpush_p90": _decile(differences, 9),
+            "kvpush_b_slower_rounds": sum(d > 0 for d in differences)}
 
 
 def main(argv=None) -> int:

@@ -35,3 +35,15 @@ def test_hops_are_the_differences_of_span_and_record_times():
                    "decode_notified": 1.0, "prefill_answer": 10.0, "prefill_finished": 2.0, "answer_http": 8.0,
                    "to_client": 1.0}
     assert set(got) == set(hops.HOPS)
+
+
+def test_a_second_gateway_is_compared_round_by_round():
+    """kvpush_b against kvpush: the median, p10 and p90 of the per-round differences and how often b was slower."""
+    hops = load_bench("hops_bench")
+    kinds = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
+    pairs = [{**{f"{k}_ttft_ms": 10.0 for k in kinds}, "kvpush_b_ttft_ms": 10.0 + d} for d in range(-3, 7)]
+    split = hops.split_of(pairs)
+    assert (split["kvpush_b_minus_kvpush"], split["kvpush_b_minus_kvpush_p10"], split["kvpush_b_minus_kvpush_p90"],
+            split["kvpush_b_slower_rounds"]) == (1.5, -2.0, 6.0, 6)
+    assert "kvpush_b_ttft" not in hops.split_of([{k: v for k, v in p.items() if k != "kvpush_b_ttft_ms"}
+                                                 for p in pairs])
