@@ -32,6 +32,7 @@ from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures import metrics
+from tests.fixtures.directory import wait_for_transfer
 
 BLOCK_SIZE = 128
 MAX_BATCHED_TOKENS = 256
@@ -145,12 +146,7 @@ class ConnectorStack:
 
     def wait_transfer(self, transfer_id: str, states: set[int], timeout_s: float = 60.0):
         """Poll GetTransfer until its state is in `states` (bounded); return the transfer."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            transfer = self.directory.get_transfer(transfer_id)
-            if transfer.state in states or time.monotonic() > deadline:
-                return transfer
-            time.sleep(0.05)
+        return wait_for_transfer(self.directory.get_transfer, transfer_id, states, timeout_s)
 
     # ---------------------------------------------------------------- inspection
 
