@@ -646,7 +646,8 @@ def run_hops(args: argparse.Namespace) -> int:
             prompt = prompt_of(args.prompt_tokens, seed=1000 + i, vocab=config["vocab_size"])
             pair = hops_bench.measure_round(i, prompt, body, stack.gateway.url, stack.engines["prefill"].url,
                                             stack.client, PREFILL_ID, DECODE_ID, args.gap_s,
-                                            gateway_b.url if gateway_b else "")
+                                            gateway_b.url if gateway_b else "",
+                                            stack.engines["prefill"].url if args.engine_stages else "")
             if i >= args.warmup:
                 record = stack.transfer(pair["transfer_id"])
                 pair["state"] = record.get("state")
@@ -810,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     hops.add_argument("--output-tokens", type=int, default=8)
     hops.add_argument("--gap-s", type=float, default=0.3, help="pause between requests (low load)")
     hops.add_argument("--tag", default="")
+    hops.add_argument("--engine-stages", action=argparse.BooleanOptionalAction, default=True,
+                      help="the prefill engine's stages per kind from its /metrics around every request")
     hops.add_argument("--gateway-b-args", default=None,
                       help="start a second gateway with these extra flags (e.g. --no-prefill-before-plan) and send "
                            "every round through it too (kind kvpush_b)")

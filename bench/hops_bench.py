@@ -16,6 +16,9 @@ one at a time (low load), alternating two kinds on the same random token-id prom
                it is what the concurrent decode leg and the push add.
   * kvpush_b   (with --gateway-b-args) kvpush through a second gateway started with those flags against the same
                directory and engines: a gateway change against the default, side by side in one run.
+With --engine-stages the prefill engine's /metrics is scraped before and after every request (outside its TTFT),
+so each kind also gets vLLM's own stages on the prefill engine (ENGINE_STAGES: engine TTFT, queue, prefill =
+scheduled -> first token), and connector_on_prefill is split by them (`engine_connector_on_prefill_<stage>`).
 TTFT = request sent -> first SSE event at the client. Per kvpush request the hops come from its trace (gateway
 spans, the engines' kvpush.push / kvpush.receive) and its directory record (plan, allocation, first readiness,
 instruction, end; prefill's write and prefill-end times), all wall clock on one machine:
@@ -41,7 +44,7 @@ Figures: each hop's median, TTFT medians of every kind and the headline "kvpush 
 per-pair differences), split by the kinds above into connector_on_prefill (p_leg - p_alone), gateway
 (kvpush_one_token - p_leg) and decode_leg (kvpush - kvpush_one_token), each a median of per-round differences. JSON to bench/results/hops-<UTC time>.json.
 
-    python bench/hops_bench.py [--iterations 30] [--prompt-tokens 512] [--max-tokens 8]
+    python bench/hops_bench.py [--iterations 30] [--prompt-tokens 512] [--max-tokens 8] [--engine-stages]
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shlex
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +67,14 @@ from kvpush.localstack.client import call, stream_completion  # noqa: E402
 
 # Every kind of request of one round (module docstring); the order rotates from round to round.
 KINDS = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
+
+# vLLM's per-request histograms on the prefill engine (seconds), by the name the benches report them under: engine
+# TTFT = arrival at the API server's engine client -> first token; queue = arrival in the engine core -> first
+# scheduled; prefill = first scheduled -> first token.
+ENGINE_STAGES = {"engine_ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+                 "prefill": "vllm:request_prefill_time_seconds"}
+# The kinds whose request reaches the prefill engine; with a stages URL each gets its engine stages per round.
+KINDS_ON_PREFILL = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token", "kvpush_b")
 
 HOPS = ("gateway_in", "before_plan", "plan", "legs_sent", "decode_allocated", "first_ready", "instruction",
         "writes", "prefill_compute", "completion", "decode_notified", "prefill_answer", "prefill_finished",
@@ -135,6 +148,33 @@ def _decile(values, which: int) -> float | None:
     return round(values[len(values) * which // 10], 3) if values else None
 
 
+def stage_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of each ENGINE_STAGES histogram in a Prometheus text page (summed over label sets)."""
+    totals = {}
+    for stage, name in ENGINE_STAGES.items():
+        found = []
+        for suffix in ("_sum", "_count"):
+            pattern = rf"^{re.escape(name)}{suffix}(?:\{{[^}}]*\}})? (\S+)$"
+            found.append(sum(float(m.group(1)) for m in re.finditer(pattern, metrics_text, re.M)))
+        totals[stage] = (found[0], found[1])
+    return totals
+
+
+def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
+    """Each stage's mean over the requests that finished between two scrapes (ms; None when none did)."""
+    means = {}
+    for stage in ENGINE_STAGES:
+        count = after[stage][1] - before[stage][1]
+        means[stage] = round((after[stage][0] - before[stage][0]) / count * 1e3, 3) if count else None
+    return means
+
+
+def scrape_stages(url: str) -> dict[str, tuple[float, float]]:
+    """stage_totals of the engine at `url` (its API server's /metrics)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        return stage_totals(response.read().decode())
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=30)
@@ -144,6 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gap-s", type=float, default=0.3, help="pause between requests (low load)")
     parser.add_argument("--gateway-b-args", default=None,
                         help="start a second gateway with these flags (e.g. \"--uvloop\") and add kind kvpush_b")
+    parser.add_argument("--engine-stages", action="store_true",
+                        help="scrape the prefill engine's /metrics around every request: its stages per kind")
     parser.add_argument("--connector-extra", type=json.loads, default={},
                         help="more kv_connector_extra_config for both engines, JSON (e.g. '{\"nixl_notif_poll_s\": 0.01}')")
     parser.add_argument("--log-dir", type=Path, default=None)
@@ -152,53 +194,67 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def measure_round(index: int, prompt: list[int], body: dict, gateway_url: str, prefill_url: str, client,
-                  prefill_engine_id: str, decode_engine_id: str, gap_s: float, gateway_b_url: str = "") -> dict:
+                  prefill_engine_id: str, decode_engine_id: str, gap_s: float, gateway_b_url: str = "",
+                  stages_url: str = "") -> dict:
     """One round: every kind of KINDS (and kvpush_b with `gateway_b_url`) on `prompt`, one at a time, in the
     order rotated by `index`.
 
     Returns each kind's TTFT (`<kind>_ttft_ms`), and for the kvpush request its transfer id, send time and
-    the prefill push timeline's request-finished time (when the answer carried it).
+    the prefill push timeline's request-finished time (when the answer carried it). With `stages_url` (the
+    prefill engine's API server) each kind's request also gets the prefill engine's stages (`<kind>_engine_ms`:
+    ENGINE_STAGES from its /metrics scraped before and after that request alone).
     """
     kinds = KINDS + (("kvpush_b",) if gateway_b_url else ())
     order = kinds[index % len(kinds):] + kinds[:index % len(kinds)]  # each kind in each place equally often
     pair: dict = {}
     for kind in order:
         time.sleep(gap_s)
-        sent_wall = time.time()
-        if kind == "kvpush_b":
-            result = stream_completion(gateway_b_url + "/v1/completions", {**body, "prompt": prompt}, timeout_s=120)
-        elif kind == "kvpush":
-            result = stream_completion(gateway_url + "/v1/completions", {**body, "prompt": prompt}, timeout_s=120)
-            pair["transfer_id"] = result.headers.get("x-kvpush-transfer-id", "")
-            pair["sent_wall"] = sent_wall
-            params = json.loads(result.headers.get("x-kvpush-prefill-params") or "{}")
-            pair["request_finished_wall"] = (params.get("push_timeline") or {}).get("request_finished_time")
-        elif kind == "kvpush_one_token":
-            result = stream_completion(gateway_url + "/v1/completions", {**body, "prompt": prompt, "max_tokens": 1},
-                                       timeout_s=120)
-        elif kind == "p_leg":
-            planned = client.plan_transfer(prompt_token_count=len(prompt), prefill_engine_id=prefill_engine_id,
-                                           decode_engine_id=decode_engine_id)
-            transfer_id = planned.transfer.transfer_id
-            result = stream_completion(prefill_url + "/v1/completions", {
-                **body, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
-                    "transfer_id": transfer_id, "do_remote_decode": True, "first_token_from_prefill": True}},
-                timeout_s=120)
-            client.cancel_transfer(transfer_id, "hops bench: a prefill leg without decode")
-        elif kind == "p_alone":
-            result = stream_completion(prefill_url + "/v1/completions", {**body, "prompt": prompt, "max_tokens": 1},
-                                       timeout_s=120)
-        else:
-            answer = call("POST", prefill_url + "/v1/completions", {**body, "prompt": prompt, "max_tokens": 1},
-                          timeout_s=120)
-            if answer.status != 200:
-                raise RuntimeError(f"{kind} request failed: {answer.status} {answer.text[:200]}")
-            pair[f"{kind}_ttft_ms"] = round(answer.elapsed_s * 1000, 3)
-            continue
-        if result.status != 200 or result.error:
-            raise RuntimeError(f"{kind} request failed: {result.status} {result.error}")
-        pair[f"{kind}_ttft_ms"] = round(result.ttft_s * 1000, 3)
+        before = scrape_stages(stages_url) if stages_url else None
+        _send(kind, pair, prompt, body, gateway_url, prefill_url, client, prefill_engine_id, decode_engine_id,
+              gateway_b_url)
+        if before is not None:
+            time.sleep(0.05)  # vLLM records a finished request's stats as it answers it: let that land
+            pair[f"{kind}_engine_ms"] = stage_means(before, scrape_stages(stages_url))
     return pair
+
+
+def _send(kind: str, pair: dict, prompt: list[int], body: dict, gateway_url: str, prefill_url: str, client,
+          prefill_engine_id: str, decode_engine_id: str, gateway_b_url: str) -> None:
+    """One request of `kind` (module docstring); its TTFT and the kvpush request's transfer go into `pair`."""
+    sent_wall = time.time()
+    if kind == "kvpush_b":
+        result = stream_completion(gateway_b_url + "/v1/completions", {**body, "prompt": prompt}, timeout_s=120)
+    elif kind == "kvpush":
+        result = stream_completion(gateway_url + "/v1/completions", {**body, "prompt": prompt}, timeout_s=120)
+        pair["transfer_id"] = result.headers.get("x-kvpush-transfer-id", "")
+        pair["sent_wall"] = sent_wall
+        params = json.loads(result.headers.get("x-kvpush-prefill-params") or "{}")
+        pair["request_finished_wall"] = (params.get("push_timeline") or {}).get("request_finished_time")
+    elif kind == "kvpush_one_token":
+        result = stream_completion(gateway_url + "/v1/completions", {**body, "prompt": prompt, "max_tokens": 1},
+                                   timeout_s=120)
+    elif kind == "p_leg":
+        planned = client.plan_transfer(prompt_token_count=len(prompt), prefill_engine_id=prefill_engine_id,
+                                       decode_engine_id=decode_engine_id)
+        transfer_id = planned.transfer.transfer_id
+        result = stream_completion(prefill_url + "/v1/completions", {
+            **body, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
+                "transfer_id": transfer_id, "do_remote_decode": True, "first_token_from_prefill": True}},
+            timeout_s=120)
+        client.cancel_transfer(transfer_id, "hops bench: a prefill leg without decode")
+    elif kind == "p_alone":
+        result = stream_completion(prefill_url + "/v1/completions", {**body, "prompt": prompt, "max_tokens": 1},
+                                   timeout_s=120)
+    else:
+        answer = call("POST", prefill_url + "/v1/completions", {**body, "prompt": prompt, "max_tokens": 1},
+                      timeout_s=120)
+        if answer.status != 200:
+            raise RuntimeError(f"{kind} request failed: {answer.status} {answer.text[:200]}")
+        pair[f"{kind}_ttft_ms"] = round(answer.elapsed_s * 1000, 3)
+        return
+    if result.status != 200 or result.error:
+        raise RuntimeError(f"{kind} request failed: {result.status} {result.error}")
+    pair[f"{kind}_ttft_ms"] = round(result.ttft_s * 1000, 3)
 
 
 def split_of(pairs: list[dict]) -> dict[str, float | None]:
@@ -215,7 +271,23 @@ def split_of(pairs: list[dict]) -> dict[str, float | None]:
         "gateway": _median(p["kvpush_one_token_ttft_ms"] - p["p_leg_ttft_ms"] for p in pairs),
         "decode_leg": _median(p["kvpush_ttft_ms"] - p["kvpush_one_token_ttft_ms"] for p in pairs),
         **(_b_against_a(pairs) if pairs and "kvpush_b_ttft_ms" in pairs[0] else {}),
+        **(_engine_split(pairs) if pairs and "p_leg_engine_ms" in pairs[0] else {}),
     }
+
+
+def _engine_split(pairs: list[dict]) -> dict[str, float | None]:
+    """The prefill engine's stages per kind (`engine_<kind>_<stage>`, medians) and the connector's cost on prefill
+    split by them (`engine_connector_on_prefill_<stage>`: p_leg − p_alone per round): what of p_leg's extra time is
+    inside vLLM's engine (scheduled -> first token, the queue) and what is outside (API server, HTTP)."""
+    split: dict[str, float | None] = {}
+    kinds = [kind for kind in KINDS_ON_PREFILL if f"{kind}_engine_ms" in pairs[0]]
+    for stage in ENGINE_STAGES:
+        for kind in kinds:
+            split[f"engine_{kind}_{stage}"] = _median(p[f"{kind}_engine_ms"][stage] for p in pairs)
+        split[f"engine_connector_on_prefill_{stage}"] = _median(
+            None if p["p_leg_engine_ms"][stage] is None or p["p_alone_engine_ms"][stage] is None
+            else p["p_leg_engine_ms"][stage] - p["p_alone_engine_ms"][stage] for p in pairs)
+    return split
 
 
 def _b_against_a(pairs: list[dict]) -> dict[str, float | int | None]:
@@ -255,7 +327,8 @@ def main(argv=None) -> int:
         for i in range(args.warmup + args.iterations):
             pair = measure_round(i, _prompt(args.prompt_tokens, seed=1000 + i), body, stack.gateway_url,
                                  stack.prefill.url, client, PREFILL_ENGINE_ID, DECODE_ENGINE_ID, args.gap_s,
-                                 gateway_b.url if gateway_b else "")
+                                 gateway_b.url if gateway_b else "",
+                                 stack.prefill.url if args.engine_stages else "")
             if i >= args.warmup:
                 pairs.append(pair)
         # Spans leave in batches, per process; wait (bounded) until every measured request's spans arrived.
@@ -290,7 +363,8 @@ def main(argv=None) -> int:
         "config": {"model": "tiny (localstack TinyModelSpec)", "link": "loopback", "prompt_tokens": args.prompt_tokens,
                    "max_tokens": args.max_tokens, "iterations": args.iterations, "first_token_from_prefill": True,
                    "load": "one request at a time", "machine": "2 cores shared with other work",
-                   "gateway_b_args": args.gateway_b_args, "connector_extra": args.connector_extra},
+                   "gateway_b_args": args.gateway_b_args, "connector_extra": args.connector_extra,
+                   "engine_stages": args.engine_stages},
         "median_ms": {**split_of(pairs), **{hop: _median(p["hops_ms"][hop] for p in pairs) for hop in HOPS}},
         "first_token_in_record": sum(p["first_token_in_record"] for p in pairs),
         # How many clients had their first token before the transfer ended, and by how much (median ms; < 0: after).

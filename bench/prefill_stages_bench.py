@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,9 +38,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import hops_bench  # noqa: E402
 from kvpush.localstack.client import stream_completion  # noqa: E402
 
-# vLLM's per-request histograms on the prefill engine (seconds), by the name this bench reports them under.
-STAGES = {"engine_ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
-          "prefill": "vllm:request_prefill_time_seconds"}
+STAGES = hops_bench.ENGINE_STAGES
 HOOKS = ("bind_connector_metadata", "start_load_kv", "save_kv_layer", "wait_for_save", "get_finished",
          "build_connector_worker_meta", "build_connector_meta", "update_connector_output", "request_finished",
          "get_num_new_matched_tokens", "update_state_after_alloc", "on_new_request")
@@ -79,32 +75,6 @@ def _install(folder, names):
 if os.environ.get("KVPUSH_BENCH_HOOK_TIMING"):
     _install(os.environ["KVPUSH_BENCH_HOOK_TIMING"], %r)
 '''
-
-
-def stage_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
-    """(sum seconds, count) of each STAGES histogram in a Prometheus text page (summed over label sets)."""
-    totals = {}
-    for stage, name in STAGES.items():
-        found = []
-        for suffix in ("_sum", "_count"):
-            pattern = rf"^{re.escape(name)}{suffix}(?:\{{[^}}]*\}})? (\S+)$"
-            found.append(sum(float(m.group(1)) for m in re.finditer(pattern, metrics_text, re.M)))
-        totals[stage] = (found[0], found[1])
-    return totals
-
-
-def block_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
-    """Each stage's mean over the requests between two scrapes (ms; None when none finished)."""
-    means = {}
-    for stage in STAGES:
-        count = after[stage][1] - before[stage][1]
-        means[stage] = round((after[stage][0] - before[stage][0]) / count * 1e3, 3) if count else None
-    return means
-
-
-def _scrape(url: str) -> dict[str, tuple[float, float]]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        return stage_totals(response.read().decode())
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -145,7 +115,7 @@ def main(argv=None) -> int:
         url, sent = stack.prefill.url, 0
         for block in range(args.blocks):
             for kind in (("p_alone", "p_leg") if block % 2 == 0 else ("p_leg", "p_alone")):
-                before, ttfts = _scrape(url), []
+                before, ttfts = hops_bench.scrape_stages(url), []
                 for _ in range(args.per_block):
                     time.sleep(args.gap_s)
                     sent += 1
@@ -165,7 +135,7 @@ def main(argv=None) -> int:
                     ttfts.append(result.ttft_s * 1e3)
                 time.sleep(0.5)  # the block's last request is in the histograms
                 blocks[kind].append({"client_ttft": round(statistics.median(ttfts), 3),
-                                     **block_means(before, _scrape(url))})
+                                     **hops_bench.stage_means(before, hops_bench.scrape_stages(url))})
         client.close()
     finally:
         stack.stop()

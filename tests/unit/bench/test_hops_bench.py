@@ -47,3 +47,23 @@ def test_a_second_gateway_is_compared_round_by_round():
             split["kvpush_b_slower_rounds"]) == (1.5, -2.0, 6.0, 6)
     assert "kvpush_b_ttft" not in hops.split_of([{k: v for k, v in p.items() if k != "kvpush_b_ttft_ms"}
                                                  for p in pairs])
+
+
+def test_the_engine_stages_split_the_connector_cost_round_by_round():
+    """With --engine-stages each kind carries the prefill engine's stages; split_of gives p_leg − p_alone per stage."""
+    hops = load_bench("hops_bench")
+    kinds = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
+
+    def stages(prefill: float, queue: float | None = 0.1) -> dict:
+        return {"engine_ttft": prefill + 1.0, "queue": queue, "prefill": prefill}
+
+    pairs = [{**{f"{k}_ttft_ms": 10.0 for k in kinds}, **{f"{k}_engine_ms": stages(5.0) for k in kinds},
+              "p_leg_engine_ms": stages(5.0 + extra, queue=None if extra == 3 else 0.1)} for extra in (1, 2, 3)]
+    split = hops.split_of(pairs)
+    assert split["engine_connector_on_prefill_prefill"] == 2.0
+    assert split["engine_connector_on_prefill_engine_ttft"] == 2.0
+    assert split["engine_connector_on_prefill_queue"] == 0.0  # the round without a queue figure is left out
+    assert (split["engine_p_leg_prefill"], split["engine_p_alone_prefill"]) == (7.0, 5.0)
+    assert "engine_kvpush_b_prefill" not in split
+    assert "engine_p_leg_prefill" not in hops.split_of([{k: v for k, v in p.items() if not k.endswith("_engine_ms")}
+                                                        for p in pairs])

@@ -1,4 +1,5 @@
-"""bench/prefill_stages_bench.py's pure part: stage means from two scrapes of vLLM's Prometheus page."""
+"""The prefill engine's stage means from two scrapes of vLLM's Prometheus page (bench/hops_bench.py, which
+prefill_stages_bench.py and hops_bench --engine-stages use)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,15 @@ def _page(ttft_sum: float, ttft_count: int, queue_sum: float, prefill_sum: float
     ])
 
 
-def test_block_means_are_the_differences_of_sums_over_counts():
-    bench = load_bench("prefill_stages_bench")
+def test_stage_means_are_the_differences_of_sums_over_counts():
+    bench = load_bench("hops_bench")
     before = bench.stage_totals(_page(1.0, 10, 0.01, 0.5, 10))
     after = bench.stage_totals(_page(1.2, 20, 0.0105, 0.65, 20))
-    means = bench.block_means(before, after)
+    means = bench.stage_means(before, after)
     assert means == {"engine_ttft": 20.0, "queue": 0.05, "prefill": 15.0}
 
 
 def test_a_block_without_finished_requests_has_no_mean():
-    bench = load_bench("prefill_stages_bench")
+    bench = load_bench("hops_bench")
     page = bench.stage_totals(_page(1.0, 10, 0.01, 0.5, 10))
-    assert bench.block_means(page, page) == {"engine_ttft": None, "queue": None, "prefill": None}
+    assert bench.stage_means(page, page) == {"engine_ttft": None, "queue": None, "prefill": None}
