@@ -56,6 +56,12 @@ class ConnectorConfig:
         0.004; 0 = never wait). Ends early on any signal; spares the CPU that back-to-back empty steps would
         burn. The empty step right after a forward never waits: on a one-process executor vLLM emits that
         forward's tokens only after it.
+    batch_layer_posts: on a GPU prefill engine, hand the push owner a step's layers after its first in one post at
+        wait_for_save instead of one post per save_kv_layer (default True). The host enqueues a forward well
+        before the GPU runs it; every post wakes the NIXL I/O thread, whose Python then takes the GIL from the
+        forward thread's kernel launches, once per layer. Each write still waits for its own layer's CUDA event,
+        and the step's first layer still goes at once (its readiness brings the instruction back while the
+        forward runs). No effect on CPU engines, whose layers are computed when save_kv_layer runs.
     metrics_port: serve this engine's kvpush_connector_* Prometheus metrics over HTTP (default 0: off): the
         worker of TP rank r on metrics_port + r, at /metrics (`connector.metrics`).
     fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it
@@ -81,6 +87,7 @@ class ConnectorConfig:
     push_timeout_s: float = 60.0
     message_queue_poll_s: float | None = 0.0001
     idle_step_wait_s: float = 0.004
+    batch_layer_posts: bool = True
     metrics_port: int = 0
     fault_stall_after_writes: int | None = None
     max_write_s: float = 10.0
@@ -151,6 +158,7 @@ class ConnectorConfig:
             message_queue_poll_s=_seconds(extra, "message_queue_poll_s", 0.0001 if cpu_platform else None,
                                           high=0.01, nullable=True),
             idle_step_wait_s=_seconds(extra, "idle_step_wait_s", 0.004, low_included=True, high=0.1),
+            batch_layer_posts=_bool(extra, "batch_layer_posts", True),
             metrics_port=_int(extra, "metrics_port", 0, minimum=0, maximum=65535),
             fault_stall_after_writes=(_int(extra, "fault_stall_after_writes", 0, minimum=0, maximum=1 << 30)
                                       if extra.get("fault_stall_after_writes") is not None else None),

@@ -142,6 +142,9 @@ class PrefillWorker:
         self._last_layer = len(layer_names) - 1
         self._step_has_chunks = False
         self._saved_this_step: set[int] = set()  # layers whose save_kv_layer ran in the current step
+        # GPU: a step's layers after its first reach the owner in one post at wait_for_save (config.batch_layer_posts).
+        self._batch_layer_posts = on_gpu and config.batch_layer_posts
+        self._held_layers: list[LayerSaved] = []
         self._step_last_chunks: list[str] = []  # requests whose prompt this step's forward completes
         self._prefill_ends: dict[str, float] = {}  # CPU: request -> when its last layer was saved
         self._empty_step = False  # this step schedules no tokens and follows one that scheduled none either
@@ -235,7 +238,8 @@ class PrefillWorker:
                 self._layer_saved(layer, event, now)
         self._step_has_chunks = False
         self._saved_this_step = set()
-        self._post(lambda: self.owner.step_saved(StepSaved()))
+        held, self._held_layers = self._held_layers, []
+        self._post(lambda: self.owner.layers_saved(held, StepSaved()))
 
     def get_finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Caller: engine thread, get_finished. Requests whose held blocks may be freed now, each once.
@@ -278,8 +282,15 @@ class PrefillWorker:
     # ---------------------------------------------------------------- engine-thread internals
 
     def _layer_saved(self, layer: int, event: Any, saved_at: float) -> None:
+        first_of_step = not self._saved_this_step
         self._saved_this_step.add(layer)
         message = LayerSaved(layer, event, saved_at)
+        if self._batch_layer_posts and not first_of_step:
+            # The host enqueues a GPU forward well ahead of the kernels, and each post wakes the I/O thread, whose
+            # Python then takes the GIL from this thread's kernel launches: hold the layers until wait_for_save.
+            # The step's first layer goes at once, so its readiness (and the instruction) overlap the forward.
+            self._held_layers.append(message)
+            return
         self._post(lambda: self.owner.layer_saved(message))
         if layer == self._last_layer and event is None:
             # CPU: prefill ended now. The step's timeline says so even if the owner has not caught up when this
@@ -442,6 +453,12 @@ class PushOwner:
                     self._transport.when_computed(message.event,
                                                   lambda end, r=request_id: self._prefill_ended(r, end))
             self._pump(live)
+
+    def layers_saved(self, layers: list[LayerSaved], step: StepSaved) -> None:
+        """The step's held layers, in order, then its end (wait_for_save's one post)."""
+        for layer in layers:
+            self.layer_saved(layer)
+        self.step_saved(step)
 
     def step_saved(self, message: StepSaved) -> None:
         """Queue this step's readiness (all layers of each chunk) to the directory."""

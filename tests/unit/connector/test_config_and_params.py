@@ -27,6 +27,7 @@ def test_producer_and_consumer_roles_parse_with_defaults():
     assert prefill.nixl_backends == ("UCX",) and prefill.nixl_enable_prog_thread is False
     assert decode.transfer_timeout_s == 60.0 and decode.fault_stall_after_writes is None
     assert decode.message_queue_poll_s == 0.0001 and decode.idle_step_wait_s == 0.004
+    assert prefill.batch_layer_posts is True
 
 
 def test_data_plane_polling_reaches_the_nixl_config():
@@ -68,6 +69,7 @@ def test_directory_settings_reach_the_channel_config():
     ({"directory_address": "h:1", "message_queue_poll_s": 0}, "message_queue_poll_s"),
     ({"directory_address": "h:1", "nixl_poll_max_s": 0}, "nixl_poll_max_s"),
     ({"directory_address": "h:1", "idle_step_wait_s": -1}, "idle_step_wait_s"),
+    ({"directory_address": "h:1", "batch_layer_posts": 1}, "batch_layer_posts"),
     ({"directory_address": "h:1", "message_queue_poll_s": 1}, "message_queue_poll_s"),
     ({"directory_address": "h:1", "directory_tls_client_cert": "c.pem"}, "directory settings refused"),
 ])

@@ -193,6 +193,7 @@ def test_a_held_push_past_its_bound_is_cancelled_failed_and_released():
     worker.begin_step(_step(40))
     for layer in LAYERS:
         worker.save_kv_layer(layer)
+    worker.wait_for_save()
     worker.on_instruction(_instruction(40))
     worker.begin_step(KVPushMetadata(held_prefills=["r1"]))
     loop.run()
@@ -229,14 +230,47 @@ def test_gpu_prefill_end_is_when_the_last_layers_event_completes():
     worker.begin_step(_step(40))
     for name in LAYERS:
         worker.save_kv_layer(name)
+    worker.wait_for_save()
     loop.run()
     ((event, report),) = transport.watched
     assert event == worker.owner._layer_events[len(LAYERS) - 1]
-    worker.wait_for_save()
-    loop.run()
     report(1234.5)  # the NIXL I/O thread saw the event complete
     meta = worker.build_worker_meta()
     assert meta is not None and meta.timelines["r1"][0]["prefill_end_time"] == 1234.5
+
+
+def test_a_gpu_steps_layers_after_its_first_reach_the_owner_in_one_post_at_wait_for_save():
+    """batch_layer_posts (the GPU default): the first layer's save wakes the owner (its readiness goes out at once),
+    the others are held until wait_for_save and arrive in one post; each write still waits for its own event."""
+    worker, transport, directory, loop = _worker()
+    worker.begin_step(_step(40))
+    worker.on_instruction(_instruction(40))
+    for name in LAYERS:
+        worker.save_kv_layer(name)
+    assert len(loop.posted) == 3  # StepStarted, the instruction, the first layer: nothing per later layer
+    loop.run()
+    assert [layer for layer, *_ in transport.writes] == [0]
+    assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1)]
+    worker.wait_for_save()
+    assert len(loop.posted) == 1
+    loop.run()
+    assert [(layer, start, end) for layer, start, end, *_ in transport.writes] == [(0, 0, 40), (1, 0, 40), (2, 0, 40)]
+    assert len({event for _, _, _, event, _ in transport.writes}) == 3, "each layer waits for its own event"
+    assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1), (0, 3)]
+    # The next step starts with nothing held.
+    worker.begin_step(_step(40))
+    assert worker._held_layers == []
+
+
+def test_without_batch_layer_posts_every_layer_wakes_the_owner():
+    worker, transport, _, loop = _worker(batch_layer_posts=False)
+    worker.begin_step(_step(40))
+    worker.on_instruction(_instruction(40))
+    for name in LAYERS:
+        worker.save_kv_layer(name)
+    assert len(loop.posted) == 2 + len(LAYERS)
+    loop.run()
+    assert [layer for layer, *_ in transport.writes] == [0, 1, 2]
 
 
 def test_layers_whose_hook_did_not_run_are_saved_at_wait_for_save():
