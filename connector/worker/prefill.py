@@ -22,7 +22,9 @@ Life cycle of one transfer on a prefill worker:
      CUDA event is recorded on the forward's stream here (every write of that layer waits for the layer's
      latest event, so nothing is read before the kernel wrote it). The owner marks the layer ready for
      the step's chunks, sends the transfer's very first readiness to the directory at once (so the
-     instruction comes back while later layers compute) and submits the writes that became possible.
+     instruction comes back while later layers compute) and submits the writes that became possible. On GPU
+     (`batch_layer_posts`) only a step's first LayerSaved is posted from its hook; the others go with the
+     step's StepSaved in one post, so the I/O thread does not take the GIL from the forward once per layer.
   4. The directory's `PushInstruction` (one per transfer, covers every layer) -> the owner submits the
      backlog of ready layers, each behind its own layer's event; later layers go out as they are saved.
   5. `wait_for_save` -> `StepSaved`: the step's readiness batch is queued to the directory.
