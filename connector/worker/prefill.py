@@ -198,6 +198,9 @@ class PrefillWorker:
 
         Blocks: never (posts StepStarted). Failure: bad chunks fail their transfer on the owner.
         """
+        if self._held_layers:  # a step that ended without wait_for_save: its layers still go, before this step's
+            held, self._held_layers = self._held_layers, []
+            self._post(lambda: self.owner.layers_saved(held, StepSaved()))
         self._step_has_chunks = bool(meta.prefill_chunks)
         self._saved_this_step = set()
         self._step_last_chunks = [chunk.request_id for chunk in meta.prefill_chunks if chunk.is_last]

@@ -262,6 +262,18 @@ def test_a_gpu_steps_layers_after_its_first_reach_the_owner_in_one_post_at_wait_
     assert worker._held_layers == []
 
 
+def test_held_layers_of_a_step_without_wait_for_save_go_before_the_next_steps():
+    worker, transport, directory, loop = _worker()
+    worker.begin_step(_step(40))
+    worker.on_instruction(_instruction(40))
+    for name in LAYERS:
+        worker.save_kv_layer(name)
+    worker.begin_step(KVPushMetadata())  # no wait_for_save came for the step above
+    loop.run()
+    assert [layer for layer, *_ in transport.writes] == [0, 1, 2]
+    assert worker._held_layers == []
+
+
 def test_without_batch_layer_posts_every_layer_wakes_the_owner():
     worker, transport, _, loop = _worker(batch_layer_posts=False)
     worker.begin_step(_step(40))
