@@ -8,7 +8,6 @@ through unchanged.
 
 from __future__ import annotations
 
-import copy
 import re
 import uuid
 from dataclasses import dataclass
@@ -108,7 +107,9 @@ def prefill_body(request: ClientRequest, kv_transfer_params: dict, *, first_toke
     `streamed`: the leg is streamed, with usage in its last event: the token's event leaves vLLM's API
     server as soon as the step is out, where a non-streamed answer is built after the request is done.
     """
-    body = copy.deepcopy(request.body)
+    # A shallow copy: only top-level keys change below, nested values never (a deep copy of a token-id prompt cost
+    # 0.12 ms at 512 ids and 1.1 ms at 8,192, on the request's path).
+    body = dict(request.body)
     min_tokens = body.get("min_tokens")
     body["max_tokens"] = 1
     if request.path == CHAT_COMPLETIONS and "max_completion_tokens" in body:
@@ -166,7 +167,7 @@ def decode_body(request: ClientRequest, kv_transfer_params: dict, *, first_token
     `want_token_ids`: ask for token ids (first token from prefill with the transfer: the gateway checks the
     first one against prefill's and drops it).
     """
-    body = copy.deepcopy(request.body)
+    body = dict(request.body)  # as in prefill_body: only top-level keys change
     if first_token_id is not None:
         kv_transfer_params = {**kv_transfer_params, "first_token_id": first_token_id}
     if first_token_id is not None or want_token_ids:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from kvpush.services.gateway.errors import GatewayError
@@ -59,8 +61,14 @@ def test_legs_are_derived_without_mutating_the_client_body():
     body = {"prompt": [1, 2], "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True},
             "min_tokens": 2, "max_completion_tokens": 9}
     request = validate(CHAT_COMPLETIONS, {**body, "messages": [{"role": "user", "content": "x"}]})
+    original = copy.deepcopy(request.body)
     prefill = prefill_body(request, {"transfer_id": "t"})
     decode = decode_body(request, {"transfer_id": "t", "do_remote_prefill": True})
+    streamed = prefill_body(request, {"transfer_id": "t"}, first_token=True, streamed=True)
+    first = decode_body(request, {"transfer_id": "t"}, first_token_id=7)
+    assert streamed["stream_options"] == {"include_usage": True} and streamed["min_tokens"] == 1
+    assert first["kv_transfer_params"] == {"transfer_id": "t", "first_token_id": 7} and first["return_token_ids"]
+    assert request.body == original, "building the legs changed the client's body"
     assert (prefill["max_tokens"], prefill["max_completion_tokens"], prefill["stream"]) == (1, 1, False)
     assert "stream_options" not in prefill and "min_tokens" not in prefill
     assert decode["max_tokens"] == 9 and decode["stream"] is True and decode["stream_options"]
