@@ -198,9 +198,11 @@ class PrefillWorker:
 
         Blocks: never (posts StepStarted). Failure: bad chunks fail their transfer on the owner.
         """
-        if self._held_layers:  # a step that ended without wait_for_save: its layers still go, before this step's
+        if self._held_layers:
+            # A step that ended without wait_for_save: the layers it saved go before this step's, with no StepSaved
+            # (that would announce every layer ready, the ones it never saved too).
             held, self._held_layers = self._held_layers, []
-            self._post(lambda: self.owner.layers_saved(held, StepSaved()))
+            self._post(lambda: self.owner.layers_saved(held))
         self._step_has_chunks = bool(meta.prefill_chunks)
         self._saved_this_step = set()
         self._step_last_chunks = [chunk.request_id for chunk in meta.prefill_chunks if chunk.is_last]
@@ -459,11 +461,12 @@ class PushOwner:
                                                   lambda end, r=request_id: self._prefill_ended(r, end))
             self._pump(live)
 
-    def layers_saved(self, layers: list[LayerSaved], step: StepSaved) -> None:
-        """The step's held layers, in order, then its end (wait_for_save's one post)."""
+    def layers_saved(self, layers: list[LayerSaved], step: StepSaved | None = None) -> None:
+        """The step's held layers, in order, then its end when it had one (wait_for_save's one post)."""
         for layer in layers:
             self.layer_saved(layer)
-        self.step_saved(step)
+        if step is not None:
+            self.step_saved(step)
 
     def step_saved(self, message: StepSaved) -> None:
         """Queue this step's readiness (all layers of each chunk) to the directory."""
