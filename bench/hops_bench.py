@@ -73,8 +73,6 @@ KINDS = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
 # scheduled; prefill = first scheduled -> first token.
 ENGINE_STAGES = {"engine_ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
                  "prefill": "vllm:request_prefill_time_seconds"}
-# The kinds whose request reaches the prefill engine; with a stages URL each gets its engine stages per round.
-KINDS_ON_PREFILL = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token", "kvpush_b")
 
 HOPS = ("gateway_in", "before_plan", "plan", "legs_sent", "decode_allocated", "first_ready", "instruction",
         "writes", "prefill_compute", "completion", "decode_notified", "prefill_answer", "prefill_finished",
@@ -280,7 +278,7 @@ def _engine_split(pairs: list[dict]) -> dict[str, float | None]:
     split by them (`engine_connector_on_prefill_<stage>`: p_leg − p_alone per round): what of p_leg's extra time is
     inside vLLM's engine (scheduled -> first token, the queue) and what is outside (API server, HTTP)."""
     split: dict[str, float | None] = {}
-    kinds = [kind for kind in KINDS_ON_PREFILL if f"{kind}_engine_ms" in pairs[0]]
+    kinds = [kind for kind in KINDS + ("kvpush_b",) if f"{kind}_engine_ms" in pairs[0]]  # every kind reaches prefill
     for stage in ENGINE_STAGES:
         for kind in kinds:
             split[f"engine_{kind}_{stage}"] = _median(p[f"{kind}_engine_ms"][stage] for p in pairs)

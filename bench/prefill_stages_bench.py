@@ -38,7 +38,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import hops_bench  # noqa: E402
 from kvpush.localstack.client import stream_completion  # noqa: E402
 
-STAGES = hops_bench.ENGINE_STAGES
 HOOKS = ("bind_connector_metadata", "start_load_kv", "save_kv_layer", "wait_for_save", "get_finished",
          "build_connector_worker_meta", "build_connector_meta", "update_connector_output", "request_finished",
          "get_num_new_matched_tokens", "update_state_after_alloc", "on_new_request")
@@ -139,7 +138,7 @@ def main(argv=None) -> int:
         client.close()
     finally:
         stack.stop()
-    names = ("client_ttft", *STAGES)
+    names = ("client_ttft", *hops_bench.ENGINE_STAGES)
     median = {kind: {name: hops_bench._median(b[name] for b in rows) for name in names} for kind, rows in blocks.items()}
     result = {
         "bench": "prefill_stages", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
