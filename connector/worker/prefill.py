@@ -23,8 +23,10 @@ Life cycle of one transfer on a prefill worker:
      latest event, so nothing is read before the kernel wrote it). The owner marks the layer ready for
      the step's chunks, sends the transfer's very first readiness to the directory at once (so the
      instruction comes back while later layers compute) and submits the writes that became possible. On GPU
-     (`batch_layer_posts`) only a step's first LayerSaved is posted from its hook; the others go with the
-     step's StepSaved in one post, so the I/O thread does not take the GIL from the forward once per layer.
+     (`batch_layer_posts`) a step's first LayerSaved is posted from its hook; a later one is held while the
+     previous layer's event has completed (the GPU keeps up with the host, so the forward is bound by its
+     launches and a post would take the GIL from them) and goes with the step's StepSaved in one post; while the
+     GPU is behind, the layer and any held before it are posted at once.
   4. The directory's `PushInstruction` (one per transfer, covers every layer) -> the owner submits the
      backlog of ready layers, each behind its own layer's event; later layers go out as they are saved.
   5. `wait_for_save` -> `StepSaved`: the step's readiness batch is queued to the directory.
@@ -147,6 +149,7 @@ class PrefillWorker:
         # GPU: a step's layers after its first reach the owner in one post at wait_for_save (config.batch_layer_posts).
         self._batch_layer_posts = on_gpu and config.batch_layer_posts
         self._held_layers: list[LayerSaved] = []
+        self._previous_event: Any = None  # GPU: the CUDA event of this step's latest save_kv_layer
         self._step_last_chunks: list[str] = []  # requests whose prompt this step's forward completes
         self._prefill_ends: dict[str, float] = {}  # CPU: request -> when its last layer was saved
         self._empty_step = False  # this step schedules no tokens and follows one that scheduled none either
@@ -292,13 +295,20 @@ class PrefillWorker:
         first_of_step = not self._saved_this_step
         self._saved_this_step.add(layer)
         message = LayerSaved(layer, event, saved_at)
-        if self._batch_layer_posts and not first_of_step:
-            # The host enqueues a GPU forward well ahead of the kernels, and each post wakes the I/O thread, whose
-            # Python then takes the GIL from this thread's kernel launches: hold the layers until wait_for_save.
-            # The step's first layer goes at once, so its readiness (and the instruction) overlap the forward.
+        previous_event, self._previous_event = self._previous_event, event
+        if self._batch_layer_posts and not first_of_step and self._is_computed(previous_event):
+            # The GPU has caught up with the host (a short forward is bound by its kernel launches), and each post
+            # wakes the I/O thread, whose Python then takes the GIL from this thread's launches: hold the layer
+            # until wait_for_save. While the GPU is still behind (a long forward) the host has time to spare, so
+            # the layer goes now and its write starts as soon as the kernel is done. The step's first layer always
+            # goes at once, so its readiness (and the instruction) overlap the forward.
             self._held_layers.append(message)
             return
-        self._post(lambda: self.owner.layer_saved(message))
+        if self._held_layers:
+            held, self._held_layers = self._held_layers + [message], []
+            self._post(lambda: self.owner.layers_saved(held))
+        else:
+            self._post(lambda: self.owner.layer_saved(message))
         if layer == self._last_layer and event is None:
             # CPU: prefill ended now. The step's timeline says so even if the owner has not caught up when this
             # step's worker metadata is built (the request's response is built in this step).
@@ -320,6 +330,10 @@ class PrefillWorker:
                 item = self._outbox.get_nowait()
             except queue.Empty:
                 return
+
+    @staticmethod
+    def _is_computed(event: Any) -> bool:
+        return event.query()  # cudaEventQuery: never blocks
 
     def _record_ready_event(self) -> Any:
         if not self._on_gpu:

@@ -90,9 +90,14 @@ class _GpuWorker(PrefillWorker):
     """A GPU prefill worker whose CUDA events are numbered objects (the one seam replaced)."""
 
     _numbers = itertools.count()
+    gpu_caught_up = True  # what _is_computed says of the previous layer's event
 
     def _record_ready_event(self):
         return f"event-{next(self._numbers)}"
+
+    def _is_computed(self, event):
+        assert isinstance(event, str) and event.startswith("event-")
+        return self.gpu_caught_up
 
 
 def _worker(loop=None, **extra) -> tuple[_GpuWorker, _Transport, _Directory, _ManualLoop]:
@@ -240,8 +245,8 @@ def test_gpu_prefill_end_is_when_the_last_layers_event_completes():
 
 
 def test_a_gpu_steps_layers_after_its_first_reach_the_owner_in_one_post_at_wait_for_save():
-    """batch_layer_posts (the GPU default): the first layer's save wakes the owner (its readiness goes out at once),
-    the others are held until wait_for_save and arrive in one post; each write still waits for its own event."""
+    """batch_layer_posts (the GPU default) where the GPU keeps up with the host: the first layer's save wakes the
+    owner (its readiness goes out at once), the others are held until wait_for_save and arrive in one post; each write still waits for its own event."""
     worker, transport, directory, loop = _worker()
     worker.begin_step(_step(40))
     worker.on_instruction(_instruction(40))
@@ -274,6 +279,28 @@ def test_held_layers_of_a_step_without_wait_for_save_go_before_the_next_steps():
     assert [layer for layer, *_ in transport.writes] == [0, 1]
     assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1)]
     assert worker._held_layers == []
+
+
+def test_while_the_gpu_is_behind_a_layer_goes_at_once_with_the_layers_held_before_it():
+    """A long forward: the previous layer's kernel has not finished when the host saves the next layer, so the host
+    has time to spare and each layer's write should start as soon as its kernel is done, not at wait_for_save."""
+    worker, transport, directory, loop = _worker()
+    worker.begin_step(_step(40))
+    worker.on_instruction(_instruction(40))
+    worker.save_kv_layer(LAYERS[0])
+    worker.save_kv_layer(LAYERS[1])  # the GPU kept up: held
+    assert len(loop.posted) == 3
+    worker.gpu_caught_up = False
+    worker.save_kv_layer(LAYERS[2])  # behind: layers 1 and 2 go now, in order, in one post
+    assert len(loop.posted) == 4 and worker._held_layers == []
+    loop.run()
+    assert [layer for layer, *_ in transport.writes] == [0, 1, 2]
+    assert len({event for _, _, _, event, _ in transport.writes}) == 3, "each layer waits for its own event"
+    assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1)]
+    worker.wait_for_save()
+    loop.run()
+    assert len(transport.writes) == 3
+    assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1), (0, 3)]
 
 
 def test_without_batch_layer_posts_every_layer_wakes_the_owner():
