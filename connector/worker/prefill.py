@@ -146,7 +146,8 @@ class PrefillWorker:
         self._last_layer = len(layer_names) - 1
         self._step_has_chunks = False
         self._saved_this_step: set[int] = set()  # layers whose save_kv_layer ran in the current step
-        # GPU: a step's layers after its first reach the owner in one post at wait_for_save (config.batch_layer_posts).
+        # GPU: a step's layers after its first that are saved while the GPU keeps up reach the owner in one post at
+        # wait_for_save (config.batch_layer_posts).
         self._batch_layer_posts = on_gpu and config.batch_layer_posts
         self._held_layers: list[LayerSaved] = []
         self._previous_event: Any = None  # GPU: the CUDA event of this step's latest save_kv_layer
