@@ -246,7 +246,7 @@ class PrefillWorker:
         if missing:
             event, now = self._record_ready_event(), time.time()
             for layer in missing:
-                self._layer_saved(layer, event, now)
+                self._layer_saved(layer, event, now, forward_enqueued=True)
         self._step_has_chunks = False
         self._saved_this_step = set()
         held, self._held_layers = self._held_layers, []
@@ -292,12 +292,14 @@ class PrefillWorker:
 
     # ---------------------------------------------------------------- engine-thread internals
 
-    def _layer_saved(self, layer: int, event: Any, saved_at: float) -> None:
+    def _layer_saved(self, layer: int, event: Any, saved_at: float, forward_enqueued: bool = False) -> None:
+        """forward_enqueued: wait_for_save saves this layer; StepSaved's post follows at once, so a held layer
+        leaves with it, whatever the GPU's progress."""
         first_of_step = not self._saved_this_step
         self._saved_this_step.add(layer)
         message = LayerSaved(layer, event, saved_at)
         previous_event, self._previous_event = self._previous_event, event
-        if self._batch_layer_posts and not first_of_step and self._is_computed(previous_event):
+        if self._batch_layer_posts and not first_of_step and (forward_enqueued or self._is_computed(previous_event)):
             # The GPU has caught up with the host (a short forward is bound by its kernel launches), and each post
             # wakes the I/O thread, whose Python then takes the GIL from this thread's launches: hold the layer
             # until wait_for_save. While the GPU is still behind (a long forward) the host has time to spare, so

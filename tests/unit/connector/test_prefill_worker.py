@@ -303,6 +303,21 @@ def test_while_the_gpu_is_behind_a_layer_goes_at_once_with_the_layers_held_befor
     assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1), (0, 3)]
 
 
+def test_layers_saved_at_wait_for_save_go_in_its_one_post_while_the_gpu_is_behind():
+    """The whole forward is enqueued when wait_for_save saves the layers whose hook did not run: they leave with
+    StepSaved in one post, not in a post each because their (just recorded) event is not complete yet."""
+    worker, transport, _, loop = _worker()
+    worker.gpu_caught_up = False
+    worker.begin_step(_step(40))
+    worker.on_instruction(_instruction(40))
+    worker.save_kv_layer(LAYERS[0])  # the only hook vLLM ran
+    loop.run()
+    worker.wait_for_save()
+    assert len(loop.posted) == 1
+    loop.run()
+    assert [layer for layer, *_ in transport.writes] == [0, 1, 2]
+
+
 def test_without_batch_layer_posts_every_layer_wakes_the_owner():
     worker, transport, _, loop = _worker(batch_layer_posts=False)
     worker.begin_step(_step(40))
