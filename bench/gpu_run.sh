@@ -26,7 +26,8 @@ if ! PYTHONPATH=/tmp/site python3 -c "import aetcd" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-index --target /tmp/site "$repo"/.gpu-carry/extra/*.whl > "$out/extra.log" 2>&1 \
     || { tail -20 "$out/extra.log"; exit 1; }
 fi
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
+# KVPUSH_GPU_PYTHONPATH_PREFIX: a folder put first on PYTHONPATH (a measuring aid such as bench/hook_timeline).
+export PYTHONPATH=${KVPUSH_GPU_PYTHONPATH_PREFIX:+$KVPUSH_GPU_PYTHONPATH_PREFIX:}/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 KVPUSH_MODEL_CACHE=${KVPUSH_MODEL_CACHE:-/tmp/kvpush-models}
 sources=$(cd "$repo" && find connector services kvpush protos pyproject.toml setup.py -type f -not -path '*/__pycache__/*' \
   | sort | xargs cat | sha256sum | cut -c1-16)
