@@ -92,8 +92,14 @@ class _GpuWorker(PrefillWorker):
     _numbers = itertools.count()
     gpu_caught_up = True  # what _is_computed says of the previous layer's event
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorded_events: list[str] = []
+
     def _record_ready_event(self):
-        return f"event-{next(self._numbers)}"
+        event = f"event-{next(self._numbers)}"
+        self.recorded_events.append(event)
+        return event
 
     def _is_computed(self, event):
         assert isinstance(event, str) and event.startswith("event-")
@@ -136,6 +142,7 @@ def test_instruction_between_hooks_is_applied_at_once_each_write_behind_its_own_
     agent = TransferAgent("prefill-owner", nixl_config(name)).start()
     try:
         worker, transport, _, _ = _worker(loop=agent)
+        worker.gpu_caught_up = False  # the host runs ahead: each layer is posted behind its own event
         worker.begin_step(_step(40))
         for layer in LAYERS:
             worker.save_kv_layer(layer)
@@ -246,13 +253,15 @@ def test_gpu_prefill_end_is_when_the_last_layers_event_completes():
 
 def test_a_gpu_steps_layers_after_its_first_reach_the_owner_in_one_post_at_wait_for_save():
     """batch_layer_posts (the GPU default) where the GPU keeps up with the host: the first layer's save wakes the
-    owner (its readiness goes out at once), the others are held until wait_for_save and arrive in one post; each write still waits for its own event."""
+    owner (its readiness goes out at once), the others are held until wait_for_save and arrive in one post, behind
+    one event recorded there: no CUDA call in their hooks."""
     worker, transport, directory, loop = _worker()
     worker.begin_step(_step(40))
     worker.on_instruction(_instruction(40))
     for name in LAYERS:
         worker.save_kv_layer(name)
     assert len(loop.posted) == 3  # StepStarted, the instruction, the first layer: nothing per later layer
+    assert len(worker.recorded_events) == 1, "only the first layer records an event during the forward"
     loop.run()
     assert [layer for layer, *_ in transport.writes] == [0]
     assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1)]
@@ -260,7 +269,9 @@ def test_a_gpu_steps_layers_after_its_first_reach_the_owner_in_one_post_at_wait_
     assert len(loop.posted) == 1
     loop.run()
     assert [(layer, start, end) for layer, start, end, *_ in transport.writes] == [(0, 0, 40), (1, 0, 40), (2, 0, 40)]
-    assert len({event for _, _, _, event, _ in transport.writes}) == 3, "each layer waits for its own event"
+    events = [event for _, _, _, event, _ in transport.writes]
+    assert events == worker.recorded_events[:1] + worker.recorded_events[1:] * 2, \
+        "the held layers wait for the event wait_for_save recorded, the first layer for its own"
     assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1), (0, 3)]
     # The next step starts with nothing held.
     worker.begin_step(_step(40))
@@ -268,39 +279,112 @@ def test_a_gpu_steps_layers_after_its_first_reach_the_owner_in_one_post_at_wait_
 
 
 def test_held_layers_of_a_step_without_wait_for_save_go_before_the_next_steps():
-    """The layers it saved are written; the one it never saved is neither written nor announced ready."""
+    """The layers it saved are written (the held one behind an event recorded when the next step began); the one it
+    never saved is neither written nor announced ready."""
     worker, transport, directory, loop = _worker()
     worker.begin_step(_step(40))
     worker.on_instruction(_instruction(40))
     for name in LAYERS[:2]:
         worker.save_kv_layer(name)
+    assert len(worker.recorded_events) == 1
     worker.begin_step(KVPushMetadata())  # no wait_for_save came for the step above
     loop.run()
     assert [layer for layer, *_ in transport.writes] == [0, 1]
+    assert [event for _, _, _, event, _ in transport.writes] == worker.recorded_events
     assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1)]
     assert worker._held_layers == []
 
 
-def test_while_the_gpu_is_behind_a_layer_goes_at_once_with_the_layers_held_before_it():
+def test_while_the_gpu_is_behind_each_layer_goes_at_once_and_once_it_caught_up_later_layers_are_held():
     """A long forward: the previous layer's kernel has not finished when the host saves the next layer, so the host
-    has time to spare and each layer's write should start as soon as its kernel is done, not at wait_for_save."""
+    has time to spare and each layer's write should start as soon as its kernel is done, not at wait_for_save. Once
+    the GPU has caught up, later layers are held until the next probe (here beyond the last layer)."""
     worker, transport, directory, loop = _worker()
+    worker.gpu_caught_up = False
     worker.begin_step(_step(40))
     worker.on_instruction(_instruction(40))
     worker.save_kv_layer(LAYERS[0])
-    worker.save_kv_layer(LAYERS[1])  # the GPU kept up: held
-    assert len(loop.posted) == 3
-    worker.gpu_caught_up = False
-    worker.save_kv_layer(LAYERS[2])  # behind: layers 1 and 2 go now, in order, in one post
+    worker.save_kv_layer(LAYERS[1])  # behind: goes at once, with its own event
     assert len(loop.posted) == 4 and worker._held_layers == []
     loop.run()
-    assert [layer for layer, *_ in transport.writes] == [0, 1, 2]
-    assert len({event for _, _, _, event, _ in transport.writes}) == 3, "each layer waits for its own event"
+    assert [layer for layer, *_ in transport.writes] == [0, 1]
+    assert [event for _, _, _, event, _ in transport.writes] == worker.recorded_events
     assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1)]
+    worker.gpu_caught_up = True
+    worker.save_kv_layer(LAYERS[2])  # caught up: held, no event, no post
+    assert loop.posted == [] and len(worker.recorded_events) == 2
+    worker.gpu_caught_up = False
+    worker.wait_for_save()
+    assert len(loop.posted) == 1
+    loop.run()
+    assert [layer for layer, *_ in transport.writes] == [0, 1, 2]
+    assert transport.writes[2][3] == worker.recorded_events[2], "layer 2 waits for wait_for_save's event"
+    assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1), (0, 3)]
+
+
+class _ProbedWorker(_GpuWorker):
+    """Records which layer's hook asked the GPU's progress, and answers from a list (caught up unless told)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.behind_at: set[int] = set()
+        self.probed_at: list[int] = []
+        self.hook_layer = -1
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        self.hook_layer = self._layer_index[layer_name]
+        super().save_kv_layer(layer_name)
+
+    def _is_computed(self, event):
+        self.probed_at.append(self.hook_layer)
+        return self.hook_layer not in self.behind_at
+
+
+def test_while_the_gpu_keeps_up_its_progress_is_probed_at_strides_growing_4x():
+    """32 layers, the GPU always caught up: probes at layers 1, 5 and 21, events recorded at layers 0 (posted), 1
+    and 5 (probes) and at wait_for_save, which posts the 31 held layers behind its own event."""
+    config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1"}, role="prefill", engine_id="p")
+    transport, loop = _Transport(), _ManualLoop()
+    names = [f"layers.{i}.attn" for i in range(32)]
+    worker = _ProbedWorker(config, _Directory(), names, BLOCK, loop, transport, on_gpu=True)
+    worker.begin_step(_step(40))
+    worker.on_instruction(_instruction(40))
+    for name in names:
+        worker.save_kv_layer(name)
+    assert worker.probed_at == [1, 5, 21]
+    assert len(worker.recorded_events) == 3 and len(loop.posted) == 3  # StepStarted, the instruction, layer 0
     worker.wait_for_save()
     loop.run()
-    assert len(transport.writes) == 3
-    assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1), (0, 3)]
+    events = [event for _, _, _, event, _ in transport.writes]
+    assert [layer for layer, *_ in transport.writes] == list(range(32))
+    assert events == [worker.recorded_events[0]] + [worker.recorded_events[3]] * 31
+
+
+def test_a_probe_that_finds_the_gpu_behind_posts_the_held_layers_and_probes_every_layer_again():
+    """The GPU looked caught up at layer 1 (the host had not built a lead yet) but is behind at the next probe,
+    layer 5: layers 1-5 go at once behind the event recorded there, and from then on each layer probes and goes
+    behind its own event, as long as the GPU stays behind."""
+    config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1"}, role="prefill", engine_id="p")
+    transport, loop = _Transport(), _ManualLoop()
+    names = [f"layers.{i}.attn" for i in range(8)]
+    worker = _ProbedWorker(config, _Directory(), names, BLOCK, loop, transport, on_gpu=True)
+    worker.behind_at = {5, 6, 7}
+    worker.begin_step(_step(40))
+    worker.on_instruction(_instruction(40))
+    for name in names:
+        worker.save_kv_layer(name)
+    assert worker.probed_at == [1, 5, 6, 7]
+    loop.run()
+    layers = [layer for layer, *_ in transport.writes]
+    events = [event for _, _, _, event, _ in transport.writes]
+    assert layers == list(range(8))
+    # recorded: layer 0 (posted), layer 1 (probe), layers 5, 6, 7 (posted, each its own)
+    recorded = worker.recorded_events
+    assert len(recorded) == 5
+    assert events == [recorded[0]] + [recorded[2]] * 5 + recorded[3:], "layers 1-5 wait for layer 5's event"
+    worker.wait_for_save()
+    loop.run()
+    assert len(transport.writes) == 8 and len(worker.recorded_events) == 5, "nothing held: no event at wait_for_save"
 
 
 def test_layers_saved_at_wait_for_save_go_in_its_one_post_while_the_gpu_is_behind():
