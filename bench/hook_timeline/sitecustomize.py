@@ -39,6 +39,7 @@ TARGETS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
                             ("EngineCoreProc", ("_process_engine_step",))],
     "vllm.v1.core.sched.scheduler": [("Scheduler", ("schedule", "update_from_output"))],
     "vllm.v1.worker.gpu_model_runner": [("GPUModelRunner", ("execute_model", "sample_tokens"))],
+    "vllm.v1.worker.gpu.model_runner": [("GPUModelRunner", ("execute_model", "sample_tokens"))],
     "vllm.v1.engine.output_processor": [("OutputProcessor", ("process_outputs",))],
 }
 
@@ -52,10 +53,12 @@ def _facts(name: str, args: tuple, result: object) -> dict | None:
         self = args[0]
         if name in ("execute_model", "schedule", "update_from_output", "build_connector_meta"):
             output = args[1] if name != "schedule" else result
-            if name == "update_from_output":
-                output = args[1]
-            return {"tokens": int(getattr(output, "total_num_scheduled_tokens", -1)),
-                    "new": len(getattr(output, "scheduled_new_reqs", ()) or ())}
+            facts = {"tokens": int(getattr(output, "total_num_scheduled_tokens", -1)),
+                     "new": len(getattr(output, "scheduled_new_reqs", ()) or ())}
+            connector = self if name == "build_connector_meta" else getattr(self, "connector", None)
+            if connector is not None and hasattr(connector, "config"):
+                facts["prefill"] = bool(getattr(connector.config, "is_prefill", False))
+            return facts
         if name == "bind_connector_metadata":
             worker = getattr(self, "_worker", None)
             return {"pushes": bool(getattr(worker, "_step_has_chunks", False)),
