@@ -357,7 +357,10 @@ class TransferAgent:
                         f"peer {agent_name!r} is still leaving (handles in flight); add it again once "
                         "remove_peer's future has resolved"
                     )
+                started = time.monotonic()
+                # NIXL's binding holds the GIL through this call (UCX wire-up): every thread of the engine waits.
                 loaded = self._nixl.add_remote_agent(metadata)
+                load_s = time.monotonic() - started
                 loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
                 if loaded_name != agent_name:
                     self._nixl.remove_remote_agent(loaded_name)
@@ -369,7 +372,9 @@ class TransferAgent:
                 with self._lock:
                     self._peer_layouts.pop(agent_name, None)
                 raise
-            self._log.info("peer_added", peer=agent_name, blocks=layout.block_count, block_size=layout.block_size_tokens)
+            log = self._log.warning if load_s > 1.0 else self._log.info
+            log("peer_added", peer=agent_name, blocks=layout.block_count, block_size=layout.block_size_tokens,
+                load_ms=round(load_s * 1000, 1))
             return agent_name
 
         return self._call(do)
