@@ -57,13 +57,13 @@ class ConnectorConfig:
         burn. The empty step right after a forward never waits: on a one-process executor vLLM emits that
         forward's tokens only after it.
     batch_layer_posts: on a GPU prefill engine, hold a step's layers after its first while the GPU keeps up with
-        the host (the previous layer's CUDA event has completed) and hand them to the push owner in one post at
-        wait_for_save, instead of one post per save_kv_layer (default True). Such a forward is bound by its kernel
-        launches, and every post wakes the NIXL I/O thread, whose Python then takes the GIL from them. While the
-        GPU is behind (a long forward) a layer goes at once, with any held before it. Each write still waits for
-        its own layer's CUDA event, and the step's first layer always goes at once (its readiness brings the
-        instruction back while the forward runs). No effect on CPU engines, whose layers are computed when
-        save_kv_layer runs.
+        the host, with no CUDA call and no post in their save_kv_layer, and hand them to the push owner in one post
+        at wait_for_save behind one CUDA event recorded there (default True). Such a forward is bound by its kernel
+        launches: every post wakes the NIXL I/O thread and every CUDA call lets the connector's other threads take
+        the GIL from them. The GPU's progress is probed at strides growing 4x while it keeps up; while it is behind
+        (a long forward) a layer goes at once behind its own event, with any held before it. The step's first
+        layer always goes at once (its readiness brings the instruction back while the forward runs). No effect
+        on CPU engines, whose layers are computed when save_kv_layer runs.
     metrics_port: serve this engine's kvpush_connector_* Prometheus metrics over HTTP (default 0: off): the
         worker of TP rank r on metrics_port + r, at /metrics (`connector.metrics`).
     fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it
