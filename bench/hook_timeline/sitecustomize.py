@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
-import importlib.machinery
 import json
 import os
 import sys

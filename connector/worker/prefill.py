@@ -151,7 +151,8 @@ class PrefillWorker:
         self._batch_layer_posts = on_gpu and config.batch_layer_posts
         self._held_layers: list[tuple[int, float]] = []
         # The GPU's progress: the latest event recorded in this step, and the layer whose hook queries it next (see
-        # _holds); the stride between probes grows while the GPU keeps up.
+        # _holds); the stride between probes grows while the GPU keeps up. A step's first layer, always posted at
+        # once, sets all three.
         self._probe_event: Any = None
         self._next_probe_layer = 0
         self._probe_stride = 1
@@ -214,7 +215,6 @@ class PrefillWorker:
             self._post(lambda: self.owner.layers_saved(held))
         self._step_has_chunks = bool(meta.prefill_chunks)
         self._saved_this_step = set()
-        self._next_probe_layer, self._probe_stride = 0, 1
         self._step_last_chunks = [chunk.request_id for chunk in meta.prefill_chunks if chunk.is_last]
         # Only an empty step after an empty step may wait: with async scheduling vLLM's engine core submits the
         # next step before it emits a forward's tokens, and where the worker runs in the engine core's process
