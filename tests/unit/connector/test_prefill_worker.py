@@ -329,7 +329,12 @@ class _ProbedWorker(_GpuWorker):
         super().__init__(*args, **kwargs)
         self.behind_at: set[int] = set()
         self.probed_at: list[int] = []
+        self.recorded_at: list[int] = []
         self.hook_layer = -1
+
+    def _record_ready_event(self):
+        self.recorded_at.append(self.hook_layer)
+        return super()._record_ready_event()
 
     def save_kv_layer(self, layer_name: str) -> None:
         self.hook_layer = self._layer_index[layer_name]
@@ -341,8 +346,9 @@ class _ProbedWorker(_GpuWorker):
 
 
 def test_while_the_gpu_keeps_up_its_progress_is_probed_at_strides_growing_4x():
-    """32 layers, the GPU always caught up: probes at layers 1, 5 and 21, events recorded at layers 0 (posted), 1
-    and 5 (probes) and at wait_for_save, which posts the 31 held layers behind its own event."""
+    """32 layers, the GPU always caught up: probes at layers 1, 5 and 21, events recorded at layers 0 (posted), 4
+    and 20 (a layer before the probes that query them) and at wait_for_save, which posts the 31 held layers
+    behind its own event."""
     config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1"}, role="prefill", engine_id="p")
     transport, loop = _Transport(), _ManualLoop()
     names = [f"layers.{i}.attn" for i in range(32)]
@@ -352,6 +358,7 @@ def test_while_the_gpu_keeps_up_its_progress_is_probed_at_strides_growing_4x():
     for name in names:
         worker.save_kv_layer(name)
     assert worker.probed_at == [1, 5, 21]
+    assert worker.recorded_at == [0, 4, 20], "each probe asks whether the GPU is within one layer of the host"
     assert len(worker.recorded_events) == 3 and len(loop.posted) == 3  # StepStarted, the instruction, layer 0
     worker.wait_for_save()
     loop.run()
@@ -378,7 +385,7 @@ def test_a_probe_that_finds_the_gpu_behind_posts_the_held_layers_and_probes_ever
     layers = [layer for layer, *_ in transport.writes]
     events = [event for _, _, _, event, _ in transport.writes]
     assert layers == list(range(8))
-    # recorded: layer 0 (posted), layer 1 (probe), layers 5, 6, 7 (posted, each its own)
+    # recorded: layer 0 (posted), layer 4 (for the probe at 5), layers 5, 6, 7 (posted, each its own)
     recorded = worker.recorded_events
     assert len(recorded) == 5
     assert events == [recorded[0]] + [recorded[2]] * 5 + recorded[3:], "layers 1-5 wait for layer 5's event"
