@@ -57,6 +57,7 @@ from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, Pref
 from kvpush.connector.outcome import PushOutcome
 from kvpush.connector.tracing import TransferSpan
 from kvpush.connector.worker.push_state import PlannedWrite, PushTimeline, PushTransfer
+from kvpush.connector.worker.step_gap import StepGapWatch
 from kvpush.connector.worker.transport import WriteDone, WriterQuiet
 from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
@@ -414,12 +415,14 @@ class PushOwner:
         self._timeline_dirty: set[str] = set()
         self._layer_events: dict[int, Any] = {}  # GPU: layer -> CUDA event of its latest save_kv_layer
         self._next_bound_check = 0.0
+        self._step_gap = StepGapWatch(_log)  # where the engine is when its steps stop while pushes wait
 
     # ---------------------------------------------------------------- engine-hook messages
 
     def step_started(self, message: StepStarted) -> None:
         """Open transfers for new chunks, apply holds and preemptions."""
         meta = message.meta
+        self._step_gap.stepped(time.monotonic())
         self._step_chunks = []
         for request_id in meta.preempted:
             live = self._live.get(request_id)
@@ -788,6 +791,7 @@ class PushOwner:
 
     def _enforce_bounds(self, now: float) -> None:
         """Held requests never wait past push_timeout_s; then their writes are cancelled and the blocks freed."""
+        self._step_gap.check(now, len(self._live))
         for live in list(self._live.values()):
             if live.quiet_since is not None and live.held_since is None and not live.settled \
                     and now - live.quiet_since > self._config.push_timeout_s:
