@@ -349,6 +349,34 @@ class EngineHandle:
         return self.process.wait_ready(lambda: http_ok(self.url + "/health"), timeout_s, poll_s=1.0,
                                        progress=progress)
 
+    def warm_up(self, timeout_s: float = 300.0) -> float:
+        """Serve one greedy and one sampled completion with logprobs; return the seconds it took.
+
+        Why: vLLM compiles its logprob-rank kernel (torch.compile, a C++ build on CPU) on the first request that
+        asks for logprobs, and on a loaded 2-core machine that build held a prefill engine's step for over 60 s,
+        past the directory's transfer_timeout_s, so that request failed. Warmed here, it happens before the stack
+        is called ready. Raises RuntimeError when the engine does not answer 200.
+        """
+        started = time.monotonic()
+        prompt = list(range(3, 35))
+        for sampling in ({"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.8, "top_k": 20, "seed": 0,
+                                                 "repetition_penalty": 1.1, "presence_penalty": 0.2}):
+            body = json.dumps({"model": self.spec.served_model_name, "prompt": prompt, "max_tokens": 2,
+                               "logprobs": 1, **sampling}).encode()
+            request = urllib.request.Request(self.url + "/v1/completions", data=body, method="POST",
+                                             headers={"Content-Type": "application/json"})
+            left_s = max(1.0, timeout_s - (time.monotonic() - started))
+            try:
+                with urllib.request.urlopen(request, timeout=left_s) as response:
+                    response.read()
+            except urllib.error.HTTPError as exc:
+                raise RuntimeError(f"{self.spec.name} refused its warm-up request: {exc.code} "
+                                   f"{exc.read().decode(errors='replace')[:500]}") from exc
+            except OSError as exc:
+                raise RuntimeError(f"{self.spec.name} did not answer its warm-up request: {exc!r}; "
+                                   f"log {self.process.log_path}:\n{tail(self.process.log_path)}") from exc
+        return time.monotonic() - started
+
     def stop(self, grace_s: float = 20.0) -> int | None:
         """Stop the server and every process it spawned."""
         return self.process.stop(grace_s)

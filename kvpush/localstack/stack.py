@@ -206,7 +206,9 @@ class LocalStack:
         for handle in self.engines():
             remaining = max(1.0, self.engine_timeout_s - (time.monotonic() - started))
             took = handle.wait_ready(remaining, progress=self.progress)
-            self._say(f"[stack] {handle.spec.name} engine ready at {handle.url} ({took:.0f} s)")
+            remaining = max(1.0, self.engine_timeout_s - (time.monotonic() - started))
+            warmed = handle.warm_up(remaining)  # compiles vLLM's logprob kernel before any test or user asks
+            self._say(f"[stack] {handle.spec.name} engine ready at {handle.url} ({took:.0f} s, warm-up {warmed:.0f} s)")
 
     def processes(self) -> list:
         """Every ManagedProcess started so far (directory, engines, gateway)."""
