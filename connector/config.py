@@ -64,6 +64,19 @@ class ConnectorConfig:
         (a long forward) a layer goes at once behind its own event, with any held before it. The step's first
         layer always goes at once (its readiness brings the instruction back while the forward runs). No effect
         on CPU engines, whose layers are computed when save_kv_layer runs.
+    post_after_output: where the prefill engine's scheduler and its one worker share a process (vLLM's
+        UniProcExecutor: one GPU), a batch_layer_posts step whose GPU kept up with the host throughout posts
+        nothing while it runs, its first layer included, and hands its layers to the push owner only once the
+        scheduler processed the step's output, plus output_grace_s (default True). NIXL 1.5.1's transfer() holds
+        the GIL for the whole post (~1.6-2.7 ms for a 512-token step's held layers on the H200), and in such a
+        step every post, readiness and instruction in the engine's process delays the sampled token by the GIL
+        time it takes. The push then starts right after the token leaves: off time to first token with first
+        token from prefill, on decode's second token. Steps whose GPU fell behind stream as before (their first
+        readiness one layer later). Elsewhere (a worker process of its own) no effect.
+    output_grace_s: how long after the scheduler processed a deferred step's output its push waits, so that
+        vLLM's output thread sends the token before the I/O thread takes the GIL (default 0.0005).
+    max_output_wait_s: the longest a deferred step's push waits for its output to be processed at all; then it
+        is posted anyway (default 0.05).
     metrics_port: serve this engine's kvpush_connector_* Prometheus metrics over HTTP (default 0: off): the
         worker of TP rank r on metrics_port + r, at /metrics (`connector.metrics`).
     fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it
@@ -90,6 +103,9 @@ class ConnectorConfig:
     message_queue_poll_s: float | None = 0.0001
     idle_step_wait_s: float = 0.004
     batch_layer_posts: bool = True
+    post_after_output: bool = True
+    output_grace_s: float = 0.0005
+    max_output_wait_s: float = 0.05
     metrics_port: int = 0
     fault_stall_after_writes: int | None = None
     max_write_s: float = 10.0
@@ -161,6 +177,9 @@ class ConnectorConfig:
                                           high=0.01, nullable=True),
             idle_step_wait_s=_seconds(extra, "idle_step_wait_s", 0.004, low_included=True, high=0.1),
             batch_layer_posts=_bool(extra, "batch_layer_posts", True),
+            post_after_output=_bool(extra, "post_after_output", True),
+            output_grace_s=_seconds(extra, "output_grace_s", 0.0005, low_included=True, high=0.1),
+            max_output_wait_s=_seconds(extra, "max_output_wait_s", 0.05, high=10.0),
             metrics_port=_int(extra, "metrics_port", 0, minimum=0, maximum=65535),
             fault_stall_after_writes=(_int(extra, "fault_stall_after_writes", 0, minimum=0, maximum=1 << 30)
                                       if extra.get("fault_stall_after_writes") is not None else None),

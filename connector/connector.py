@@ -32,6 +32,7 @@ thread off and every NIXL call on the data plane's one I/O thread.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import kvpush.connector.compat  # noqa: F401  (first: an unsupported vLLM fails here, by name)
@@ -98,6 +99,13 @@ class KVPushConnector(KVConnectorBase_V1):
             from kvpush.connector.scheduler.prefill import PrefillScheduler
 
             self._scheduler = PrefillScheduler(self.config, self._block_size)
+            from kvpush.connector.output_signal import claim_prefill_worker
+
+            worker = claim_prefill_worker(self.config.engine_id)
+            if worker is not None and self.config.post_after_output and worker.defers_to_output():
+                self._scheduler.on_output_leaving = worker.output_left
+                _log.info("prefill worker in the scheduler's process: launch-bound steps push after their output",
+                          engine_id=self.config.engine_id)
         else:
             from kvpush.connector.directory_link import DirectoryLink
             from kvpush.connector.scheduler.decode import DecodeScheduler
@@ -278,6 +286,13 @@ class KVPushConnector(KVConnectorBase_V1):
         """Exactly once per request, before its blocks are freed: hold them while pushes may still touch them."""
         self._known_requests.discard(request.request_id)
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        """No KV-cache events. The last connector call of update_from_output: prefill tells an in-process worker
+        half that the processed step's output is leaving (output_signal)."""
+        if self.config.is_prefill and self._scheduler is not None:
+            self._scheduler.step_output_processed()
+        return ()
 
     def has_pending_push_work(self) -> bool:
         """True while finished prefill requests hold blocks for pushes (keeps the engine stepping)."""

@@ -213,6 +213,11 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_
                                             worker.on_rejection, on_session_reset=worker.on_session_reset)
         if metrics is not None:
             metrics.watch_backlog(lambda: session.queued_message_count)
+        if tp_size == 1:
+            # UniProcExecutor: this engine's scheduler half, built next in this process, claims it (output_signal).
+            from kvpush.connector.output_signal import offer_prefill_worker
+
+            offer_prefill_worker(config.engine_id, worker)
         return WorkerParts(worker, agent, link)
     from kvpush.connector.dataplane.listener import NotificationListener
     from kvpush.connector.worker.decode import DecodeWorker

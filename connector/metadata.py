@@ -118,6 +118,8 @@ class KVPushMetadata(KVConnectorMetadata):
     # (free blocks, running requests, waiting requests) as the scheduler saw them this step; the worker
     # reports the latest with each lease renewal (EngineLoad). None: unknown (no block pool bound).
     engine_load: tuple[int, int, int] | None = None
+    # The prefill scheduler's count of the steps it built (post_after_output: which step's output left).
+    step_seq: int = 0
 
     def is_idle(self) -> bool:
         """True when this step carries no connector work at all."""

@@ -26,7 +26,11 @@ Life cycle of one transfer on a prefill worker:
      (`batch_layer_posts`) a step's first LayerSaved is posted from its hook; a later one is held while the
      previous layer's event has completed (the GPU keeps up with the host, so the forward is bound by its
      launches and a post would take the GIL from them) and goes with the step's StepSaved in one post; while the
-     GPU is behind, the layer and any held before it are posted at once.
+     GPU is behind, the layer and any held before it are posted at once. With `post_after_output`, where the
+     scheduler half shares this process (output_signal), the first layer is held too, and a step that posted
+     nothing while it ran is applied by the owner only once its output was processed (`output_left`, plus
+     output_grace_s; max_output_wait_s at the latest): NIXL's transfer() holds the GIL for the whole post, so
+     the sampled token leaves first.
   4. The directory's `PushInstruction` (one per transfer, covers every layer) -> the owner submits the
      backlog of ready layers, each behind its own layer's event; later layers go out as they are saved.
   5. `wait_for_save` -> `StepSaved`: the step's readiness batch is queued to the directory.
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -157,6 +162,12 @@ class PrefillWorker:
         self._probe_event: Any = None
         self._next_probe_layer = 0
         self._probe_stride = 1
+        # post_after_output (set by defers_to_output): a step that posted nothing while it ran hands its layers to
+        # the owner at wait_for_save to apply once the step's output left (output_left); its seq waits here.
+        self._defers_to_output = False
+        self._step_seq = 0
+        self._posted_this_step = False
+        self._deferred_seqs: deque[int] = deque()
         self._step_last_chunks: list[str] = []  # requests whose prompt this step's forward completes
         self._prefill_ends: dict[str, float] = {}  # CPU: request -> when its last layer was saved
         self._empty_step = False  # this step schedules no tokens and follows one that scheduled none either
@@ -203,6 +214,25 @@ class PrefillWorker:
 
     # ---------------------------------------------------------------- engine hooks
 
+    def defers_to_output(self) -> bool:
+        """Caller: the prefill scheduler half of this engine, in this process (output_signal), once. From now on
+        launch-bound steps push after their output left (ConnectorConfig.post_after_output); True if they can."""
+        self._defers_to_output = self._batch_layer_posts
+        return self._defers_to_output
+
+    def output_left(self, step_seq: int) -> None:
+        """Caller: engine thread, update_from_output's last connector call: step `step_seq`'s sampled tokens go
+        to vLLM's output thread now. Deferred steps up to it may push once output_grace_s passed.
+
+        Blocks: never (one post, only when a deferred step waits). Failure: none.
+        """
+        if not self._deferred_seqs or self._deferred_seqs[0] > step_seq:
+            return
+        while self._deferred_seqs and self._deferred_seqs[0] <= step_seq:
+            self._deferred_seqs.popleft()
+        left_at = time.monotonic()
+        self._post(lambda: self.owner.output_left(step_seq, left_at))
+
     def begin_step(self, meta: KVPushMetadata) -> None:
         """Caller: engine thread, bind_connector_metadata, before the forward.
 
@@ -214,6 +244,8 @@ class PrefillWorker:
             # after that step's whole forward was enqueued.
             held = self._held_messages(self._record_ready_event())
             self._post(lambda: self.owner.layers_saved(held))
+        self._step_seq = meta.step_seq
+        self._posted_this_step = False
         self._step_has_chunks = bool(meta.prefill_chunks)
         self._saved_this_step = set()
         self._step_last_chunks = [chunk.request_id for chunk in meta.prefill_chunks if chunk.is_last]
@@ -245,6 +277,12 @@ class PrefillWorker:
             return
         event = self._record_ready_event()
         self._probe_event, self._next_probe_layer, self._probe_stride = event, layer + 1, 1
+        if self._defers_to_output and len(self._saved_this_step) == 1:
+            # The first layer is held too: its event is the first probe; a layer saved while the GPU is behind
+            # posts it with the others, else the whole step goes with its output (output_left).
+            self._held_layers.append((layer, saved_at))
+            return
+        self._posted_this_step = True
         message = LayerSaved(layer, event, saved_at)
         if self._held_layers:
             held = self._held_messages(event) + [message]  # the event recorded now covers the held layers too
@@ -272,6 +310,13 @@ class PrefillWorker:
         held = self._held_messages(self._record_ready_event()) if self._held_layers else []
         self._step_has_chunks = False
         self._saved_this_step = set()
+        if self._defers_to_output and not self._posted_this_step:
+            # The GPU kept up throughout: a launch-bound step, whose sampled token is next on this thread. Its
+            # push waits for that token to leave (output_left) rather than take the GIL from the sampling.
+            step_seq = self._step_seq
+            self._deferred_seqs.append(step_seq)
+            self._post(lambda: self.owner.defer_step(step_seq, held, StepSaved()))
+            return
         self._post(lambda: self.owner.layers_saved(held, StepSaved()))
 
     def get_finished_sending(self, finished_req_ids: set[str]) -> set[str]:
@@ -372,6 +417,17 @@ class PrefillWorker:
 
 
 @dataclass
+class _DeferredStep:
+    """A launch-bound step's layers, applied once its output left (+ output_grace_s) or at `due` at the latest."""
+
+    step_seq: int
+    chunks: list[PrefillChunk]
+    layers: list[LayerSaved]
+    step: StepSaved
+    due: float  # monotonic
+
+
+@dataclass
 class _Live:
     """A transfer this worker pushes, with the request that owns its source blocks."""
 
@@ -416,13 +472,18 @@ class PushOwner:
         self._layer_events: dict[int, Any] = {}  # GPU: layer -> CUDA event of its latest save_kv_layer
         self._next_bound_check = 0.0
         self._step_gap = StepGapWatch(_log)  # where the engine is when its steps stop while pushes wait
+        self._deferred: deque[_DeferredStep] = deque()  # post_after_output, oldest first
 
     # ---------------------------------------------------------------- engine-hook messages
 
     def step_started(self, message: StepStarted) -> None:
         """Open transfers for new chunks, apply holds and preemptions."""
         meta = message.meta
-        self._step_gap.stepped(time.monotonic())
+        now = time.monotonic()
+        self._step_gap.stepped(now)
+        # Deferred steps go first: those whose output left, and every one when this step changes what they
+        # cover (a later chunk of their prompt, a hold, a preemption that frees their blocks).
+        self._apply_deferred(now, every=bool(meta.prefill_chunks or meta.held_prefills or meta.preempted))
         self._step_chunks = []
         for request_id in meta.preempted:
             live = self._live.get(request_id)
@@ -509,6 +570,27 @@ class PushOwner:
             self.layer_saved(layer)
         if step is not None:
             self.step_saved(step)
+
+    def defer_step(self, step_seq: int, layers: list[LayerSaved], step: StepSaved) -> None:
+        """A launch-bound step ended (post_after_output): keep its layers until its output left."""
+        self._deferred.append(_DeferredStep(step_seq, self._step_chunks, layers, step,
+                                            due=time.monotonic() + self._config.max_output_wait_s))
+        self._step_chunks = []
+
+    def output_left(self, step_seq: int, left_at: float) -> None:
+        """Steps up to `step_seq` had their output processed at `left_at`: apply them output_grace_s later."""
+        for deferred in self._deferred:
+            if deferred.step_seq <= step_seq:
+                deferred.due = min(deferred.due, left_at + self._config.output_grace_s)
+        self._apply_deferred(time.monotonic())
+
+    def _apply_deferred(self, now: float, every: bool = False) -> None:
+        """Apply deferred steps that are due (or all), oldest first, each with its own chunks."""
+        while self._deferred and (every or self._deferred[0].due <= now):
+            deferred = self._deferred.popleft()
+            current, self._step_chunks = self._step_chunks, deferred.chunks
+            self.layers_saved(deferred.layers, deferred.step)
+            self._step_chunks = current
 
     def step_saved(self, message: StepSaved) -> None:
         """Queue this step's readiness (all layers of each chunk) to the directory."""
@@ -623,8 +705,11 @@ class PushOwner:
     def poll(self, now: float) -> bool:
         """Owner thread, every loop iteration: publish changed timelines, enforce held requests' bounds.
 
-        Never busy (returns False): it has no handle of its own in flight.
+        Never busy (returns False): it has no handle of its own in flight, and a deferred step's due time is
+        met to within the loop's idle wake-up (notif_poll_s).
         """
+        if self._deferred:
+            self._apply_deferred(now)
         if self._timeline_dirty:
             for request_id in self._timeline_dirty:
                 live = self._live.get(request_id)
