@@ -3,8 +3,11 @@
 Two in-process UCX agents over DRAM; one thread appends a timestamp in a tight loop while the main thread
 posts WRITEs of N non-contiguous 4 KiB descriptors. The loop's timestamps that fall inside `transfer()` (and
 inside `make_prepped_xfer()`) say whether another Python thread ran meanwhile: none means the call held the GIL
-for its whole duration, so in an engine's process it delays the forward thread by that long. A control row
-times time.sleep(0.001), which releases the GIL. Run it on a quiet machine: a loaded one preempts the poster
+for its whole duration, so in an engine's process it delays the forward thread by that long. The counter's longest
+pause overlapping each call says the same without that noise: about the call's own duration when it holds the
+GIL (the probe sets a 100 µs switch interval, so
+hand-overs between bytecodes pause it far less). A control row times
+time.sleep(0.001), which releases the GIL. Run it on a quiet machine: a loaded one preempts the poster
 between its timestamps, and the counter's 5 ms GIL slices then land inside the measured span.
 
     .venv/bin/python bench/nixl_gil_probe.py --descriptors 250 1000 --repeats 30
@@ -16,6 +19,7 @@ import argparse
 import bisect
 import json
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -40,6 +44,9 @@ def probe(descriptor_counts: list[int], repeats: int) -> dict:
                                    "DRAM")
     remote = source.prep_xfer_dlist("gil-probe-dst", [(dst.ctypes.data + i * _SIZE, _SIZE, 0) for i in range(total)],
                                     "DRAM")
+    # Hand the GIL over every 100 µs (not 5 ms) between bytecodes: then only a C call that keeps it pauses the
+    # counter for long, and the pause measures that call.
+    sys.setswitchinterval(0.0001)
     stamps: list[float] = []
     stop = threading.Event()
 
@@ -77,6 +84,13 @@ def probe(descriptor_counts: list[int], repeats: int) -> dict:
     def inside(start: float, end: float) -> int:
         return bisect.bisect_left(stamps, end) - bisect.bisect_left(stamps, start)
 
+    def longest_pause_ms(start: float, end: float) -> float:
+        """The counter's longest pause overlapping [start, end]: a call that holds the GIL pauses it throughout."""
+        first = max(0, bisect.bisect_left(stamps, start) - 1)
+        last = min(len(stamps) - 1, bisect.bisect_right(stamps, end))
+        window = stamps[first:last + 1]
+        return 1e3 * max((b - a for a, b in zip(window, window[1:])), default=0.0)
+
     results = []
     for n, spans in calls.items():
         transfer_ms = [1e3 * (end - start) for _, _, start, end in spans]
@@ -90,11 +104,13 @@ def probe(descriptor_counts: list[int], repeats: int) -> dict:
             "counter_iterations_inside_transfer_median": statistics.median(inside(s, e) for _, _, s, e in spans),
             "transfers_with_no_counter_iteration": sum(inside(s, e) == 0 for _, _, s, e in spans),
             "counter_iterations_inside_make_median": statistics.median(inside(m, p) for m, p, _, _ in spans),
+            "counter_longest_pause_ms_median": statistics.median(longest_pause_ms(s, e) for _, _, s, e in spans),
         })
     results.append({"control": "time.sleep(0.001), releases the GIL",
                     "call_ms_median": statistics.median(1e3 * (e - s) for s, e in control),
                     "counter_iterations_inside_median": statistics.median(inside(s, e) for s, e in control),
-                    "calls_with_no_counter_iteration": sum(inside(s, e) == 0 for s, e in control)})
+                    "calls_with_no_counter_iteration": sum(inside(s, e) == 0 for s, e in control),
+                    "counter_longest_pause_ms_median": statistics.median(longest_pause_ms(s, e) for s, e in control)})
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return {"repeats": repeats, "counter_iterations": len(stamps),
             "counter_iteration_us_median": 1e6 * statistics.median(gaps) if gaps else None, "calls": results}
