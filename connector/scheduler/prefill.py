@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -81,10 +80,10 @@ class PrefillScheduler:
         self._newly_held_first_tokens: dict[str, int] = {}
         # Each rank's latest push timeline of a request, until its blocks are released.
         self._rank_timelines: dict[str, dict[int, dict[str, Any]]] = {}
-        # post_after_output, where the worker half shares this process (output_signal): the steps built and not
-        # yet processed, oldest first (vLLM processes them in that order), and the worker's callback.
+        # post_after_output, where the worker half shares this process (output_signal): the steps built, and those
+        # whose output was processed (vLLM processes each built step once, in order), and the worker's callback.
         self._step_seq = 0
-        self._unprocessed_steps: deque[int] = deque()
+        self._processed_step_seq = 0
         self.on_output_leaving: Callable[[int], None] | None = None
 
     def on_new_request(self, request: "Request") -> None:
@@ -112,8 +111,6 @@ class PrefillScheduler:
         """Describe this step's prefill chunks, new holds and preemptions for the workers."""
         self._step_seq += 1
         meta = KVPushMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0, step_seq=self._step_seq)
-        if self.on_output_leaving is not None:
-            self._unprocessed_steps.append(self._step_seq)
         self._response_params.clear()  # responses of earlier steps are being serialized: hands off
         for request_id in scheduler_output.preempted_req_ids or ():
             tracked = self._tracked.get(request_id)
@@ -130,8 +127,10 @@ class PrefillScheduler:
     def step_output_processed(self) -> None:
         """The oldest unprocessed step's output is leaving (update_from_output's last connector call): tell the
         in-process worker half, whose launch-bound steps push only then."""
-        if self.on_output_leaving is not None and self._unprocessed_steps:
-            self.on_output_leaving(self._unprocessed_steps.popleft())
+        if self._processed_step_seq < self._step_seq:
+            self._processed_step_seq += 1
+            if self.on_output_leaving is not None:
+                self.on_output_leaving(self._processed_step_seq)
 
     def _track_block_ids(self, scheduler_output: "SchedulerOutput") -> None:
         """Bring each tracked request's block ids up to this step (KV-cache group 0: one group only)."""
