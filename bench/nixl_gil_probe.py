@@ -3,12 +3,11 @@
 Two in-process UCX agents over DRAM; one thread appends a timestamp in a tight loop while the main thread
 posts WRITEs of N non-contiguous 4 KiB descriptors. The loop's timestamps that fall inside `transfer()` (and
 inside `make_prepped_xfer()`) say whether another Python thread ran meanwhile: none means the call held the GIL
-for its whole duration, so in an engine's process it delays the forward thread by that long. The counter's longest
-pause overlapping each call says the same without that noise: about the call's own duration when it holds the
-GIL (the probe sets a 100 µs switch interval, so
-hand-overs between bytecodes pause it far less). A control row times
-time.sleep(0.001), which releases the GIL. Run it on a quiet machine: a loaded one preempts the poster
-between its timestamps, and the counter's 5 ms GIL slices then land inside the measured span.
+for its whole duration, so in an engine's process it delays the forward thread by that long. The counter's
+longest pause overlapping each call says the same in milliseconds. The probe sets a 100 µs switch interval, so
+hand-overs between bytecodes pause the counter far less than a call that keeps the GIL. A control row times
+time.sleep(0.001), which releases the GIL. Run it on a quiet machine: a loaded one preempts the poster between
+its timestamps, and the counter's slices then land inside the measured span.
 
     .venv/bin/python bench/nixl_gil_probe.py --descriptors 250 1000 --repeats 30
 """
@@ -57,7 +56,7 @@ def probe(descriptor_counts: list[int], repeats: int) -> dict:
     counter = threading.Thread(target=count, name="gil-probe-counter")
     counter.start()
     time.sleep(0.1)
-    calls: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in descriptor_counts}
+    calls: dict[int, list[tuple[float, float, float]]] = {n: [] for n in descriptor_counts}
     for n in descriptor_counts:
         indices = np.arange(0, 2 * n, 2, dtype=np.int32)  # every other block: n descriptors, none merged
         for _ in range(repeats):
@@ -66,7 +65,7 @@ def probe(descriptor_counts: list[int], repeats: int) -> dict:
             posting = time.perf_counter()
             source.transfer(handle)
             posted = time.perf_counter()
-            calls[n].append((made, posting, posting, posted))
+            calls[n].append((made, posting, posted))
             while source.check_xfer_state(handle) == "PROC":
                 time.sleep(0.0005)
             source.release_xfer_handle(handle)
@@ -93,18 +92,18 @@ def probe(descriptor_counts: list[int], repeats: int) -> dict:
 
     results = []
     for n, spans in calls.items():
-        transfer_ms = [1e3 * (end - start) for _, _, start, end in spans]
-        make_ms = [1e3 * (posting - made) for made, posting, _, _ in spans]
+        transfer_ms = [1e3 * (end - start) for _, start, end in spans]
+        make_ms = [1e3 * (posting - made) for made, posting, _ in spans]
         results.append({
             "descriptor_count": n,
             "transfer_ms_median": statistics.median(transfer_ms), "transfer_ms_max": max(transfer_ms),
             "make_prepped_xfer_ms_median": statistics.median(make_ms),
             # The counter may also run in the bytecodes between a timestamp and the call (the eval loop hands the
             # GIL over at its switch interval): a call that released the GIL shows iterations in most repeats.
-            "counter_iterations_inside_transfer_median": statistics.median(inside(s, e) for _, _, s, e in spans),
-            "transfers_with_no_counter_iteration": sum(inside(s, e) == 0 for _, _, s, e in spans),
-            "counter_iterations_inside_make_median": statistics.median(inside(m, p) for m, p, _, _ in spans),
-            "counter_longest_pause_ms_median": statistics.median(longest_pause_ms(s, e) for _, _, s, e in spans),
+            "counter_iterations_inside_transfer_median": statistics.median(inside(s, e) for _, s, e in spans),
+            "transfers_with_no_counter_iteration": sum(inside(s, e) == 0 for _, s, e in spans),
+            "counter_iterations_inside_make_median": statistics.median(inside(m, p) for m, p, _ in spans),
+            "counter_longest_pause_ms_median": statistics.median(longest_pause_ms(s, e) for _, s, e in spans),
         })
     results.append({"control": "time.sleep(0.001), releases the GIL",
                     "call_ms_median": statistics.median(1e3 * (e - s) for s, e in control),

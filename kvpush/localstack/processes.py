@@ -357,24 +357,22 @@ class EngineHandle:
         past the directory's transfer_timeout_s, so that request failed. Warmed here, it happens before the stack
         is called ready. Raises RuntimeError when the engine does not answer 200.
         """
+        from kvpush.localstack.client import call
+
         started = time.monotonic()
         prompt = list(range(3, 35))
         for sampling in ({"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.8, "top_k": 20, "seed": 0,
                                                  "repetition_penalty": 1.1, "presence_penalty": 0.2}):
-            body = json.dumps({"model": self.spec.served_model_name, "prompt": prompt, "max_tokens": 2,
-                               "logprobs": 1, **sampling}).encode()
-            request = urllib.request.Request(self.url + "/v1/completions", data=body, method="POST",
-                                             headers={"Content-Type": "application/json"})
-            left_s = max(1.0, timeout_s - (time.monotonic() - started))
+            body = {"model": self.spec.served_model_name, "prompt": prompt, "max_tokens": 2, "logprobs": 1,
+                    **sampling}
             try:
-                with urllib.request.urlopen(request, timeout=left_s) as response:
-                    response.read()
-            except urllib.error.HTTPError as exc:
-                raise RuntimeError(f"{self.spec.name} refused its warm-up request: {exc.code} "
-                                   f"{exc.read().decode(errors='replace')[:500]}") from exc
+                result = call("POST", self.url + "/v1/completions", body,
+                              timeout_s=max(1.0, timeout_s - (time.monotonic() - started)))
             except OSError as exc:
                 raise RuntimeError(f"{self.spec.name} did not answer its warm-up request: {exc!r}; "
                                    f"log {self.process.log_path}:\n{tail(self.process.log_path)}") from exc
+            if result.status != 200:
+                raise RuntimeError(f"{self.spec.name} refused its warm-up request: {result.status} {result.text[:500]}")
         return time.monotonic() - started
 
     def stop(self, grace_s: float = 20.0) -> int | None:
