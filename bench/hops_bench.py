@@ -140,6 +140,18 @@ def _median(values) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
+def _median_ci95(values, resamples: int = 2000) -> list[float] | None:
+    """A 95 % bootstrap interval of the median (percentiles of `resamples` medians of resampled values, seeded, so
+    a file's figures can be recomputed). On the H200 one round's difference spans -9..+19 ms around a 5 ms median:
+    the interval says how far a median of this many rounds can be trusted."""
+    values = [v for v in values if v is not None]
+    if len(values) < 2:
+        return None
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [round(medians[int(resamples * 0.025)], 3), round(medians[int(resamples * 0.975) - 1], 3)]
+
+
 def _decile(values, which: int) -> float | None:
     """The `which`-th decile (1: p10, 9: p90) of the values, by the nearest rank below."""
     values = sorted(values)
@@ -255,8 +267,15 @@ def _send(kind: str, pair: dict, prompt: list[int], body: dict, gateway_url: str
     pair[f"{kind}_ttft_ms"] = round(result.ttft_s * 1000, 3)
 
 
-def split_of(pairs: list[dict]) -> dict[str, float | None]:
-    """Each kind's median TTFT and the headline split (module docstring), medians of per-round differences."""
+# The headline and its split: (name, minuend kind, subtrahend kind), each a median of per-round differences.
+DIFFERENCES = (("kvpush_minus_p_alone", "kvpush", "p_alone"), ("connector_on_prefill", "p_leg", "p_alone"),
+               ("gateway", "kvpush_one_token", "p_leg"), ("decode_leg", "kvpush", "kvpush_one_token"))
+
+
+def split_of(pairs: list[dict]) -> dict[str, float | list[float] | None]:
+    """Each kind's median TTFT and the headline split (module docstring), medians of per-round differences, each
+    with its 95 % bootstrap interval (`<name>_ci95`)."""
+    differences = {name: [p[f"{a}_ttft_ms"] - p[f"{b}_ttft_ms"] for p in pairs] for name, a, b in DIFFERENCES}
     return {
         "kvpush_ttft": _median(p["kvpush_ttft_ms"] for p in pairs),
         "p_alone_ttft": _median(p["p_alone_ttft_ms"] for p in pairs),
@@ -264,10 +283,8 @@ def split_of(pairs: list[dict]) -> dict[str, float | None]:
         "p_leg_ttft": _median(p["p_leg_ttft_ms"] for p in pairs),
         "kvpush_one_token_ttft": _median(p["kvpush_one_token_ttft_ms"] for p in pairs),
         "p_alone_json_minus_p_alone": _median(p["p_alone_json_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
-        "kvpush_minus_p_alone": _median(p["kvpush_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
-        "connector_on_prefill": _median(p["p_leg_ttft_ms"] - p["p_alone_ttft_ms"] for p in pairs),
-        "gateway": _median(p["kvpush_one_token_ttft_ms"] - p["p_leg_ttft_ms"] for p in pairs),
-        "decode_leg": _median(p["kvpush_ttft_ms"] - p["kvpush_one_token_ttft_ms"] for p in pairs),
+        **{name: _median(values) for name, values in differences.items()},
+        **{f"{name}_ci95": _median_ci95(values) for name, values in differences.items()},
         **(_b_against_a(pairs) if pairs and "kvpush_b_ttft_ms" in pairs[0] else {}),
         **(_engine_split(pairs) if pairs and "p_leg_engine_ms" in pairs[0] else {}),
     }
@@ -293,6 +310,7 @@ def _b_against_a(pairs: list[dict]) -> dict[str, float | int | None]:
     differences = [p["kvpush_b_ttft_ms"] - p["kvpush_ttft_ms"] for p in pairs]
     return {"kvpush_b_ttft": _median(p["kvpush_b_ttft_ms"] for p in pairs),
             "kvpush_b_minus_kvpush": _median(differences),
+            "kvpush_b_minus_kvpush_ci95": _median_ci95(differences),
             "kvpush_b_minus_kvpush_p10": _decile(differences, 1),
             "kvpush_b_minus_kvpush_p90": _decile(differences, 9),
             "kvpush_b_slower_rounds": sum(d > 0 for d in differences)}

@@ -67,3 +67,18 @@ def test_the_engine_stages_split_the_connector_cost_round_by_round():
     assert "engine_kvpush_b_prefill" not in split
     assert "engine_p_leg_prefill" not in hops.split_of([{k: v for k, v in p.items() if not k.endswith("_engine_ms")}
                                                         for p in pairs])
+
+
+def test_each_difference_has_a_bootstrap_interval_around_its_median():
+    """The headline and its split carry a 95 % interval of the median that holds the median and widens with spread."""
+    hops = load_bench("hops_bench")
+    kinds = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
+    narrow = [{**{f"{k}_ttft_ms": 20.0 for k in kinds}, "kvpush_ttft_ms": 25.0 + (i % 3 - 1) * 0.1} for i in range(30)]
+    wide = [{**p, "kvpush_ttft_ms": 25.0 + (i % 7 - 3) * 4.0} for i, p in enumerate(narrow)]
+    narrow_split, wide_split = hops.split_of(narrow), hops.split_of(wide)
+    low, high = narrow_split["kvpush_minus_p_alone_ci95"]
+    assert low <= narrow_split["kvpush_minus_p_alone"] == 5.0 <= high and high - low <= 0.2
+    wide_low, wide_high = wide_split["kvpush_minus_p_alone_ci95"]
+    assert wide_low <= wide_split["kvpush_minus_p_alone"] <= wide_high and wide_high - wide_low >= 4.0
+    assert narrow_split["gateway_ci95"] == [0.0, 0.0]
+    assert hops.split_of(narrow[:1])["kvpush_minus_p_alone_ci95"] is None
