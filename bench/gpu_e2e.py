@@ -109,6 +109,9 @@ class Stack:
         self.gateway: GatewayHandle | None = None
         self.client = None
         self.on_gpu = args.preset != "tiny-llama" if args.cuda is None else args.cuda
+        # Extra environment of the services (directory, gateways) and of the engines: OTLP export for `hops --spans`.
+        self.service_env: dict[str, str] = {}
+        self.engine_env: dict[str, str] = {}
 
     def _spec(self, name: str, kv_config: dict | None, env: dict[str, str], prefix_caching: bool,
               share: float, extra_args: tuple[str, ...] = ()) -> EngineSpec:
@@ -128,7 +131,8 @@ class Stack:
         host_env = GPU_ENV if self.on_gpu else {"UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
         return EngineSpec(name=name, model_dir=self.model_dir, served_model_name=SERVED_NAME, port=free_port(),
                           kv_transfer_config=kv_config, max_model_len=args.max_model_len,
-                          enable_prefix_caching=prefix_caching, env={**host_env, **env}, extra_args=engine_args,
+                          enable_prefix_caching=prefix_caching, env={**host_env, **self.engine_env, **env},
+                          extra_args=engine_args,
                           enforce_eager=args.eager or not self.on_gpu, log_stats=True,
                           gpu_memory_utilization=share if self.on_gpu else None)
 
@@ -140,7 +144,8 @@ class Stack:
         share = self.args.gpu_share
         specs: list[EngineSpec] = []
         if connector == "kvpush":
-            self.directory = start_directory(self.log_dir, extra_args=["--lease-ttl-s", "30"], progress=say)
+            self.directory = start_directory(self.log_dir, extra_args=["--lease-ttl-s", "30"], env=self.service_env,
+                                             progress=say)
             address = self.directory.address
             for name, role, engine_id, caching, extra in (
                     ("prefill", "prefill", PREFILL_ID, False, ()),
@@ -200,7 +205,8 @@ class Stack:
             argv += ["--prefill-engine-id", "nixl-push-prefill", "--prefill-side-channel", "127.0.0.1:5611"]
         argv += list(extra_args)
         name = f"gateway-{mode}{name}"
-        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env={"KVPUSH_LOG_FORMAT": "json"})
+        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log",
+                              env={"KVPUSH_LOG_FORMAT": "json", **self.service_env})
         proc.start()
         url = f"http://127.0.0.1:{port}"
         proc.wait_ready(lambda: http_ok(url + "/health"), 60.0, progress=say)
@@ -627,7 +633,9 @@ def run_hops(args: argparse.Namespace) -> int:
 
     The split of kvpush's TTFT over the prefill alone into the connector's cost on prefill, the gateway's and the
     decode leg's, as on the 2-core CPU machine, where the services and both engines share 2 cores; here each
-    process has cores of its own. Per kvpush request the directory's hops of its transfer come too.
+    process has cores of its own. Per kvpush request the directory's hops of its transfer come too; with --spans
+    every process exports its spans to a receiver here and each kvpush request gets hops_bench's trace hops
+    (`span_hops`: the gateway's own share split by its spans).
     """
     import hops_bench  # bench/, this script's folder
 
@@ -635,6 +643,12 @@ def run_hops(args: argparse.Namespace) -> int:
     model_dir = ensure_shaped_model(args.preset)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpush-gpu-hops-"))
     stack = Stack(args, model_dir, log_dir)
+    receiver = None
+    if args.spans:
+        from tests.fixtures.otlp import OTLPReceiver  # the checkout's root is on sys.path (hops_bench)
+
+        receiver = OTLPReceiver().start()
+        stack.service_env, stack.engine_env = receiver.env("kvpush-service"), receiver.env("kvpush-engine")
     pairs: list[dict[str, Any]] = []
     gateway_b = None
     try:
@@ -653,10 +667,14 @@ def run_hops(args: argparse.Namespace) -> int:
                 pair["state"] = record.get("state")
                 pair["transfer_hops_ms"] = transfer_hops(record)
                 pairs.append(pair)
+        if receiver is not None:
+            hops_bench.attach_span_hops(pairs, receiver, stack.client.get_transfer)
     finally:
         if gateway_b is not None:
             gateway_b.process.stop(grace_s=5.0)
         stack.stop()
+        if receiver is not None:
+            receiver.stop()
     hop_names = sorted({hop for pair in pairs for hop in pair["transfer_hops_ms"]})
     report = {
         "bench": "gpu_hops", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "preset": args.preset,
@@ -665,11 +683,15 @@ def run_hops(args: argparse.Namespace) -> int:
         "cpu_count": os.cpu_count(), "complete": sum(p["state"] == "TRANSFER_STATE_COMPLETE" for p in pairs),
         "median_ms": {**hops_bench.split_of(pairs),
                       **{hop: hops_bench._median(p["transfer_hops_ms"].get(hop) for p in pairs) for hop in hop_names}},
+        **({"span_hops_median_ms": {hop: hops_bench._median(p["hops_ms"][hop] for p in pairs)
+                                    for hop in hops_bench.HOPS}} if receiver is not None else {}),
         "pairs": pairs,
     }
     path = out_dir() / f"gpu_hops{'' if stack.on_gpu else '_cpu'}{args.tag}.json"
     path.write_text(json.dumps(report, indent=1))
     say("median ms: " + json.dumps(report["median_ms"]))
+    if "span_hops_median_ms" in report:
+        say("span hops, median ms: " + json.dumps(report["span_hops_median_ms"]))
     say(f"wrote {path}")
     return 0
 
@@ -811,6 +833,8 @@ def main(argv: list[str] | None = None) -> int:
     hops.add_argument("--output-tokens", type=int, default=8)
     hops.add_argument("--gap-s", type=float, default=0.3, help="pause between requests (low load)")
     hops.add_argument("--tag", default="")
+    hops.add_argument("--spans", action="store_true",
+                      help="export every process's spans here and split each kvpush request by them (hops_bench)")
     hops.add_argument("--engine-stages", action=argparse.BooleanOptionalAction, default=True,
                       help="the prefill engine's stages per kind from its /metrics around every request")
     hops.add_argument("--gateway-b-args", default=None,

@@ -25,6 +25,7 @@ instruction, end; prefill's write and prefill-end times), all wall clock on one 
 
   gateway_in        client sent -> gateway.request starts
   before_plan       gateway.request start -> gateway.plan starts (validation, prompt count)
+  request_to_leg    gateway.request start -> gateway.prefill_leg starts (the gateway's own time before the leg)
   plan              gateway.plan (PlanTransfer round trip)
   legs_sent         gateway.plan end -> gateway.prefill_leg starts
   decode_allocated  prefill leg sent -> the directory has decode's allocation (decode's HTTP, scheduling, report)
@@ -74,7 +75,7 @@ KINDS = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
 ENGINE_STAGES = {"engine_ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
                  "prefill": "vllm:request_prefill_time_seconds"}
 
-HOPS = ("gateway_in", "before_plan", "plan", "legs_sent", "decode_allocated", "first_ready", "instruction",
+HOPS = ("gateway_in", "before_plan", "request_to_leg", "plan", "legs_sent", "decode_allocated", "first_ready", "instruction",
         "writes", "prefill_compute", "completion", "decode_notified", "prefill_answer", "prefill_finished",
         "answer_http", "to_client")
 
@@ -119,6 +120,7 @@ def hops_of(sent_wall: float, ttft_s: float, transfer, spans: list["ReceivedSpan
     return {
         "gateway_in": _ms(start("gateway.request"), sent_wall),
         "before_plan": _ms(start("gateway.plan"), start("gateway.request")),
+        "request_to_leg": _ms(legs, start("gateway.request")),
         "plan": _ms(end("gateway.plan"), start("gateway.plan")),
         "legs_sent": _ms(legs, end("gateway.plan")),
         "decode_allocated": _ms(allocated, legs),
@@ -316,6 +318,35 @@ def _b_against_a(pairs: list[dict]) -> dict[str, float | int | None]:
             "kvpush_b_slower_rounds": sum(d > 0 for d in differences)}
 
 
+def attach_span_hops(pairs: list[dict], receiver, get_transfer, timeout_s: float = 60.0) -> None:
+    """Give each round's kvpush request its hops (`hops_ms`, HOPS) from its trace and its directory record
+    (`get_transfer(transfer_id)`: the Transfer message), and its first token against the transfer's end."""
+    # Spans leave in batches, per process; wait (bounded) until every measured request's spans arrived.
+    wanted = {p["transfer_id"] for p in pairs}
+
+    def arrived(spans) -> bool:
+        return all(wanted <= {s.attributes.get("kvpush.transfer_id") for s in spans if s.name == name}
+                   for name in ("gateway.request", "kvpush.receive", "kvpush.push"))
+
+    receiver.wait_for(arrived, timeout_s=timeout_s)
+    spans = receiver.spans()
+    for pair in pairs:
+        transfer = get_transfer(pair["transfer_id"])
+        pair["first_token_in_record"] = transfer.HasField("first_token_id")
+        # The client's first event against the transfer's end in the directory's record (one machine's clock).
+        pair["first_token_before_transfer_end_ms"] = _ms(_s(transfer.end_time),
+                                                         pair["sent_wall"] + pair["kvpush_ttft_ms"] / 1000)
+        pair["excess_ms"] = round(pair["kvpush_ttft_ms"] - pair["p_alone_ttft_ms"], 3)
+        request_spans = [s for s in spans if s.name == "gateway.request"
+                         and s.attributes.get("kvpush.transfer_id") == pair["transfer_id"]]
+        if len(request_spans) != 1:  # its spans did not all arrive within the bound: no hops for this round
+            pair["hops_ms"] = dict.fromkeys(HOPS)
+            continue
+        trace = [s for s in spans if s.trace_id == request_spans[0].trace_id]
+        pair["hops_ms"] = hops_of(pair["sent_wall"], pair["kvpush_ttft_ms"] / 1000, transfer, trace,
+                                  pair.get("request_finished_wall"))
+
+
 def main(argv=None) -> int:
     # Here, not at the top: gpu_e2e.py imports this module's measurement on a machine with the installed package.
     from kvpush.localstack.model import TinyModelSpec
@@ -347,27 +378,7 @@ def main(argv=None) -> int:
                                  stack.prefill.url if args.engine_stages else "")
             if i >= args.warmup:
                 pairs.append(pair)
-        # Spans leave in batches, per process; wait (bounded) until every measured request's spans arrived.
-        wanted = {p["transfer_id"] for p in pairs}
-
-        def arrived(spans) -> bool:
-            return all(wanted <= {s.attributes.get("kvpush.transfer_id") for s in spans if s.name == name}
-                       for name in ("gateway.request", "kvpush.receive", "kvpush.push"))
-
-        receiver.wait_for(arrived, timeout_s=60)
-        spans = receiver.spans()
-        for pair in pairs:
-            transfer = client.get_transfer(pair["transfer_id"])
-            (request_span,) = [s for s in spans if s.name == "gateway.request"
-                               and s.attributes.get("kvpush.transfer_id") == pair["transfer_id"]]
-            trace = [s for s in spans if s.trace_id == request_span.trace_id]
-            pair["hops_ms"] = hops_of(pair["sent_wall"], pair["kvpush_ttft_ms"] / 1000, transfer, trace,
-                                      pair.get("request_finished_wall"))
-            pair["first_token_in_record"] = transfer.HasField("first_token_id")
-            # The client's first event against the transfer's end in the directory's record (one machine's clock).
-            pair["first_token_before_transfer_end_ms"] = _ms(_s(transfer.end_time),
-                                                             pair["sent_wall"] + pair["kvpush_ttft_ms"] / 1000)
-            pair["excess_ms"] = round(pair["kvpush_ttft_ms"] - pair["p_alone_ttft_ms"], 3)
+        attach_span_hops(pairs, receiver, client.get_transfer)
         client.close()
     finally:
         if gateway_b is not None:

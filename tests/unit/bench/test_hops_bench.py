@@ -30,7 +30,7 @@ def test_hops_are_the_differences_of_span_and_record_times():
              _span("gateway.prefill_leg", base + 0.0032, base + 0.025), _span("kvpush.receive", base + 0.012,
                                                                                 base + 0.021)]
     got = hops.hops_of(base, 0.026, transfer, spans, request_finished=base + 0.017)
-    assert got == {"gateway_in": 1.0, "before_plan": 0.2, "plan": 1.8, "legs_sent": 0.2, "decode_allocated": 8.8,
+    assert got == {"gateway_in": 1.0, "before_plan": 0.2, "request_to_leg": 2.2, "plan": 1.8, "legs_sent": 0.2, "decode_allocated": 8.8,
                    "first_ready": 6.8, "instruction": 0.5, "writes": 3.0, "prefill_compute": 11.8, "completion": 4.0,
                    "decode_notified": 1.0, "prefill_answer": 10.0, "prefill_finished": 2.0, "answer_http": 8.0,
                    "to_client": 1.0}
