@@ -635,7 +635,7 @@ def run_hops(args: argparse.Namespace) -> int:
     decode leg's, as on the 2-core CPU machine, where the services and both engines share 2 cores; here each
     process has cores of its own. Per kvpush request the directory's hops of its transfer come too; with --spans
     every process exports its spans to a receiver here and each kvpush request gets hops_bench's trace hops
-    (`span_hops`: the gateway's own share split by its spans).
+    (`span_hops_median_ms`: the gateway's own share split by its spans).
     """
     import hops_bench  # bench/, this script's folder
 

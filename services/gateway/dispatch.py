@@ -194,11 +194,12 @@ class Dispatcher:
         if pick is None:
             return await self._plan(request, request_id, prompt_token_count, bound, traceparent, model, outcome), None
         prefill_task = self._start_prefill(request, pick.early_route(traceparent), headers, outcome)
-        # One loop turn for the leg before PlanTransfer's set-up: on Python >= 3.12 aiohttp writes the request at
-        # once (an eagerly started write task), so the leg is on the wire before the plan's CPU work, which is
-        # off the critical path (decode's allocation has the whole prefill to arrive).
-        await asyncio.sleep(0)
         try:
+            # One loop turn for the leg before PlanTransfer's set-up: on Python >= 3.12 aiohttp writes the request at
+            # once (an eagerly started write task), so the leg is on the wire before the plan's CPU work, which is
+            # off the critical path (decode's allocation has the whole prefill to arrive). Inside the try: a client
+            # gone during that turn stops the leg too.
+            await asyncio.sleep(0)
             route = await self._plan(request, request_id, prompt_token_count, bound, traceparent, model, outcome,
                                      pick)
         except PickRefused as error:
