@@ -75,9 +75,9 @@ KINDS = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
 ENGINE_STAGES = {"engine_ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
                  "prefill": "vllm:request_prefill_time_seconds"}
 
-HOPS = ("gateway_in", "before_plan", "request_to_leg", "plan", "legs_sent", "decode_allocated", "first_ready", "instruction",
-        "writes", "prefill_compute", "completion", "decode_notified", "prefill_answer", "prefill_finished",
-        "answer_http", "to_client")
+HOPS = ("gateway_in", "before_plan", "request_to_leg", "plan", "legs_sent", "decode_allocated", "first_ready",
+        "instruction", "writes", "prefill_compute", "completion", "decode_notified", "prefill_answer",
+        "prefill_finished", "answer_http", "to_client")
 
 
 def _prompt(length: int, seed: int) -> list[int]:

@@ -7,9 +7,9 @@ no pause between requests and with `--gaps-s` of idle before each:
               its intake path (metrics, error middleware, body, validation) with no directory or engine behind it.
 The rows alternate, so both servers see the same machine. On the 2-core CPU machine (cpuidle driver haltpoll) a
 round trip after 10 ms or 0.1 s of idle costs 0.75-0.85 ms more than with none, for the bare server as for the
-gateway (which adds 0.2-0.3 ms of its own code at every gap): the wake-up of idle processes, not the gateway's code. A disaggregated request at low load wakes
-the gateway twice (the client's request, then prefill's token), which is most of the gateway's 2 ms on the H200's
-hops (docs/benchmarks.md). JSON to bench/results/wakeup_probe.json.
+gateway (which adds 0.2-0.3 ms of its own code at every gap): the wake-up of idle processes, not the gateway's code.
+A disaggregated request at low load wakes the gateway twice (the client's request, then prefill's token), which is
+most of the gateway's 2 ms on the H200's hops (docs/benchmarks.md). JSON to bench/results/wakeup_probe.json.
 
     .venv/bin/python bench/wakeup_probe.py [--requests 100] [--gaps-s 0 0.01 0.1]
 """
@@ -21,15 +21,15 @@ import http.client
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvpush.localstack.processes import free_port  # noqa: E402
+from kvpush.localstack.processes import ManagedProcess, free_port, tcp_open  # noqa: E402
 
 _BARE_SERVER = """
 import sys
@@ -60,34 +60,24 @@ def round_trip_ms(port: int) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def wait_listening(port: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            round_trip_ms(port)
-            return
-        except (OSError, http.client.HTTPException):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=100, help="round trips per server and gap")
     parser.add_argument("--gaps-s", type=float, nargs="+", default=[0.0, 0.01, 0.1])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "wakeup_probe.json")
     args = parser.parse_args(argv)
+    log_dir = Path(tempfile.mkdtemp(prefix="kvpush-wakeup-"))
     ports = {"bare": free_port(), "gateway": free_port()}
-    servers = [subprocess.Popen([sys.executable, "-c", _BARE_SERVER, str(ports["bare"])]),
-               # A directory nobody listens on: the gateway starts, and a refused request never reaches it.
-               subprocess.Popen([sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1",
-                                 "--port", str(ports["gateway"]), "--directory", f"127.0.0.1:{free_port()}"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    # The gateway against a directory nobody listens on: it serves, and a refused request never reaches the directory
+    # (its /health would say 503, so readiness is its port accepting).
+    argvs = {"bare": [sys.executable, "-c", _BARE_SERVER, str(ports["bare"])],
+             "gateway": [sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1",
+                         "--port", str(ports["gateway"]), "--directory", f"127.0.0.1:{free_port()}"]}
+    servers = [ManagedProcess(name, argv, log_dir / f"{name}.log") for name, argv in argvs.items()]
     rows = []
     try:
-        for port in ports.values():
-            wait_listening(port)
+        for server, port in zip(servers, ports.values()):
+            server.start().wait_ready(lambda port=port: tcp_open("127.0.0.1", port), 30.0)
         for gap_s in args.gaps_s:
             samples: dict[str, list[float]] = {name: [] for name in ports}
             for _ in range(args.requests):
@@ -100,9 +90,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), file=sys.stderr)
     finally:
         for server in servers:
-            server.terminate()
-        for server in servers:
-            server.wait(10)
+            server.stop(grace_s=5.0)
     idle_driver = Path("/sys/devices/system/cpu/cpuidle/current_driver")
     result = {"bench": "wakeup_probe", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "requests": args.requests, "cpu_count": len(os.sched_getaffinity(0)),

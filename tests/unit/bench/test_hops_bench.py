@@ -30,17 +30,17 @@ def test_hops_are_the_differences_of_span_and_record_times():
              _span("gateway.prefill_leg", base + 0.0032, base + 0.025), _span("kvpush.receive", base + 0.012,
                                                                                 base + 0.021)]
     got = hops.hops_of(base, 0.026, transfer, spans, request_finished=base + 0.017)
-    assert got == {"gateway_in": 1.0, "before_plan": 0.2, "request_to_leg": 2.2, "plan": 1.8, "legs_sent": 0.2, "decode_allocated": 8.8,
-                   "first_ready": 6.8, "instruction": 0.5, "writes": 3.0, "prefill_compute": 11.8, "completion": 4.0,
-                   "decode_notified": 1.0, "prefill_answer": 10.0, "prefill_finished": 2.0, "answer_http": 8.0,
-                   "to_client": 1.0}
+    assert got == {"gateway_in": 1.0, "before_plan": 0.2, "request_to_leg": 2.2, "plan": 1.8, "legs_sent": 0.2,
+                   "decode_allocated": 8.8, "first_ready": 6.8, "instruction": 0.5, "writes": 3.0,
+                   "prefill_compute": 11.8, "completion": 4.0, "decode_notified": 1.0, "prefill_answer": 10.0,
+                   "prefill_finished": 2.0, "answer_http": 8.0, "to_client": 1.0}
     assert set(got) == set(hops.HOPS)
 
 
 def test_a_second_gateway_is_compared_round_by_round():
     """kvpush_b against kvpush: the median, p10 and p90 of the per-round differences and how often b was slower."""
     hops = load_bench("hops_bench")
-    kinds = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
+    kinds = hops.KINDS
     pairs = [{**{f"{k}_ttft_ms": 10.0 for k in kinds}, "kvpush_b_ttft_ms": 10.0 + d} for d in range(-3, 7)]
     split = hops.split_of(pairs)
     assert (split["kvpush_b_minus_kvpush"], split["kvpush_b_minus_kvpush_p10"], split["kvpush_b_minus_kvpush_p90"],
@@ -52,7 +52,7 @@ def test_a_second_gateway_is_compared_round_by_round():
 def test_the_engine_stages_split_the_connector_cost_round_by_round():
     """With --engine-stages each kind carries the prefill engine's stages; split_of gives p_leg − p_alone per stage."""
     hops = load_bench("hops_bench")
-    kinds = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
+    kinds = hops.KINDS
 
     def stages(prefill: float, queue: float | None = 0.1) -> dict:
         return {"engine_ttft": prefill + 1.0, "queue": queue, "prefill": prefill}
@@ -72,7 +72,7 @@ def test_the_engine_stages_split_the_connector_cost_round_by_round():
 def test_each_difference_has_a_bootstrap_interval_around_its_median():
     """The headline and its split carry a 95 % interval of the median that holds the median and widens with spread."""
     hops = load_bench("hops_bench")
-    kinds = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
+    kinds = hops.KINDS
     narrow = [{**{f"{k}_ttft_ms": 20.0 for k in kinds}, "kvpush_ttft_ms": 25.0 + (i % 3 - 1) * 0.1} for i in range(30)]
     wide = [{**p, "kvpush_ttft_ms": 25.0 + (i % 7 - 3) * 4.0} for i, p in enumerate(narrow)]
     narrow_split, wide_split = hops.split_of(narrow), hops.split_of(wide)
