@@ -19,6 +19,13 @@ class GatewayConfig:
     mode: str = "kvpush"
     directory_address: str = ""
     directory_token: str = ""
+    # TLS files of the gateway's directory channel; empty: KVPUSH_DIRECTORY_TLS_* (or plaintext).
+    directory_tls_root_cert: str = ""
+    directory_tls_client_cert: str = ""
+    directory_tls_client_key: str = ""
+    # The prefill engine this gateway runs beside (a gateway hosted in that engine's API server, `hosted`): its
+    # prefill legs go there whenever the directory lists it as able to take them, so they stay in one process.
+    local_prefill_engine_id: str = ""
     # Static engines for the nixl-* baseline modes.
     prefill_url: str = ""
     decode_url: str = ""
@@ -67,6 +74,11 @@ class GatewayConfig:
             raise ValueError(f"port {self.port} out of range")
         if self.mode == "kvpush" and not self.directory_address:
             raise ValueError("kvpush mode needs --directory HOST:PORT (or KVPUSH_DIRECTORY_ADDRESS)")
+        if bool(self.directory_tls_client_cert) != bool(self.directory_tls_client_key):
+            raise ValueError("--directory-tls-client-cert and --directory-tls-client-key go together")
+        if self.local_prefill_engine_id and self.mode != "kvpush":
+            raise ValueError("--local-prefill-engine is for kvpush mode (the nixl-* modes have one static prefill "
+                             "engine)")
         if self.mode != "kvpush" and not (self.prefill_url and self.decode_url):
             raise ValueError(f"{self.mode} mode needs --prefill-url and --decode-url")
         if self.mode == "nixl-push":
@@ -87,6 +99,16 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--directory", default=os.environ.get("KVPUSH_DIRECTORY_ADDRESS", ""),
                         help="KV directory HOST:PORT (kvpush mode)")
     parser.add_argument("--directory-token", default=os.environ.get("KVPUSH_DIRECTORY_TOKEN", ""))
+    parser.add_argument("--directory-tls-root-cert", default="",
+                        help="CA bundle of the directory channel (default: KVPUSH_DIRECTORY_TLS_ROOT_CERT)")
+    parser.add_argument("--directory-tls-client-cert", default="",
+                        help="client certificate for mutual TLS (default: KVPUSH_DIRECTORY_TLS_CLIENT_CERT)")
+    parser.add_argument("--directory-tls-client-key", default="",
+                        help="client key for mutual TLS (default: KVPUSH_DIRECTORY_TLS_CLIENT_KEY)")
+    parser.add_argument("--local-prefill-engine", default="",
+                        help="kvpush mode: the engine id of the prefill engine beside this gateway; its prefill legs "
+                             "go there whenever it is listed as able to take them (a gateway hosted in that engine's "
+                             "API server: docs/gateway.md)")
     parser.add_argument("--prefill-url", default="", help="static prefill engine URL (nixl-* modes)")
     parser.add_argument("--decode-url", default="", help="static decode engine URL (nixl-* modes)")
     parser.add_argument("--prefill-engine-id", default="", help="prefill's kv_transfer_config.engine_id (nixl-push)")
@@ -120,7 +142,11 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                         help="run on uvloop's event loop when it is installed (default off)")
     args = parser.parse_args(argv)
     config = GatewayConfig(host=args.host, port=args.port, mode=args.mode, directory_address=args.directory,
-                           directory_token=args.directory_token, prefill_url=args.prefill_url.rstrip("/"),
+                           directory_token=args.directory_token,
+                           directory_tls_root_cert=args.directory_tls_root_cert,
+                           directory_tls_client_cert=args.directory_tls_client_cert,
+                           directory_tls_client_key=args.directory_tls_client_key,
+                           local_prefill_engine_id=args.local_prefill_engine, prefill_url=args.prefill_url.rstrip("/"),
                            decode_url=args.decode_url.rstrip("/"), prefill_engine_id=args.prefill_engine_id,
                            prefill_side_channel=args.prefill_side_channel, plan_timeout_s=args.plan_timeout,
                            connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,

@@ -150,6 +150,11 @@ class DirectoryRouter:
         overrides = {"address": config.directory_address, "timeout_s": config.plan_timeout_s, "max_attempts": 2}
         if config.directory_token:
             overrides["token"] = config.directory_token
+        for name, value in (("root_cert_file", config.directory_tls_root_cert),
+                            ("client_cert_file", config.directory_tls_client_cert),
+                            ("client_key_file", config.directory_tls_client_key)):
+            if value:
+                overrides[name] = value
         self._client = DirectoryClient(ChannelConfig.from_env(**overrides))
         self._engines: list[tpb.Engine] = []
         self._engines_read_at: float | None = None  # monotonic time of the last read that succeeded
@@ -205,8 +210,10 @@ class DirectoryRouter:
 
     async def pick_prefill(self, model: str, prompt_token_count: int) -> PrefillPick | None:
         """The prefill engine PlanTransfer would choose, as far as the engine list (at most ENGINE_CACHE_S old)
-        tells: every rank registered, serving `model`, not marked unreachable; fewest active transfers (counting
-        this gateway's picks since the list was read), then fewest queued requests. None (plan first) with
+        tells: every rank registered, serving `model`, not marked unreachable; the gateway's local prefill engine
+        when it is one of those (`local_prefill_engine_id`: clients spread over hosted gateways already, and the leg
+        stays in one process), else fewest active transfers (counting this gateway's picks since the list was
+        read), then fewest queued requests. None (plan first) with
         `prefill_before_plan` off, without a candidate, or when no decode engine listed has room for the prompt
         (the plan would most likely be refused, and no leg should have been sent)."""
         if not self._config.prefill_before_plan:
@@ -224,9 +231,10 @@ class DirectoryRouter:
                       and not w.HasField("unreachable_time")]
         if not candidates:
             return None
-        best = min(candidates, key=lambda w: (w.active_transfer_count + self._picks_since_read.get(w.engine_id, 0),
-                                              w.load.running_request_count + w.load.waiting_request_count,
-                                              w.engine_id))
+        local = [w for w in candidates if w.engine_id == self._config.local_prefill_engine_id]
+        best = local[0] if local else min(
+            candidates, key=lambda w: (w.active_transfer_count + self._picks_since_read.get(w.engine_id, 0),
+                                       w.load.running_request_count + w.load.waiting_request_count, w.engine_id))
         self._picks_since_read[best.engine_id] = self._picks_since_read.get(best.engine_id, 0) + 1
         return PrefillPick(engine_id=best.engine_id, url=best.endpoint.rstrip("/"), transfer_id=uuid.uuid4().hex)
 

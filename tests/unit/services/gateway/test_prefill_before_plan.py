@@ -101,3 +101,30 @@ def test_a_pick_the_directory_refuses_is_planned_the_usual_way(stack):
         client.run(registration.stop(deregister=True))
         misfit.stop()
         del engines[MISFIT]
+
+
+def test_a_gateway_beside_a_prefill_engine_sends_its_legs_there(stack, tmp_path):
+    """`--local-prefill-engine` (a gateway hosted in that engine's API server): its legs go to that engine, though
+    an idle engine that sorts before it is listed too; the plan pins it."""
+    client, directory, engines, _ = stack
+    local_id = "standin-prefill-z"  # after PREFILL: the least-loaded rule alone would pick PREFILL
+    local = StandInEngine(local_id).start()
+    engines[local_id] = local
+    registration = client.start_registration(dpb.RegisterEngineRequest(
+        engine_id=local_id, role=tpb.ENGINE_ROLE_PREFILL, tp_rank=0, tp_size=1, agent_name=f"agent-{local_id}",
+        agent_metadata=b"standin-metadata", layout=_layout(), endpoint=local.url, model="tiny"))
+    beside = start_gateway(tmp_path, directory_address=directory.address, name="gateway-beside",
+                           extra_args=["--no-first-token-from-prefill", "--local-prefill-engine", local_id])
+    try:
+        _reset(engines)
+        for _ in range(3):
+            answer = call("POST", beside.url + "/v1/completions", {"model": "tiny", "prompt": [5, 6], "max_tokens": 2})
+            assert answer.status == 200, answer.text
+            assert client.get_transfer(answer.headers["x-kvpush-transfer-id"]).prefill_engine_id == local_id
+        assert len(local.legs) == 3 and not engines[PREFILL].legs
+        assert _metric(beside.url, "kvpush_gateway_prefill_before_plan_total", outcome="planned") == 3
+    finally:
+        beside.process.stop(grace_s=5.0)
+        client.run(registration.stop(deregister=True))
+        local.stop()
+        del engines[local_id]
