@@ -15,7 +15,8 @@ one at a time (low load), alternating two kinds on the same random token-id prom
                alone (the transfer is cancelled), so against p_leg it is what the gateway adds, and kvpush against
                it is what the concurrent decode leg and the push add.
   * kvpush_b   (with --gateway-b-args) kvpush through a second gateway started with those flags against the same
-               directory and engines: a gateway change against the default, side by side in one run.
+               directory and engines: a gateway change against the default, side by side in one run; with
+               --gateway-b-hosted through the gateway hosted in the prefill engine's API server instead.
 With --engine-stages the prefill engine's /metrics is scraped before and after every request (outside its TTFT),
 so each kind also gets vLLM's own stages on the prefill engine (ENGINE_STAGES: engine TTFT, queue, prefill =
 scheduled -> first token), and connector_on_prefill is split by them (`engine_connector_on_prefill_<stage>`).
@@ -196,13 +197,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gap-s", type=float, default=0.3, help="pause between requests (low load)")
     parser.add_argument("--gateway-b-args", default=None,
                         help="start a second gateway with these flags (e.g. \"--uvloop\") and add kind kvpush_b")
+    parser.add_argument("--gateway-b-hosted", action="store_true",
+                        help="kind kvpush_b through the gateway hosted in the prefill engine's API server "
+                             "(kvpush.services.gateway.hosted) instead of a second standalone one")
     parser.add_argument("--engine-stages", action="store_true",
                         help="scrape the prefill engine's /metrics around every request: its stages per kind")
     parser.add_argument("--connector-extra", type=json.loads, default={},
                         help="more kv_connector_extra_config for both engines, JSON (e.g. '{\"nixl_notif_poll_s\": 0.01}')")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.gateway_b_hosted and args.gateway_b_args is not None:
+        parser.error("--gateway-b-hosted and --gateway-b-args both name kind kvpush_b's gateway: give one")
+    return args
 
 
 def measure_round(index: int, prompt: list[int], body: dict, gateway_url: str, prefill_url: str, client,
@@ -361,7 +368,7 @@ def main(argv=None) -> int:
     stack = LocalStack(spec=TinyModelSpec(), log_dir=log_dir, progress=lambda m: print(m, file=sys.stderr),
                        engine_env={"UCX_NET_DEVICES": "lo", **receiver.env("kvpush-engine")},
                        service_env=receiver.env("kvpush-service"), with_colocated=False,
-                       connector_extra=args.connector_extra)
+                       connector_extra=args.connector_extra, hosted_gateway=args.gateway_b_hosted)
     stack.start()
     pairs: list[dict] = []
     gateway_b = None
@@ -369,13 +376,13 @@ def main(argv=None) -> int:
         if args.gateway_b_args is not None:
             gateway_b = start_gateway(log_dir, directory_address=stack.directory.address, name="gateway-b",
                                       extra_args=shlex.split(args.gateway_b_args), env=receiver.env("kvpush-service"))
+        gateway_b_url = stack.hosted_gateway_url if args.gateway_b_hosted else gateway_b.url if gateway_b else ""
         client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=2))
         body = {"model": "tiny", "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
         for i in range(args.warmup + args.iterations):
             pair = measure_round(i, _prompt(args.prompt_tokens, seed=1000 + i), body, stack.gateway_url,
                                  stack.prefill.url, client, PREFILL_ENGINE_ID, DECODE_ENGINE_ID, args.gap_s,
-                                 gateway_b.url if gateway_b else "",
-                                 stack.prefill.url if args.engine_stages else "")
+                                 gateway_b_url, stack.prefill.url if args.engine_stages else "")
             if i >= args.warmup:
                 pairs.append(pair)
         attach_span_hops(pairs, receiver, client.get_transfer)
@@ -390,7 +397,8 @@ def main(argv=None) -> int:
         "config": {"model": "tiny (localstack TinyModelSpec)", "link": "loopback", "prompt_tokens": args.prompt_tokens,
                    "max_tokens": args.max_tokens, "iterations": args.iterations, "first_token_from_prefill": True,
                    "load": "one request at a time", "machine": "2 cores shared with other work",
-                   "gateway_b_args": args.gateway_b_args, "connector_extra": args.connector_extra,
+                   "gateway_b_args": args.gateway_b_args, "gateway_b_hosted": args.gateway_b_hosted,
+                   "connector_extra": args.connector_extra,
                    "engine_stages": args.engine_stages},
         "median_ms": {**split_of(pairs), **{hop: _median(p["hops_ms"][hop] for p in pairs) for hop in HOPS}},
         "first_token_in_record": sum(p["first_token_in_record"] for p in pairs),

@@ -13,6 +13,8 @@ With `decode_engine_count` > 1 there are several decode engines (`decodes`; `dec
 failover tests and the soak need. Faults for them: `kill(handle)` (SIGKILL of the engine's whole group),
 `relaunch(handle)` (the same engine id, port and settings again), `restart_directory()` (SIGKILL, then a new
 directory process on the same port; engines and gateway find it again on their own).
+With `hosted_gateway=True` the prefill engine also hosts a gateway in its API server (`hosted_gateway_url`; vLLM's
+`--middleware`, docs/gateway.md), with the standalone gateway's flags and its legs sent to that engine.
 With `mutual_tls=True` every directory channel is mutual TLS with per-engine identities (docs/security.md):
 a PKI is made in `log_dir/pki` (`pki.make_stack_pki`), each engine gets its own certificate through
 `directory_tls_*` connector settings, the gateway the operator's; `directory_channel()` reaches the
@@ -21,6 +23,7 @@ directory as the operator.
 
 from __future__ import annotations
 
+import shlex
 import signal
 import tempfile
 import time
@@ -30,6 +33,7 @@ from pathlib import Path
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from kvpush.services.client import ChannelConfig
 from kvpush.localstack.pki import StackPKI, make_stack_pki
+from kvpush.services.gateway.hosted import ARGS_ENV
 from kvpush.localstack.processes import (
     DirectoryHandle,
     EngineHandle,
@@ -37,6 +41,7 @@ from kvpush.localstack.processes import (
     GatewayHandle,
     ProgressFn,
     free_port,
+    http_ok,
     launch_engine,
     start_directory,
     start_gateway,
@@ -49,6 +54,8 @@ DECODE_ENGINE_ID = "decode-0"
 # What a kvpush decode engine loads so the gateway's first token from prefill holds (docs/gateway.md).
 FIRST_TOKEN_PROCESSOR = "kvpush.connector.first_token:ForcePrefillFirstToken"
 DECODE_ENGINE_ARGS = ("--logits-processors", FIRST_TOKEN_PROCESSOR)
+# What a prefill engine loads to host a gateway in its API server (kvpush.services.gateway.hosted).
+HOSTED_GATEWAY_MIDDLEWARE = "kvpush.services.gateway.hosted.HostedGateway"
 NIXL_PREFILL_SIDE_CHANNEL_PORT = 5611
 NIXL_DECODE_SIDE_CHANNEL_PORT = 5622
 
@@ -115,6 +122,9 @@ class LocalStack:
     # More gateway flags (e.g. --decode-timeout), and more connector settings for every kvpush engine.
     gateway_args: tuple[str, ...] = ()
     connector_extra: dict = field(default_factory=dict)
+    # A second gateway, hosted in the prefill engine's API server (`hosted_gateway_url`), with the same flags.
+    hosted_gateway: bool = False
+    hosted_gateway_port: int | None = None  # None: a free one
     _directory_args: list[str] = field(default_factory=list)
 
     def _say(self, message: str) -> None:
@@ -144,15 +154,35 @@ class LocalStack:
             self._wait_engines(started)
             self.gateway = start_gateway(self.log_dir, directory_address=self.directory.address,
                                          progress=self.progress, port=self.gateway_port,
-                                         extra_args=(() if self.first_token_from_prefill
-                                                     else ("--no-first-token-from-prefill",)) + tuple(self.gateway_args),
+                                         extra_args=self._gateway_flags(),
                                          env={**self._env("kvpush-gateway"),
                                               **(self.pki.client_env("operator") if self.pki else {})})
             self._say(f"[stack] gateway ready at {self.gateway.url} ({time.monotonic() - started:.0f} s in all)")
+            if self.hosted_gateway:
+                url = self.hosted_gateway_url
+                self.prefill.process.wait_ready(lambda: http_ok(url + "/health"), 60.0, progress=self.progress)
+                self._say(f"[stack] gateway hosted in the prefill engine's API server ready at {url}")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _gateway_flags(self) -> tuple[str, ...]:
+        """The flags both gateways share (the standalone's host, port and directory come from start_gateway)."""
+        return (() if self.first_token_from_prefill else ("--no-first-token-from-prefill",)) + tuple(self.gateway_args)
+
+    def _hosted_gateway_env(self) -> dict[str, str]:
+        """KVPUSH_GATEWAY_ARGS of the hosted gateway: the operator's TLS files as flags, so the engine's own
+        identity (its connector settings) and the gateway's stay apart in the one process."""
+        assert self.directory is not None and self.hosted_gateway_port is not None
+        flags = ["--host", "127.0.0.1", "--port", str(self.hosted_gateway_port), "--directory", self.directory.address,
+                 "--local-prefill-engine", PREFILL_ENGINE_ID, *self._gateway_flags()]
+        if self.pki is not None:
+            tls = self.pki.client_env("operator")
+            flags += ["--directory-tls-root-cert", tls["KVPUSH_DIRECTORY_TLS_ROOT_CERT"],
+                      "--directory-tls-client-cert", tls["KVPUSH_DIRECTORY_TLS_CLIENT_CERT"],
+                      "--directory-tls-client-key", tls["KVPUSH_DIRECTORY_TLS_CLIENT_KEY"]]
+        return {ARGS_ENV: shlex.join(flags)}
 
     def _env(self, service_name: str) -> dict[str, str]:
         env = dict(self.service_env)
@@ -182,11 +212,17 @@ class LocalStack:
             named = {"OTEL_SERVICE_NAME": f"kvpush-{role}"} if "OTEL_EXPORTER_OTLP_ENDPOINT" in self.engine_env else {}
             return {**self.engine_env, **named}
 
+        prefill_args: tuple[str, ...] = ()
+        prefill_env = env("prefill")
+        if self.hosted_gateway:
+            self.hosted_gateway_port = self.hosted_gateway_port or free_port()
+            prefill_args = ("--middleware", HOSTED_GATEWAY_MIDDLEWARE)
+            prefill_env = {**prefill_env, **self._hosted_gateway_env()}
         self.prefill = launch_engine(EngineSpec(
             name="prefill", port=prefill_port, kv_transfer_config=kv_transfer_config(
                 "kvpush", "prefill", engine_id=PREFILL_ENGINE_ID, directory_address=self.directory.address,
                 engine_endpoint=f"http://127.0.0.1:{prefill_port}", extra=extra("prefill", PREFILL_ENGINE_ID)),
-            model_dir=self.model_dir, env=env("prefill"), log_stats=True), self.log_dir)
+            model_dir=self.model_dir, env=prefill_env, extra_args=prefill_args, log_stats=True), self.log_dir)
         for name, engine_id in zip(self._decode_names(), self.decode_engine_ids()):
             decode_port = free_port()
             self.decodes.append(launch_engine(EngineSpec(
@@ -259,6 +295,12 @@ class LocalStack:
         """The gateway's base URL."""
         assert self.gateway is not None
         return self.gateway.url
+
+    @property
+    def hosted_gateway_url(self) -> str:
+        """The base URL of the gateway hosted in the prefill engine's API server (with `hosted_gateway`)."""
+        assert self.hosted_gateway and self.hosted_gateway_port is not None
+        return f"http://127.0.0.1:{self.hosted_gateway_port}"
 
     def directory_channel(self, **overrides) -> ChannelConfig:
         """How a test or tool reaches this stack's directory as the operator (mTLS files when on)."""

@@ -1,0 +1,86 @@
+"""The gateway hosted in the prefill engine's API server (vLLM `--middleware`, `kvpush.services.gateway.hosted`), in
+front of the same real engines as the standalone gateway: outputs equal the colocated engine's, its prefill legs
+go to the engine it runs in, its spans come from that engine's process, vLLM's own routes are untouched.
+
+Engines are this folder's `local_stack` (conftest.py: `hosted_gateway=True`).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvpush.localstack.client import call, stream_completion
+from kvpush.localstack.stack import PREFILL_ENGINE_ID
+from kvpush.services.client import SyncDirectoryClient
+from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.directory import settled_transfer
+
+pytestmark = pytest.mark.engines
+
+
+def _ids(count: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(count)]
+
+
+def _transfer(stack, transfer_id: str) -> tpb.Transfer:
+    client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=2))
+    try:
+        return client.get_transfer(transfer_id)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("prompt_tokens", [7, 300])
+def test_output_through_the_hosted_gateway_equals_colocated(local_stack, prompt_tokens):
+    """Greedy, not streamed: token ids equal the colocated engine's; the transfer ran from the hosting engine."""
+    body = {"model": "tiny", "prompt": _ids(prompt_tokens, seed=50 + prompt_tokens), "max_tokens": 8,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    hosted = call("POST", local_stack.hosted_gateway_url + "/v1/completions", body, timeout_s=180)
+    reference = call("POST", local_stack.colocated.url + "/v1/completions", body, timeout_s=180)
+    assert hosted.status == 200, hosted.text
+    assert reference.status == 200, reference.text
+    assert hosted.body["choices"][0]["token_ids"] == reference.body["choices"][0]["token_ids"]
+    transfer = settled_transfer(lambda tid: _transfer(local_stack, tid), hosted.headers["x-kvpush-transfer-id"])
+    assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
+    assert transfer.prefill_engine_id == PREFILL_ENGINE_ID
+
+
+def test_streamed_first_token_through_the_hosted_gateway(local_stack, otlp_receiver):
+    """Streamed with first token from prefill: every token once, equal to colocated's; the gateway's spans come from
+    the prefill engine's processes (its service name), in one trace with the push."""
+    body = {"model": "tiny", "prompt": _ids(200, seed=61), "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    streamed = stream_completion(local_stack.hosted_gateway_url + "/v1/completions", body, timeout_s=180)
+    reference = call("POST", local_stack.colocated.url + "/v1/completions", body, timeout_s=180)
+    assert streamed.status == 200 and not streamed.error, streamed.error
+    ids = [i for e in streamed.events for c in e.get("choices", []) for i in c.get("token_ids") or []]
+    assert ids == reference.body["choices"][0]["token_ids"]
+    transfer_id = streamed.headers["x-kvpush-transfer-id"]
+    transfer = settled_transfer(lambda tid: _transfer(local_stack, tid), transfer_id)
+    assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
+    assert transfer.first_token_id == ids[0]
+
+    def request_and_push(spans):
+        requests = [s for s in spans if s.name == "gateway.request" and s.attributes.get("kvpush.transfer_id")
+                    == transfer_id]
+        pushes = [s for s in spans if s.name == "kvpush.push" and requests and s.trace_id == requests[0].trace_id]
+        return (requests[0], pushes[0]) if requests and pushes else None
+
+    request, push = request_and_push(otlp_receiver.wait_for(request_and_push, 30))
+    assert request.service_name == push.service_name == "kvpush-prefill"
+
+
+def test_bad_requests_get_the_gateways_errors_and_vllm_keeps_its_routes(local_stack):
+    """A request the gateway refuses gets its 4xx with a message on the hosted port; on vLLM's port of the same
+    process vLLM's own API answers as before."""
+    missing = call("POST", local_stack.hosted_gateway_url + "/v1/completions", {"model": "tiny"}, timeout_s=30)
+    assert missing.status == 400 and "prompt" in missing.body["error"]["message"]
+    unknown = call("POST", local_stack.hosted_gateway_url + "/v1/completions",
+                   {"model": "no-such-model", "prompt": [5, 6], "max_tokens": 2}, timeout_s=30)
+    assert unknown.status == 404 and "no-such-model" in unknown.body["error"]["message"]
+    models = call("GET", local_stack.prefill.url + "/v1/models", timeout_s=30)
+    assert models.status == 200 and [m["id"] for m in models.body["data"]] == ["tiny"]
+    assert call("GET", local_stack.hosted_gateway_url + "/health", timeout_s=30).status == 200
