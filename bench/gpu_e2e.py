@@ -58,7 +58,13 @@ from kvpush.localstack.processes import (
 )
 from kvpush.localstack.shaped_model import ensure_shaped_model, kv_bytes_per_token, preset_config
 from kvpush.localstack.client import stream_completion
-from kvpush.localstack.stack import DECODE_ENGINE_ARGS, kv_transfer_config, nixl_side_channel_env
+from kvpush.localstack.stack import (
+    DECODE_ENGINE_ARGS,
+    HOSTED_GATEWAY_MIDDLEWARE,
+    kv_transfer_config,
+    nixl_side_channel_env,
+)
+from kvpush.services.gateway.hosted import ARGS_ENV as HOSTED_ARGS_ENV
 from kvpush.localstack.vllm_bench import run_bench_serve, summarise, wait_kv_usage_zero
 
 SERVED_NAME = "model"
@@ -112,6 +118,7 @@ class Stack:
         # Extra environment of the services (directory, gateways) and of the engines: OTLP export for `hops --spans`.
         self.service_env: dict[str, str] = {}
         self.engine_env: dict[str, str] = {}
+        self.hosted_gateway_url = ""  # with hops --gateway-b-hosted
 
     def _spec(self, name: str, kv_config: dict | None, env: dict[str, str], prefix_caching: bool,
               share: float, extra_args: tuple[str, ...] = ()) -> EngineSpec:
@@ -147,11 +154,19 @@ class Stack:
             self.directory = start_directory(self.log_dir, extra_args=["--lease-ttl-s", "30"], env=self.service_env,
                                              progress=say)
             address = self.directory.address
-            for name, role, engine_id, caching, extra in (
-                    ("prefill", "prefill", PREFILL_ID, False, ()),
+            hosted = getattr(self.args, "gateway_b_hosted", False)
+            hosted_env: dict[str, str] = {}
+            if hosted:  # the prefill engine's API server also hosts a gateway (kvpush.services.gateway.hosted)
+                self.hosted_gateway_url = f"http://127.0.0.1:{free_port()}"
+                hosted_env = {HOSTED_ARGS_ENV: shlex.join([
+                    "--host", "127.0.0.1", "--port", self.hosted_gateway_url.rsplit(":", 1)[1], "--directory", address,
+                    "--local-prefill-engine", PREFILL_ID, "--prefill-timeout", "300", "--decode-timeout", "300"])}
+            for name, role, engine_id, caching, extra, env in (
+                    ("prefill", "prefill", PREFILL_ID, False,
+                     ("--middleware", HOSTED_GATEWAY_MIDDLEWARE) if hosted else (), hosted_env),
                     # The processor is loaded for both kvpush variants, so they differ in the gateway's setting only.
-                    ("decode", "decode", DECODE_ID, True, DECODE_ENGINE_ARGS)):
-                spec = self._spec(name, None, {}, caching, share, extra)
+                    ("decode", "decode", DECODE_ID, True, DECODE_ENGINE_ARGS, {})):
+                spec = self._spec(name, None, env, caching, share, extra)
                 spec.kv_transfer_config = kv_transfer_config(
                     "kvpush", role, engine_id=engine_id, directory_address=address,
                     engine_endpoint=f"http://127.0.0.1:{spec.port}",
@@ -655,12 +670,16 @@ def run_hops(args: argparse.Namespace) -> int:
         stack.start("kvpush-first-token", with_colocated=False)
         if args.gateway_b_args is not None:  # a second gateway side by side: kind kvpush_b in every round
             gateway_b = stack._start_gateway("kvpush", True, tuple(shlex.split(args.gateway_b_args)), name="-b")
+        gateway_b_url = gateway_b.url if gateway_b else ""
+        if args.gateway_b_hosted:  # kind kvpush_b through the gateway in the prefill engine's API server
+            gateway_b_url = stack.hosted_gateway_url
+            stack.engines["prefill"].process.wait_ready(lambda: http_ok(gateway_b_url + "/health"), 60.0, progress=say)
         body = {"model": SERVED_NAME, "max_tokens": args.output_tokens, "temperature": 0.0, "ignore_eos": True}
         for i in range(args.warmup + args.iterations):
             prompt = prompt_of(args.prompt_tokens, seed=1000 + i, vocab=config["vocab_size"])
             pair = hops_bench.measure_round(i, prompt, body, stack.gateway.url, stack.engines["prefill"].url,
                                             stack.client, PREFILL_ID, DECODE_ID, args.gap_s,
-                                            gateway_b.url if gateway_b else "",
+                                            gateway_b_url,
                                             stack.engines["prefill"].url if args.engine_stages else "")
             if i >= args.warmup:
                 record = stack.transfer(pair["transfer_id"])
@@ -681,6 +700,7 @@ def run_hops(args: argparse.Namespace) -> int:
         "on_gpu": stack.on_gpu, "prompt_tokens": args.prompt_tokens, "max_tokens": args.output_tokens,
         "iterations": args.iterations, "block_size": args.block_size, "eager": args.eager,
         "cpu_count": os.cpu_count(), "complete": sum(p["state"] == "TRANSFER_STATE_COMPLETE" for p in pairs),
+        "gateway_b_args": args.gateway_b_args, "gateway_b_hosted": args.gateway_b_hosted,
         "median_ms": {**hops_bench.split_of(pairs),
                       **{hop: hops_bench._median(p["transfer_hops_ms"].get(hop) for p in pairs) for hop in hop_names}},
         **({"span_hops_median_ms": {hop: hops_bench._median(p["hops_ms"][hop] for p in pairs)
@@ -840,6 +860,9 @@ def main(argv: list[str] | None = None) -> int:
     hops.add_argument("--gateway-b-args", default=None,
                       help="start a second gateway with these extra flags (e.g. --no-prefill-before-plan) and send "
                            "every round through it too (kind kvpush_b)")
+    hops.add_argument("--gateway-b-hosted", action="store_true",
+                      help="kind kvpush_b through a gateway hosted in the prefill engine's API server "
+                           "(kvpush.services.gateway.hosted) instead of a second standalone one")
     plot = sub.add_parser("plot")
     plot.add_argument("results", nargs="+")
     plot.add_argument("--png", default=str(Path(__file__).parent / "results" / "gpu_serve.png"))
