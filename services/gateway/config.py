@@ -26,6 +26,9 @@ class GatewayConfig:
     # The prefill engine this gateway runs beside (a gateway hosted in that engine's API server, `hosted`): its
     # prefill legs go there whenever the directory lists it as able to take them, so they stay in one process.
     local_prefill_engine_id: str = ""
+    # Served from that engine's API server, on its event loop (set by `hosted`, not a flag): the plan waits for the
+    # engine to take a prefill leg sent there first (dispatch.HOSTED_PLAN_WAIT_S).
+    hosted: bool = False
     # Static engines for the nixl-* baseline modes.
     prefill_url: str = ""
     decode_url: str = ""

@@ -54,6 +54,9 @@ from kvpush.services.gateway.validation import (
     tokenize_body,
 )
 
+# A hosted gateway (`hosted`) plans after its local prefill engine has the leg, at most this long after the leg left.
+HOSTED_PLAN_WAIT_S = 0.02
+
 _log = get_logger("gateway.dispatch")
 _tracer = get_tracer("kvpush.gateway")
 
@@ -81,6 +84,10 @@ class Outcome:
     prefill_ok: bool = False
     cancelled: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    # Set once the prefill engine has the leg: a streamed leg's response headers came (vLLM sends them after it has
+    # handed the request to its engine core), or the leg ended; at once for a leg not streamed (its headers come
+    # with the whole answer).
+    prefill_leg_accepted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def current_traceparent() -> str:
@@ -200,6 +207,11 @@ class Dispatcher:
             # off the critical path (decode's allocation has the whole prefill to arrive). Inside the try: a client
             # gone during that turn stops the leg too.
             await asyncio.sleep(0)
+            if self._config.hosted and pick.engine_id == self._config.local_prefill_engine_id:
+                # Hosted, the gateway and vLLM's API server share one event loop: the plan's CPU work would run
+                # ahead of vLLM's intake of the leg, on the time to first token. Let vLLM take the leg first.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(outcome.prefill_leg_accepted.wait(), HOSTED_PLAN_WAIT_S)
             route = await self._plan(request, request_id, prompt_token_count, bound, traceparent, model, outcome,
                                      pick)
         except PickRefused as error:
@@ -297,15 +309,20 @@ class Dispatcher:
         async def run() -> dict[str, Any]:
             started = time.monotonic()
             url = route.prefill_url + request.path
+            if not streamed:
+                outcome.prefill_leg_accepted.set()
             with _tracer.start_as_current_span("gateway.prefill_leg", kind=trace.SpanKind.CLIENT) as span:
                 span.set_attribute("server.address", route.prefill_url)
                 body = prefill_body(request, _leg_params(route.prefill_params), first_token=want_token,
                                     streamed=streamed)
-                if streamed:
-                    answer = await self._streamed_prefill_answer(request, url, body, headers)
-                else:
-                    answer = await legs.post_json(self._session, "prefill", url, body, _leg_headers(headers),
-                                                  self._config.prefill_timeout_s, self._config.connect_timeout_s)
+                try:
+                    if streamed:
+                        answer = await self._streamed_prefill_answer(request, url, body, headers, outcome)
+                    else:
+                        answer = await legs.post_json(self._session, "prefill", url, body, _leg_headers(headers),
+                                                      self._config.prefill_timeout_s, self._config.connect_timeout_s)
+                finally:
+                    outcome.prefill_leg_accepted.set()
             outcome.prefill_ms = (time.monotonic() - started) * 1000
             outcome.prefill_ok = True
             outcome.prefill_params = answer.get("kv_transfer_params")
@@ -313,10 +330,11 @@ class Dispatcher:
         return run()
 
     async def _streamed_prefill_answer(self, request: ClientRequest, url: str, body: dict,
-                                       headers: dict[str, str]) -> dict[str, Any]:
+                                       headers: dict[str, str], outcome: Outcome) -> dict[str, Any]:
         total_s = self._config.prefill_timeout_s
         response = await legs.open_stream(self._session, "prefill", url, body, _leg_headers(headers), total_s,
                                           self._config.connect_timeout_s)
+        outcome.prefill_leg_accepted.set()
         folded = first_token.StreamedPrefillAnswer(request)
         events = legs.sse_events(response, "prefill", url, total_s)
         try:

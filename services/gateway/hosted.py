@@ -19,6 +19,7 @@ start-up with the reason (uvicorn exits). Every other request passes through to 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import shlex
@@ -42,7 +43,7 @@ def hosted_config(environ: dict[str, str] | None = None) -> GatewayConfig:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            return parse_args(shlex.split(text))
+            return dataclasses.replace(parse_args(shlex.split(text)), hosted=True)
     except SystemExit as error:  # argparse's way of refusing flags; keep its message, not the exit
         message = stderr.getvalue().strip().splitlines()
         raise ValueError(f"{ARGS_ENV}: {message[-1] if message else f'bad flags (exit {error.code})'}") from None
