@@ -1,11 +1,13 @@
 """The gateway hosted in a prefill engine's API server: vLLM's `--middleware` loads `HostedGateway`, which serves the
 gateway's routes on a port of their own from the API server's event loop.
 
-Why: through the standalone gateway a request crosses one more process each way than the same prefill sent straight
-to the engine, and at low load each crossing wakes an idle process (about 0.75 ms apiece on the machines measured,
-docs/benchmarks.md). Hosted, the client's request wakes the process that runs the prefill anyway, the prefill leg
-goes to vLLM's server on the same event loop, and prefill's token comes back on it: what is left is the gateway's
-own work (validation, the legs, the plan while prefill computes).
+What it changes: no gateway process to deploy or scale (one per prefill engine, clients spread over them by any
+L4 balancer), and each request's prefill leg stays in the process (`--local-prefill-engine`). It is not faster:
+on the H200 host the request through it took as long as through the standalone gateway (docs/benchmarks.md,
+"Twelfth session"): the gateway's cost is its own work, which here shares vLLM's event loop, not the extra process.
+So the plan waits for vLLM to take the local leg first (`dispatch.HOSTED_PLAN_WAIT_S`); without that wait it was
+1 ms slower. The gateway acts as the operator at the directory: its credentials live in the engine's process
+(docs/security.md).
 
     KVPUSH_GATEWAY_ARGS="--port 8080 --directory dir:50051 --local-prefill-engine prefill-0" \\
         vllm serve MODEL --kv-transfer-config '{...KVPushConnector, kv_producer...}' \\
