@@ -5,7 +5,8 @@ Steps:
   2. start the KV directory, a prefill and a decode vLLM engine with KVPushConnector, a colocated
      reference engine (no connector) and the gateway, printing progress while engines load;
   3. send a few greedy requests (temperature 0; completions and chat; prompts from a few tokens to
-     several KV blocks) through the gateway and the same requests to the colocated engine;
+     several KV blocks) through the gateway, again through the gateway hosted in the prefill engine's API
+     server (docs/gateway.md), and the same requests to the colocated engine;
   4. check each disaggregated output token-for-token against the colocated one and print each
      transfer's timeline (the directory's record, with each prefill rank's push timing);
   5. exit 0 only if every request succeeded and matched; stop every process in all cases.
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the stack, run the checks, print a verdict; returns the exit code."""
     _say("kvpush demo: push-based, layer-streamed KV transfer between a prefill and a decode vLLM engine (CPU)")
     stack = LocalStack(spec=TinyModelSpec(), progress=lambda m: _say("  " + m), engine_timeout_s=args.engine_timeout,
-                       mutual_tls=args.mutual_tls)
+                       mutual_tls=args.mutual_tls, hosted_gateway=True)
     failures: list[str] = []
     try:
         try:
@@ -116,16 +117,19 @@ def run(args: argparse.Namespace) -> int:
             _say(f"\nFAILED to start the stack: {error}")
             _say(f"Process logs: {stack.log_dir}")
             return 2
-        _say("\nSending greedy requests through the gateway and to the colocated engine:")
-        for label, path, body in REQUESTS:
+        _say("\nSending greedy requests through the gateway, the gateway in the prefill engine and to the colocated "
+             "engine:")
+        gateways = (("gateway", stack.gateway_url), ("gateway in prefill", stack.hosted_gateway_url))
+        for (label, path, body), (gateway, gateway_url) in ((r, g) for r in REQUESTS for g in gateways):
+            label = f"{label}, {gateway}"
             body = {"model": "tiny", "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, **body}
             started = time.perf_counter()
-            disaggregated = call("POST", stack.gateway_url + path, body, timeout_s=args.request_timeout)
+            disaggregated = call("POST", gateway_url + path, body, timeout_s=args.request_timeout)
             took_ms = (time.perf_counter() - started) * 1000
             reference = call("POST", stack.colocated.url + path, body, timeout_s=args.request_timeout)
             if disaggregated.status != 200:
-                failures.append(f"{label}: gateway answered HTTP {disaggregated.status}: {disaggregated.text[:300]}")
-                _say(f"  [FAIL] {label}: gateway HTTP {disaggregated.status}: {disaggregated.text[:300]}")
+                failures.append(f"{label}: answered HTTP {disaggregated.status}: {disaggregated.text[:300]}")
+                _say(f"  [FAIL] {label}: HTTP {disaggregated.status}: {disaggregated.text[:300]}")
                 transfer_id = disaggregated.headers.get("x-kvpush-transfer-id")
                 if transfer_id:
                     _print_timeline(stack, {"kvpush": {"transfer_id": transfer_id}})
@@ -150,12 +154,13 @@ def run(args: argparse.Namespace) -> int:
         _say("\nStopping the stack ...")
         stack.stop()
     if failures:
-        _say(f"\nFAILED: {len(failures)} of {len(REQUESTS)} requests:")
+        _say(f"\nFAILED: {len(failures)} of {2 * len(REQUESTS)} requests:")
         for failure in failures:
             _say(f"  - {failure}")
         _say(f"Process logs: {stack.log_dir}")
         return 1
-    _say(f"\nPASSED: {len(REQUESTS)} disaggregated requests token-identical to the colocated engine.")
+    _say(f"\nPASSED: {2 * len(REQUESTS)} disaggregated requests (each of {len(REQUESTS)} through both gateways) "
+         "token-identical to the colocated engine.")
     _say("(This 2-layer model computes a prompt in one step of a few ms, faster than the push instruction's round "
          "trip, so its layers are written just after prefill; `python bench/ttft_bench.py` shows the streaming "
          "on an 8-layer model over a shaped link.)")

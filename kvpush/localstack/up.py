@@ -29,6 +29,8 @@ def usage_text(stack: LocalStack) -> str:
     lines = ["", "kvpush stack is up.", f"  gateway (OpenAI API)  {stack.gateway_url}/v1",
              f"  directory (gRPC)      {stack.directory.address}",
              f"  prefill engine        {stack.prefill.url}", f"  decode engine         {stack.decode.url}"]
+    if stack.hosted_gateway:
+        lines.insert(3, f"  gateway in prefill    {stack.hosted_gateway_url}/v1  (hosted in its API server)")
     if stack.colocated is not None:
         lines.append(f"  colocated (reference) {stack.colocated.url}")
     for name, url in stack.metrics_urls().items():
@@ -68,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `kvpush up`."""
     parser.add_argument("--colocated", action="store_true", help="also start a reference engine without a connector")
     parser.add_argument("--gateway-port", type=int, default=0, help="gateway port (default: a free one)")
+    parser.add_argument("--hosted-gateway", action="store_true",
+                        help="also serve a gateway from the prefill engine's API server (docs/gateway.md)")
     parser.add_argument("--engine-timeout", type=float, default=600.0, help="seconds for the engines to load")
     parser.add_argument("--no-metrics", action="store_true", help="do not serve /metrics on the directory and engines")
 
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     stack = LocalStack(spec=TinyModelSpec(), progress=lambda m: _say("  " + m), engine_timeout_s=args.engine_timeout,
                        with_colocated=args.colocated, serve_metrics=not args.no_metrics,
-                       gateway_port=args.gateway_port or None)
+                       gateway_port=args.gateway_port or None, hosted_gateway=args.hosted_gateway)
     _say("kvpush up: starting the local P/D stack (directory, prefill and decode vLLM engines, gateway)")
     try:
         try:

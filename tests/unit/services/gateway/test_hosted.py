@@ -1,23 +1,32 @@
 """The gateway hosted in an API server (`HostedGateway`): a real uvicorn serving a FastAPI app with the middleware, as
 vLLM's `--middleware` installs it. The gateway starts with the app's start-up and stops with its shutdown; bad flags
-fail the app's start-up with the reason; the app's own routes pass through. Against real engines:
-tests/integration/localstack/test_hosted_gateway.py.
+fail the app's start-up with the reason; the app's own routes pass through. With the app as the gateway's local
+prefill engine (a stand-in for vLLM on the same loop), the plan waits, bounded, for the app to take the leg.
+Against real engines: tests/integration/localstack/test_hosted_gateway.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 
-from kvpush.localstack.client import call
-from kvpush.localstack.processes import free_port, tcp_open
+from kvpush.localstack.client import call, stream_completion
+from kvpush.localstack.processes import free_port, start_directory, tcp_open
+from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+from kvpush.services.gateway.dispatch import HOSTED_PLAN_WAIT_S
 from kvpush.services.gateway.hosted import ARGS_ENV, HostedGateway, hosted_config
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import types_pb2 as tpb
+from tests.unit.services.gateway.standin import StandInEngine
+from tests.unit.services.gateway.test_gateway import _layout
 
 
 class Served:
@@ -126,3 +135,93 @@ def test_without_the_variable_the_reason_names_it(monkeypatch):
     monkeypatch.delenv(ARGS_ENV, raising=False)
     with pytest.raises(ValueError, match=ARGS_ENV):
         hosted_config()
+
+
+# ---------------------------------------------------------------- the plan waits for the local engine to take the leg
+
+
+class LocalPrefill:
+    """A stand-in vLLM prefill engine as a FastAPI app, hosting the gateway: it answers a streamed leg after
+    `headers_delay_s` and records (wall clock) when its response headers left."""
+
+    def __init__(self) -> None:
+        self.headers_delay_s = 0.0
+        self.headers_sent_at: list[float] = []
+        self.app = _app([])
+
+        @self.app.post("/v1/completions")
+        async def completions(body: dict):
+            await asyncio.sleep(self.headers_delay_s)
+            token = {"id": "cmpl-p", "object": "text_completion", "created": 5, "model": "tiny", "choices": [
+                {"index": 0, "text": " sea", "token_ids": [17], "finish_reason": "length", "logprobs": None}]}
+
+            async def events():
+                yield f"data: {json.dumps(token)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            self.headers_sent_at.append(time.time())  # the response starts as this handler returns
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture(scope="module")
+def hosted(tmp_path_factory):
+    """A directory, a stand-in decode engine, and the local prefill app hosting the gateway (its engine)."""
+    log_dir = tmp_path_factory.mktemp("hosted-plan-wait")
+    directory = start_directory(log_dir)
+    client = SyncDirectoryClient(ChannelConfig(address=directory.address, timeout_s=5.0))
+    decode = StandInEngine("decode").start()
+    prefill = LocalPrefill()
+    gateway_port = free_port()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ARGS_ENV, f"--port {gateway_port} --directory {directory.address} "
+                               f"--local-prefill-engine standin-local")
+        served = Served(prefill.app).start()
+    for engine_id, role, url in (("standin-local", tpb.ENGINE_ROLE_PREFILL, f"http://127.0.0.1:{served.port}"),
+                                 ("standin-decode", tpb.ENGINE_ROLE_DECODE, decode.url)):
+        client.start_registration(dpb.RegisterEngineRequest(
+            engine_id=engine_id, role=role, tp_rank=0, tp_size=1, agent_name=f"agent-{engine_id}",
+            agent_metadata=b"standin-metadata", layout=_layout(), endpoint=url, model="tiny"))
+    yield client, prefill, decode, f"http://127.0.0.1:{gateway_port}"
+    served.stop()
+    client.close()
+    directory.process.stop(grace_s=5.0)
+    decode.stop()
+
+
+def _streamed(gateway_url: str):
+    return stream_completion(gateway_url + "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3,
+                                                              "return_token_ids": True},
+                             timeout_s=30)
+
+
+def _decode_stream(leg):
+    events = [{"id": "cmpl-d", "object": "text_completion", "choices": [
+        {"index": 0, "text": text, "token_ids": [token_id], "finish_reason": None if i < 2 else "length"}]}
+        for i, (token_id, text) in enumerate(((17, " sea"), (18, " wave"), (19, "s")))]
+    return 200, {"stream_events": events}, 0.0
+
+
+@pytest.mark.parametrize("headers_delay_s", [0.0, 0.01])
+def test_a_hosted_gateway_plans_after_its_engine_took_the_leg(hosted, headers_delay_s):
+    """The plan (the directory's create_time) comes after the local engine answered the leg's headers, so the plan's
+    work does not run ahead of vLLM's intake on the shared loop; the client gets every token once."""
+    client, prefill, decode, gateway_url = hosted
+    decode.behaviour, prefill.headers_delay_s = _decode_stream, headers_delay_s
+    answer = _streamed(gateway_url)
+    assert answer.status == 200 and not answer.error, answer.error
+    assert [i for e in answer.events for c in e.get("choices", []) for i in c.get("token_ids") or []] == [17, 18, 19]
+    transfer = client.get_transfer(answer.headers["x-kvpush-transfer-id"])
+    assert transfer.prefill_engine_id == "standin-local"
+    assert transfer.create_time.ToNanoseconds() / 1e9 > prefill.headers_sent_at[-1]
+
+
+def test_the_wait_is_bounded_when_the_engine_is_slow_to_answer(hosted):
+    """Headers 0.3 s late: the plan goes out after HOSTED_PLAN_WAIT_S anyway, well before them."""
+    client, prefill, decode, gateway_url = hosted
+    decode.behaviour, prefill.headers_delay_s = _decode_stream, 0.3
+    sent = time.time()
+    answer = _streamed(gateway_url)
+    assert answer.status == 200 and not answer.error, answer.error
+    planned = client.get_transfer(answer.headers["x-kvpush-transfer-id"]).create_time.ToNanoseconds() / 1e9
+    assert planned < prefill.headers_sent_at[-1] - 0.1
+    assert planned - sent < HOSTED_PLAN_WAIT_S + 0.2
