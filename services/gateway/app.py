@@ -24,6 +24,7 @@ from kvpush.services.gateway import legs
 from kvpush.services.gateway.config import GatewayConfig
 from kvpush.services.gateway.dispatch import Dispatcher
 from kvpush.services.gateway.errors import GatewayError, bad_request, unavailable
+from kvpush.services.gateway.in_process import InProcessSession
 from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.routing import DirectoryRouter, Router, make_router
 from kvpush.services.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, request_id_from, validate
@@ -142,8 +143,9 @@ def api_key_middleware(api_key: str):
     return check
 
 
-def create_app(config: GatewayConfig) -> web.Application:
-    """Build the application; the router and the HTTP session start with it and close with it."""
+def create_app(config: GatewayConfig, local_legs: InProcessSession | None = None) -> web.Application:
+    """Build the application; the router and the HTTP session start with it and close with it. `local_legs`
+    (hosted): prefill legs to `config.local_prefill_engine_id` go through it instead of HTTP."""
     config.validate()
     metrics = GatewayMetrics()
     # Metrics outermost: errors and refused keys are counted too; /metrics is not under /v1/, so open to scrapers.
@@ -159,8 +161,10 @@ def create_app(config: GatewayConfig) -> web.Application:
         session = aiohttp.ClientSession(connector=connector, trust_env=False)
         app[ROUTER_KEY] = router
         app[SESSION_KEY] = session
-        app[DISPATCHER_KEY] = Dispatcher(config, router, session, metrics)
+        app[DISPATCHER_KEY] = Dispatcher(config, router, session, metrics, local_legs)
         yield
+        if local_legs is not None:
+            await local_legs.close_calls()
         await session.close()
         await router.close()
 

@@ -44,6 +44,7 @@ from kvpush.observability.logs import remember_transfer
 from kvpush.services.gateway import first_token, legs
 from kvpush.services.gateway.config import GatewayConfig
 from kvpush.services.gateway.errors import EngineUnreachable, GatewayError, LegTimeout, bad_gateway
+from kvpush.services.gateway.in_process import InProcessSession
 from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.routing import PickRefused, PrefillPick, Route, Router, pull_decode_params
 from kvpush.services.gateway.validation import (
@@ -101,10 +102,12 @@ class Dispatcher:
     """Runs requests through a router over one shared HTTP client session."""
 
     def __init__(self, config: GatewayConfig, router: Router, session: aiohttp.ClientSession,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, local_legs: InProcessSession | None = None) -> None:
         self._config = config
         self._router = router
         self._session = session
+        # Hosted: prefill legs to the hosting engine go into its app, not over HTTP (`in_process`).
+        self._local_legs = local_legs
         self._metrics = metrics or GatewayMetrics()
         # Streamed prefill legs still being read after their token's event (`_prefill`).
         self._drains: set[asyncio.Task] = set()
@@ -306,6 +309,10 @@ class Dispatcher:
         """The prefill leg's answer. `streamed` (first token from prefill): the leg is streamed and this returns at
         its token's event (`first_token.StreamedPrefillAnswer`); the rest of its stream is read in the background,
         so the connection goes back to the pool. A streamed answer carries no kv_transfer_params."""
+        local = (self._local_legs is not None
+                 and route.extra.get("prefill_engine_id") == self._config.local_prefill_engine_id)
+        session = self._local_legs if local else self._session
+
         async def run() -> dict[str, Any]:
             started = time.monotonic()
             url = route.prefill_url + request.path
@@ -313,13 +320,14 @@ class Dispatcher:
                 outcome.prefill_leg_accepted.set()
             with _tracer.start_as_current_span("gateway.prefill_leg", kind=trace.SpanKind.CLIENT) as span:
                 span.set_attribute("server.address", route.prefill_url)
+                span.set_attribute("kvpush.in_process", local)
                 body = prefill_body(request, _leg_params(route.prefill_params), first_token=want_token,
                                     streamed=streamed)
                 try:
                     if streamed:
-                        answer = await self._streamed_prefill_answer(request, url, body, headers, outcome)
+                        answer = await self._streamed_prefill_answer(session, request, url, body, headers, outcome)
                     else:
-                        answer = await legs.post_json(self._session, "prefill", url, body, _leg_headers(headers),
+                        answer = await legs.post_json(session, "prefill", url, body, _leg_headers(headers),
                                                       self._config.prefill_timeout_s, self._config.connect_timeout_s)
                 finally:
                     outcome.prefill_leg_accepted.set()
@@ -329,10 +337,10 @@ class Dispatcher:
             return answer
         return run()
 
-    async def _streamed_prefill_answer(self, request: ClientRequest, url: str, body: dict,
+    async def _streamed_prefill_answer(self, session, request: ClientRequest, url: str, body: dict,
                                        headers: dict[str, str], outcome: Outcome) -> dict[str, Any]:
         total_s = self._config.prefill_timeout_s
-        response = await legs.open_stream(self._session, "prefill", url, body, _leg_headers(headers), total_s,
+        response = await legs.open_stream(session, "prefill", url, body, _leg_headers(headers), total_s,
                                           self._config.connect_timeout_s)
         outcome.prefill_leg_accepted.set()
         folded = first_token.StreamedPrefillAnswer(request)

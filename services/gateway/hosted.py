@@ -31,6 +31,7 @@ from aiohttp import web
 from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
 from kvpush.services.gateway.app import create_app
 from kvpush.services.gateway.config import GatewayConfig, parse_args
+from kvpush.services.gateway.in_process import InProcessSession
 
 ARGS_ENV = "KVPUSH_GATEWAY_ARGS"
 _log = get_logger("gateway.hosted")
@@ -57,11 +58,13 @@ class HostedGateway:
     def __init__(self, app) -> None:
         self.app = app
         self._runner: web.AppRunner | None = None
+        self._lifespan_scope: dict | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "lifespan":
             await self.app(scope, receive, send)
             return
+        self._lifespan_scope = scope
 
         async def receive_stopping_first():
             message = await receive()
@@ -85,7 +88,9 @@ class HostedGateway:
         config = hosted_config()
         configure_logging()
         configure_tracing("kvpush-gateway")
-        runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
+        local_legs = InProcessSession(self.app, self._lifespan_scope) if config.local_prefill_engine_id else None
+        runner = web.AppRunner(create_app(config, local_legs), handler_cancellation=True, access_log=None,
+                               shutdown_timeout=10.0)
         await runner.setup()
         self._runner = runner
         await web.TCPSite(runner, config.host, config.port).start()

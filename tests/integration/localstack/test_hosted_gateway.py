@@ -63,14 +63,18 @@ def test_streamed_first_token_through_the_hosted_gateway(local_stack, otlp_recei
     assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
     assert transfer.first_token_id == ids[0]
 
-    def request_and_push(spans):
+    def request_leg_and_push(spans):
         requests = [s for s in spans if s.name == "gateway.request" and s.attributes.get("kvpush.transfer_id")
                     == transfer_id]
-        pushes = [s for s in spans if s.name == "kvpush.push" and requests and s.trace_id == requests[0].trace_id]
-        return (requests[0], pushes[0]) if requests and pushes else None
+        traced = [s for s in spans if requests and s.trace_id == requests[0].trace_id]
+        legs = [s for s in traced if s.name == "gateway.prefill_leg"]
+        pushes = [s for s in traced if s.name == "kvpush.push"]
+        return (requests[0], legs[0], pushes[0]) if requests and legs and pushes else None
 
-    request, push = request_and_push(otlp_receiver.wait_for(request_and_push, 30))
+    request, leg, push = request_leg_and_push(otlp_receiver.wait_for(request_leg_and_push, 30))
     assert request.service_name == push.service_name == "kvpush-prefill"
+    assert leg.attributes["kvpush.in_process"] is True  # into vLLM's app, no HTTP (in_process)
+    assert push.parent_span_id == leg.span_id
 
 
 def test_bad_requests_get_the_gateways_errors_and_vllm_keeps_its_routes(local_stack):
@@ -84,3 +88,16 @@ def test_bad_requests_get_the_gateways_errors_and_vllm_keeps_its_routes(local_st
     models = call("GET", local_stack.prefill.url + "/v1/models", timeout_s=30)
     assert models.status == 200 and [m["id"] for m in models.body["data"]] == ["tiny"]
     assert call("GET", local_stack.hosted_gateway_url + "/health", timeout_s=30).status == 200
+
+
+def test_an_in_process_leg_keeps_vllms_errors_and_the_transfer_ends(local_stack):
+    """A prompt over the context length: vLLM's 400 with its message comes back through the in-process leg, and the
+    transfer ends (cancelled or failed), as through the standalone gateway."""
+    result = call("POST", local_stack.hosted_gateway_url + "/v1/completions",
+                  {"model": "tiny", "prompt": _ids(5000, seed=70), "max_tokens": 4, "stream": True}, timeout_s=60)
+    assert result.status == 400, result.text
+    assert "4096" in result.body["error"]["message"]
+    transfer_id = result.headers.get("x-kvpush-transfer-id")
+    if transfer_id:
+        transfer = settled_transfer(lambda tid: _transfer(local_stack, tid), transfer_id)
+        assert transfer.state in (tpb.TRANSFER_STATE_CANCELLED, tpb.TRANSFER_STATE_FAILED)

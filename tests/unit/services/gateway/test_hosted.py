@@ -15,7 +15,7 @@ import time
 
 import pytest
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from kvpush.localstack.client import call, stream_completion
@@ -142,22 +142,41 @@ def test_without_the_variable_the_reason_names_it(monkeypatch):
 
 class LocalPrefill:
     """A stand-in vLLM prefill engine as a FastAPI app, hosting the gateway: it answers a streamed leg after
-    `headers_delay_s` and records (wall clock) when its response headers left."""
+    `headers_delay_s`, sends its token's event after `token_delay_s`, and records (wall clock) when its response
+    headers left, each leg's client port (0: called in process, no socket) and each stream it ended early (the
+    leg's disconnect, as vLLM aborts a request)."""
 
     def __init__(self) -> None:
         self.headers_delay_s = 0.0
+        self.token_delay_s = 0.0
         self.headers_sent_at: list[float] = []
+        self.client_ports: list[int] = []
+        self.aborted = threading.Event()
+        self.fail_with: Exception | None = None
         self.app = _app([])
+        self.app.state.engine = "standin-local"  # read back through request.app, as vLLM's handlers read theirs
 
         @self.app.post("/v1/completions")
-        async def completions(body: dict):
+        async def completions(request: Request):
+            self.client_ports.append(request.client.port)
+            assert request.app.state.engine == "standin-local"
+            await request.json()
+            if self.fail_with is not None:
+                raise self.fail_with
             await asyncio.sleep(self.headers_delay_s)
             token = {"id": "cmpl-p", "object": "text_completion", "created": 5, "model": "tiny", "choices": [
                 {"index": 0, "text": " sea", "token_ids": [17], "finish_reason": "length", "logprobs": None}]}
 
             async def events():
-                yield f"data: {json.dumps(token)}\n\n"
-                yield "data: [DONE]\n\n"
+                ended = False
+                try:
+                    await asyncio.sleep(self.token_delay_s)
+                    yield f"data: {json.dumps(token)}\n\n"
+                    yield "data: [DONE]\n\n"
+                    ended = True
+                finally:
+                    if not ended:
+                        self.aborted.set()
 
             self.headers_sent_at.append(time.time())  # the response starts as this handler returns
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -174,7 +193,7 @@ def hosted(tmp_path_factory):
     gateway_port = free_port()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ARGS_ENV, f"--port {gateway_port} --directory {directory.address} "
-                               f"--local-prefill-engine standin-local")
+                               f"--local-prefill-engine standin-local --prefill-timeout 1.5")
         served = Served(prefill.app).start()
     for engine_id, role, url in (("standin-local", tpb.ENGINE_ROLE_PREFILL, f"http://127.0.0.1:{served.port}"),
                                  ("standin-decode", tpb.ENGINE_ROLE_DECODE, decode.url)):
@@ -206,22 +225,57 @@ def test_a_hosted_gateway_plans_after_its_engine_took_the_leg(hosted, headers_de
     """The plan (the directory's create_time) comes after the local engine answered the leg's headers, so the plan's
     work does not run ahead of vLLM's intake on the shared loop; the client gets every token once."""
     client, prefill, decode, gateway_url = hosted
-    decode.behaviour, prefill.headers_delay_s = _decode_stream, headers_delay_s
+    decode.behaviour, prefill.headers_delay_s, prefill.token_delay_s = _decode_stream, headers_delay_s, 0.0
+    prefill.fail_with = None
     answer = _streamed(gateway_url)
     assert answer.status == 200 and not answer.error, answer.error
     assert [i for e in answer.events for c in e.get("choices", []) for i in c.get("token_ids") or []] == [17, 18, 19]
     transfer = client.get_transfer(answer.headers["x-kvpush-transfer-id"])
     assert transfer.prefill_engine_id == "standin-local"
     assert transfer.create_time.ToNanoseconds() / 1e9 > prefill.headers_sent_at[-1]
+    assert prefill.client_ports[-1] == 0  # the leg went into the app, not over a socket (in_process)
 
 
 def test_the_wait_is_bounded_when_the_engine_is_slow_to_answer(hosted):
     """Headers 0.3 s late: the plan goes out after HOSTED_PLAN_WAIT_S anyway, well before them."""
     client, prefill, decode, gateway_url = hosted
-    decode.behaviour, prefill.headers_delay_s = _decode_stream, 0.3
+    decode.behaviour, prefill.headers_delay_s, prefill.token_delay_s = _decode_stream, 0.3, 0.0
     sent = time.time()
     answer = _streamed(gateway_url)
     assert answer.status == 200 and not answer.error, answer.error
     planned = client.get_transfer(answer.headers["x-kvpush-transfer-id"]).create_time.ToNanoseconds() / 1e9
     assert planned < prefill.headers_sent_at[-1] - 0.1
     assert planned - sent < HOSTED_PLAN_WAIT_S + 0.2
+
+
+def test_an_in_process_leg_past_its_bound_is_a_504_and_aborts_the_request(hosted):
+    """The local engine starts its answer but sends no token within --prefill-timeout (1.5 s): the client gets 504
+    naming the prefill leg, and the app's stream is ended early (the disconnect vLLM aborts a request on)."""
+    client, prefill, decode, gateway_url = hosted
+    decode.behaviour, prefill.headers_delay_s, prefill.token_delay_s = _decode_stream, 0.0, 30.0
+    prefill.aborted.clear()
+    started = time.monotonic()
+    answer = _streamed(gateway_url)
+    assert answer.status == 504, (answer.status, answer.error)
+    assert "prefill" in (answer.error or "")
+    assert time.monotonic() - started < 10
+    assert prefill.aborted.wait(5), "the app's stream was not ended by the leg's disconnect"
+    transfer = client.get_transfer(answer.headers["x-kvpush-transfer-id"])
+    assert transfer.state == tpb.TRANSFER_STATE_CANCELLED
+
+
+def test_an_app_that_raises_is_a_502_and_not_an_unreachable_engine(hosted):
+    """The engine runs in this process: its app raising is a broken answer (502 naming it), not a reason to report
+    the engine unreachable and plan elsewhere (the directory still lists it as reachable)."""
+    client, prefill, decode, gateway_url = hosted
+    decode.behaviour, prefill.headers_delay_s, prefill.token_delay_s = _decode_stream, 0.0, 0.0
+    prefill.fail_with = RuntimeError("engine core died")
+    try:
+        answer = _streamed(gateway_url)
+    finally:
+        prefill.fail_with = None
+    assert answer.status == 502, (answer.status, answer.error)
+    assert "in process" in answer.error and "engine core died" in answer.error
+    (local,) = [e for e in client.list_engines() if e.engine_id == "standin-local"]
+    assert not local.HasField("unreachable_time")
+    assert _streamed(gateway_url).status == 200  # and the next request is served there again
