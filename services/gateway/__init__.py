@@ -5,7 +5,8 @@ prefill leg (max_tokens=1) and the decode leg at the same time with the transfer
 context in `kv_transfer_params`, and returns the decode answer (streams pass through). See
 docs/gateway.md. Modules: `config` (flags), `validation` (client input, leg bodies), `routing`
 (kvpush / vLLM NIXL strategies), `legs` (HTTP to engines, error mapping), `dispatch` (one request),
-`app` (aiohttp routes), `__main__` (`python -m kvpush.services.gateway`).
+`app` (aiohttp routes), `hosted` (the gateway served from a prefill engine's vLLM API server, `--middleware`),
+`in_process` (its legs into that engine's ASGI app), `__main__` (`python -m kvpush.services.gateway`).
 """
 
 from kvpush.services.gateway.app import create_app
