@@ -1,51 +1,21 @@
 """The gateway hosted in the prefill engine's API server (vLLM `--middleware`, `kvpush.services.gateway.hosted`), in
 front of the same real engines as the standalone gateway: outputs equal the colocated engine's, its prefill legs
-go to the engine it runs in, its spans come from that engine's process, vLLM's own routes are untouched.
+go to the engine it runs in, its spans come from that engine's process, vLLM's own routes are untouched. (Greedy
+outputs through it: test_pd_gateway.py's `test_disaggregated_output_equals_colocated`, for both gateways.)
 
 Engines are this folder's `local_stack` (conftest.py: `hosted_gateway=True`).
 """
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from kvpush.localstack.client import call, stream_completion
-from kvpush.localstack.stack import PREFILL_ENGINE_ID
-from kvpush.services.client import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import settled_transfer
+from tests.integration.localstack.test_pd_gateway import _ids, _transfer
 
 pytestmark = pytest.mark.engines
-
-
-def _ids(count: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1024) for _ in range(count)]
-
-
-def _transfer(stack, transfer_id: str) -> tpb.Transfer:
-    client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=2))
-    try:
-        return client.get_transfer(transfer_id)
-    finally:
-        client.close()
-
-
-@pytest.mark.parametrize("prompt_tokens", [7, 300])
-def test_output_through_the_hosted_gateway_equals_colocated(local_stack, prompt_tokens):
-    """Greedy, not streamed: token ids equal the colocated engine's; the transfer ran from the hosting engine."""
-    body = {"model": "tiny", "prompt": _ids(prompt_tokens, seed=50 + prompt_tokens), "max_tokens": 8,
-            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-    hosted = call("POST", local_stack.hosted_gateway_url + "/v1/completions", body, timeout_s=180)
-    reference = call("POST", local_stack.colocated.url + "/v1/completions", body, timeout_s=180)
-    assert hosted.status == 200, hosted.text
-    assert reference.status == 200, reference.text
-    assert hosted.body["choices"][0]["token_ids"] == reference.body["choices"][0]["token_ids"]
-    transfer = settled_transfer(lambda tid: _transfer(local_stack, tid), hosted.headers["x-kvpush-transfer-id"])
-    assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
-    assert transfer.prefill_engine_id == PREFILL_ENGINE_ID
 
 
 def test_streamed_first_token_through_the_hosted_gateway(local_stack, otlp_receiver):

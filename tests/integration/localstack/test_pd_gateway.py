@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from kvpush.localstack.client import call, stream_completion
+from kvpush.localstack.stack import PREFILL_ENGINE_ID
 from kvpush.services.client import ChannelConfig, DirectoryCallError, SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import settled_transfer
@@ -37,17 +38,23 @@ def _transfer(stack, transfer_id: str) -> tpb.Transfer:
         client.close()
 
 
+# Both gateways of the stack: the standalone process and the one hosted in the prefill engine's API server.
+GATEWAY_URLS = {"standalone": lambda stack: stack.gateway_url, "hosted": lambda stack: stack.hosted_gateway_url}
+
+
+@pytest.mark.parametrize("gateway", GATEWAY_URLS)
 @pytest.mark.parametrize("prompt_tokens", [5, 128, 300])
-def test_disaggregated_output_equals_colocated(local_stack, prompt_tokens):
-    """Greedy tokens through the gateway (pushed KV) equal the colocated engine's, for one to several blocks."""
+def test_disaggregated_output_equals_colocated(local_stack, prompt_tokens, gateway):
+    """Greedy tokens through each gateway (pushed KV) equal the colocated engine's, for one to several blocks."""
     body = _greedy(_ids(prompt_tokens, seed=prompt_tokens))
-    via_gateway = call("POST", local_stack.gateway_url + "/v1/completions", body, timeout_s=180)
+    via_gateway = call("POST", GATEWAY_URLS[gateway](local_stack) + "/v1/completions", body, timeout_s=180)
     reference = call("POST", local_stack.colocated.url + "/v1/completions", body, timeout_s=180)
     assert via_gateway.status == 200, via_gateway.text
     assert reference.status == 200, reference.text
     assert via_gateway.body["choices"][0]["token_ids"] == reference.body["choices"][0]["token_ids"]
     transfer = settled_transfer(lambda tid: _transfer(local_stack, tid), via_gateway.headers["x-kvpush-transfer-id"])
     assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
+    assert transfer.prefill_engine_id == PREFILL_ENGINE_ID
 
 
 def test_streamed_chat_equals_colocated(local_stack):
