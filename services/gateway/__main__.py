@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # handler_cancellation: a client that disconnects cancels its legs and its transfer.
         web.run_app(create_app(config), host=config.host, port=config.port, print=None,
-                    handler_cancellation=True, shutdown_timeout=10.0, access_log=None, loop=loop)
+                    handler_cancellation=True, shutdown_timeout=10.0, access_log=None, loop=loop,
+                    reuse_port=config.reuse_port or None)
     finally:
         shutdown_tracing()
     return 0

@@ -29,6 +29,9 @@ class GatewayConfig:
     # Served from that engine's API server, on its event loop (set by `hosted`, not a flag): the plan waits for the
     # engine to take a prefill leg sent there first (dispatch.HOSTED_PLAN_WAIT_S).
     hosted: bool = False
+    # Bind the port with SO_REUSEPORT: every API server process of `vllm serve --api-server-count N` hosts a gateway
+    # on the same port and the kernel spreads connections over them.
+    reuse_port: bool = False
     # Static engines for the nixl-* baseline modes.
     prefill_url: str = ""
     decode_url: str = ""
@@ -112,6 +115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                         help="kvpush mode: the engine id of the prefill engine beside this gateway; its prefill legs "
                              "go there whenever it is listed as able to take them (a gateway hosted in that engine's "
                              "API server: docs/gateway.md)")
+    parser.add_argument("--reuse-port", action=argparse.BooleanOptionalAction, default=False,
+                        help="bind the port with SO_REUSEPORT (hosted in vLLM with --api-server-count > 1: each API "
+                             "server process hosts a gateway on the one port; default off)")
     parser.add_argument("--prefill-url", default="", help="static prefill engine URL (nixl-* modes)")
     parser.add_argument("--decode-url", default="", help="static decode engine URL (nixl-* modes)")
     parser.add_argument("--prefill-engine-id", default="", help="prefill's kv_transfer_config.engine_id (nixl-push)")
@@ -149,7 +155,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                            directory_tls_root_cert=args.directory_tls_root_cert,
                            directory_tls_client_cert=args.directory_tls_client_cert,
                            directory_tls_client_key=args.directory_tls_client_key,
-                           local_prefill_engine_id=args.local_prefill_engine, prefill_url=args.prefill_url.rstrip("/"),
+                           local_prefill_engine_id=args.local_prefill_engine, reuse_port=args.reuse_port,
+                           prefill_url=args.prefill_url.rstrip("/"),
                            decode_url=args.decode_url.rstrip("/"), prefill_engine_id=args.prefill_engine_id,
                            prefill_side_channel=args.prefill_side_channel, plan_timeout_s=args.plan_timeout,
                            connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,

@@ -93,7 +93,7 @@ class HostedGateway:
                                shutdown_timeout=10.0)
         await runner.setup()
         self._runner = runner
-        await web.TCPSite(runner, config.host, config.port).start()
+        await web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None).start()
         _log.info("hosted gateway serving", host=config.host, port=config.port,
                   local_prefill_engine=config.local_prefill_engine_id or None,
                   directory=config.directory_address or None)

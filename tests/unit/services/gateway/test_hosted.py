@@ -131,6 +131,24 @@ def test_a_port_in_use_fails_the_apps_start_up(monkeypatch):
         first.stop()
 
 
+def test_with_reuse_port_every_api_server_process_hosts_one_on_the_port(monkeypatch):
+    """`vllm serve --api-server-count 2`: two API servers, each hosting a gateway on the one port with --reuse-port;
+    both start, and the port answers while either runs."""
+    port = free_port()
+    monkeypatch.setenv(ARGS_ENV, f"--port {port} --directory 127.0.0.1:1 --reuse-port")
+    first = Served(_app([])).start()
+    second = Served(_app([])).start()
+    try:
+        assert first.server.started and second.server.started
+        assert call("GET", f"http://127.0.0.1:{port}/metrics", timeout_s=5).status == 200
+        first.stop()
+        assert call("GET", f"http://127.0.0.1:{port}/metrics", timeout_s=5).status == 200
+    finally:
+        second.stop()
+        if first.thread.is_alive():
+            first.stop()
+
+
 def test_without_the_variable_the_reason_names_it(monkeypatch):
     monkeypatch.delenv(ARGS_ENV, raising=False)
     with pytest.raises(ValueError, match=ARGS_ENV):
