@@ -61,10 +61,10 @@ from kvpush.localstack.client import stream_completion
 from kvpush.localstack.stack import (
     DECODE_ENGINE_ARGS,
     HOSTED_GATEWAY_MIDDLEWARE,
+    hosted_gateway_env,
     kv_transfer_config,
     nixl_side_channel_env,
 )
-from kvpush.services.gateway.hosted import ARGS_ENV as HOSTED_ARGS_ENV
 from kvpush.localstack.vllm_bench import run_bench_serve, summarise, wait_kv_usage_zero
 
 SERVED_NAME = "model"
@@ -157,10 +157,10 @@ class Stack:
             hosted = getattr(self.args, "gateway_b_hosted", False)
             hosted_env: dict[str, str] = {}
             if hosted:  # the prefill engine's API server also hosts a gateway (kvpush.services.gateway.hosted)
-                self.hosted_gateway_url = f"http://127.0.0.1:{free_port()}"
-                hosted_env = {HOSTED_ARGS_ENV: shlex.join([
-                    "--host", "127.0.0.1", "--port", self.hosted_gateway_url.rsplit(":", 1)[1], "--directory", address,
-                    "--local-prefill-engine", PREFILL_ID, "--prefill-timeout", "300", "--decode-timeout", "300"])}
+                port = free_port()
+                self.hosted_gateway_url = f"http://127.0.0.1:{port}"
+                hosted_env = hosted_gateway_env(port, address, PREFILL_ID,
+                                                ("--prefill-timeout", "300", "--decode-timeout", "300"))
             for name, role, engine_id, caching, extra, env in (
                     ("prefill", "prefill", PREFILL_ID, False,
                      ("--middleware", HOSTED_GATEWAY_MIDDLEWARE) if hosted else (), hosted_env),

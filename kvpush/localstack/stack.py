@@ -56,6 +56,16 @@ FIRST_TOKEN_PROCESSOR = "kvpush.connector.first_token:ForcePrefillFirstToken"
 DECODE_ENGINE_ARGS = ("--logits-processors", FIRST_TOKEN_PROCESSOR)
 # What a prefill engine loads to host a gateway in its API server (kvpush.services.gateway.hosted).
 HOSTED_GATEWAY_MIDDLEWARE = "kvpush.services.gateway.hosted.HostedGateway"
+
+
+def hosted_gateway_env(port: int, directory_address: str, prefill_engine_id: str,
+                       flags: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a prefill engine that hosts a gateway on 127.0.0.1:`port` (its KVPUSH_GATEWAY_ARGS), its
+    legs to `prefill_engine_id`; `flags`: more gateway flags."""
+    return {ARGS_ENV: shlex.join(["--host", "127.0.0.1", "--port", str(port), "--directory", directory_address,
+                                  "--local-prefill-engine", prefill_engine_id, *flags])}
+
+
 NIXL_PREFILL_SIDE_CHANNEL_PORT = 5611
 NIXL_DECODE_SIDE_CHANNEL_PORT = 5622
 
@@ -175,14 +185,13 @@ class LocalStack:
         """KVPUSH_GATEWAY_ARGS of the hosted gateway: the operator's TLS files as flags, so the engine's own
         identity (its connector settings) and the gateway's stay apart in the one process."""
         assert self.directory is not None and self.hosted_gateway_port is not None
-        flags = ["--host", "127.0.0.1", "--port", str(self.hosted_gateway_port), "--directory", self.directory.address,
-                 "--local-prefill-engine", PREFILL_ENGINE_ID, *self._gateway_flags()]
+        flags = self._gateway_flags()
         if self.pki is not None:
             tls = self.pki.client_env("operator")
-            flags += ["--directory-tls-root-cert", tls["KVPUSH_DIRECTORY_TLS_ROOT_CERT"],
+            flags += ("--directory-tls-root-cert", tls["KVPUSH_DIRECTORY_TLS_ROOT_CERT"],
                       "--directory-tls-client-cert", tls["KVPUSH_DIRECTORY_TLS_CLIENT_CERT"],
-                      "--directory-tls-client-key", tls["KVPUSH_DIRECTORY_TLS_CLIENT_KEY"]]
-        return {ARGS_ENV: shlex.join(flags)}
+                      "--directory-tls-client-key", tls["KVPUSH_DIRECTORY_TLS_CLIENT_KEY"])
+        return hosted_gateway_env(self.hosted_gateway_port, self.directory.address, PREFILL_ENGINE_ID, flags)
 
     def _env(self, service_name: str) -> dict[str, str]:
         env = dict(self.service_env)

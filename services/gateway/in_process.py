@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,8 +34,8 @@ _log = get_logger("gateway.in_process")
 class _Body:
     """The response body as the app sends it; `readline` and `read` as aiohttp's StreamReader has them."""
 
-    def __init__(self, response: InProcessResponse) -> None:
-        self._response = response
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
         self._buffer = bytearray()
         self._ended = False
         self._error: BaseException | None = None
@@ -52,7 +53,7 @@ class _Body:
     async def _wait(self) -> None:
         if self._error is not None:
             raise self._error
-        remaining = self._response.deadline - time.monotonic()
+        remaining = self._deadline - time.monotonic()
         if remaining <= 0:
             raise asyncio.TimeoutError()
         self._more.clear()
@@ -88,11 +89,9 @@ class InProcessResponse:
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline
         self.status = 0
-        self.headers: dict[str, str] = {}
-        self.content = _Body(self)
+        self.content = _Body(deadline)
         self.started = asyncio.get_running_loop().create_future()
         self.disconnected = asyncio.Event()
-        self.task: asyncio.Task | None = None
 
     async def text(self) -> str:
         """The whole body, decoded."""
@@ -125,9 +124,7 @@ class InProcessSession:
 
     async def _call(self, url: str, body: Any, headers: dict[str, str],
                     timeout: aiohttp.ClientTimeout) -> InProcessResponse:
-        import json as json_module  # `json` is post's keyword, as in aiohttp
-
-        payload = json_module.dumps(body).encode()
+        payload = json.dumps(body).encode()
         parts = urlsplit(url)
         response = InProcessResponse(time.monotonic() + (timeout.total or 600.0))
         scope = {
@@ -156,7 +153,6 @@ class InProcessSession:
         async def send(message: dict) -> None:
             if message["type"] == "http.response.start":
                 response.status = message["status"]
-                response.headers = {k.decode().lower(): v.decode() for k, v in message.get("headers", ())}
                 if not response.started.done():
                     response.started.set_result(None)
             elif message["type"] == "http.response.body":
@@ -182,7 +178,6 @@ class InProcessSession:
                 response.content.feed(b"", False)
 
         task = asyncio.create_task(run())
-        response.task = task
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
         try:

@@ -26,6 +26,7 @@ from kvpush.services.gateway.hosted import ARGS_ENV, HostedGateway, hosted_confi
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.standin import StandInEngine
+from tests.unit.services.gateway.test_first_token_gateway import _decode_events
 from tests.unit.services.gateway.test_gateway import _layout
 
 
@@ -232,10 +233,7 @@ def _streamed(gateway_url: str):
 
 
 def _decode_stream(leg):
-    events = [{"id": "cmpl-d", "object": "text_completion", "choices": [
-        {"index": 0, "text": text, "token_ids": [token_id], "finish_reason": None if i < 2 else "length"}]}
-        for i, (token_id, text) in enumerate(((17, " sea"), (18, " wave"), (19, "s")))]
-    return 200, {"stream_events": events}, 0.0
+    return 200, {"stream_events": _decode_events((17, " sea"), (18, " wave"), (19, "s"))}, 0.0
 
 
 @pytest.mark.parametrize("headers_delay_s", [0.0, 0.01])
