@@ -8,7 +8,7 @@ sends one streamed request of each kind, in rotating order, the same token-id pr
   hosted      through the gateway hosted in the prefill stand-in's server (`HostedGateway`, in-process legs)
   standalone_b  with --gateway-b-pythonpath DIR and/or --gateway-b-args ARGS: a second standalone gateway, run from
               another checkout (A/B of the gateway's code in one run: `git worktree add /tmp/before COMMIT`, then
-              --gateway-b-pythonpath /tmp/before) or with other flags (e.g. --gateway-b-args=--uvloop)
+              --gateway-b-pythonpath /tmp/before) or with other flags (e.g. --gateway-b-args=--no-uvloop)
 TTFT is the request sent -> the first SSE event read by the client. The figures are the medians of each kind's
 per-round difference from `direct` with a 95 % bootstrap interval: what the gateway's own work and hops cost, free of
 the engines' noise, so on any host (the H200 host included: it needs only kvpush's wheel set).
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         for role, engine_role in (("prefill", tpb.ENGINE_ROLE_PREFILL), ("decode", tpb.ENGINE_ROLE_DECODE)):
             client.start_registration(dpb.RegisterEngineRequest(
                 engine_id=f"standin-{role}", role=engine_role, tp_rank=0, tp_size=1, agent_name=f"agent-{role}",
-                agent_metadata=b"standin", layout=_layout(), endpoint=f"http://127.0.0.1:{ports[role]}", model="tiny"))
+                agent_metadata=b"standin", layout=_layout(block_count=max(64, args.prompt_tokens // 4)), endpoint=f"http://127.0.0.1:{ports[role]}", model="tiny"))
         flags = ["--prefill-timeout", "10", "--decode-timeout", "10"]
         if "standalone" in kinds:
             gateways["standalone"] = start_gateway(log_dir, directory_address=directory.address, extra_args=flags)

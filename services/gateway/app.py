@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import hmac
 
-import json
-
 import aiohttp
+import orjson
 from aiohttp import web
 
 from kvpush.observability import get_logger
@@ -64,7 +63,7 @@ async def _read_json(request: web.Request):
     except web.HTTPRequestEntityTooLarge:
         raise
     try:
-        return json.loads(raw)
+        return orjson.loads(raw)  # on the time to first token: the standard library's decoder is 2-3x slower
     except (ValueError, UnicodeDecodeError) as error:
         raise bad_request(f"request body is not valid JSON: {error}") from error
 

@@ -63,8 +63,9 @@ class GatewayConfig:
     # reset, closed before any response byte), each time reporting that engine to the directory, which
     # leaves it out of plans until it renews its lease. Only before any byte reached the client. 0: never.
     max_failovers: int = 2
-    # Serve on uvloop's event loop instead of asyncio's (when installed).
-    uvloop: bool = False
+    # Serve on uvloop's event loop instead of asyncio's (when installed): 0.1-0.25 ms less per request's time to first
+    # token with stand-in engines (docs/benchmarks.md, "Sixteenth session").
+    uvloop: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -147,8 +148,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                         help="times one request is planned again on other engines after an engine could not be "
                              "reached (refused, reset, closed before answering), before any byte reached the "
                              "client; each such engine is reported to the directory (0: never; at most 16)")
-    parser.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=False,
-                        help="run on uvloop's event loop when it is installed (default off)")
+    parser.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True,
+                        help="run on uvloop's event loop when it is installed (default on)")
     args = parser.parse_args(argv)
     config = GatewayConfig(host=args.host, port=args.port, mode=args.mode, directory_address=args.directory,
                            directory_token=args.directory_token,

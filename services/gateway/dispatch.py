@@ -344,7 +344,10 @@ class Dispatcher:
                                           self._config.connect_timeout_s)
         outcome.prefill_leg_accepted.set()
         folded = first_token.StreamedPrefillAnswer(request)
-        events = legs.sse_events(response, "prefill", url, total_s)
+        # The token's event carries the whole prompt's ids (the leg asks for token ids); only a client that asked for
+        # them needs them, and parsing an 8,192-token prompt's took ~0.5 ms of the time to first token on the H200 host.
+        events = legs.sse_events(response, "prefill", url, total_s,
+                                 drop_prompt_token_ids=not request.body.get("return_token_ids"))
         try:
             async for event in events:
                 folded.feed(event)

@@ -20,10 +20,11 @@ first token is still forced to prefill's.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from kvpush.services.gateway.validation import CHAT_COMPLETIONS, ClientRequest
 
@@ -171,7 +172,7 @@ def prefill_finished(request: ClientRequest, token: PrefillToken) -> bool:
 
 
 def _sse(event: dict) -> bytes:
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
 # The SSE event that ends a stream.
@@ -256,7 +257,7 @@ class DecodeStreamRewriter:
         if data == b"[DONE]":
             return DONE_EVENT
         try:
-            event = json.loads(data)
+            event = orjson.loads(data)
         except ValueError:
             return raw + b"\n\n"
         self.events_seen += 1

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -118,13 +116,12 @@ class InProcessSession:
         self._lifespan_scope = lifespan_scope or {}
         self._calls: set[asyncio.Task] = set()
 
-    def post(self, url: str, *, json: Any, headers: dict[str, str], timeout: aiohttp.ClientTimeout):
-        """An awaitable of the started response (the leg code's `await session.post(...)`)."""
-        return self._call(url, json, headers, timeout)
+    def post(self, url: str, *, data: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout):
+        """An awaitable of the started response (the leg code's `await session.post(...)`; `data`: the JSON body)."""
+        return self._call(url, data, headers, timeout)
 
-    async def _call(self, url: str, body: Any, headers: dict[str, str],
+    async def _call(self, url: str, payload: bytes, headers: dict[str, str],
                     timeout: aiohttp.ClientTimeout) -> InProcessResponse:
-        payload = json.dumps(body).encode()
         parts = urlsplit(url)
         response = InProcessResponse(time.monotonic() + (timeout.total or 600.0))
         scope = {

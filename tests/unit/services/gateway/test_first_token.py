@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kvpush.services.gateway import legs
 from kvpush.services.gateway.first_token import (
     DecodeStreamRewriter,
     FirstTokenMismatch,
@@ -130,3 +131,26 @@ def test_possible_stop_string_start_is_held_back():
     request = validate(COMPLETIONS, {"prompt": [1], "max_tokens": 3, "stream": True, "stop": ["ab"]})
     assert hold_back_reason(request, prefill_token(request, _completion_answer(text=" a")))
     assert not hold_back_reason(request, prefill_token(request, _completion_answer(text=" b")))
+
+
+@pytest.mark.parametrize("event", [
+    # completions: the ids sit in the choice; vLLM's compact JSON
+    {"id": "c", "choices": [{"index": 0, "text": " sea", "token_ids": [17], "prompt_token_ids": [5, 6, 7]}]},
+    # chat: on the event itself
+    {"id": "c", "prompt_token_ids": list(range(8192)), "choices": [{"index": 0, "delta": {"content": "]"},
+                                                                    "token_ids": [17]}]},
+])
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_a_token_event_without_its_prompt_ids_keeps_everything_else(event, separators):
+    """The prefill leg's token event reaches the gateway with the whole prompt's ids; when the client did not ask for
+    them they are cut from the bytes before decoding (legs.without_prompt_token_ids): they read as null, the token's
+    id, text and every other field are intact, whatever the JSON's spacing."""
+    raw = json.dumps(event, separators=separators).encode()
+    parsed = json.loads(legs.without_prompt_token_ids(raw))
+    expected = json.loads(raw)
+    for holder in (expected, *expected["choices"]):
+        if "prompt_token_ids" in holder:
+            holder["prompt_token_ids"] = None
+    assert parsed == expected
+    untouched = b'{"choices":[{"index":0,"text":"x"}]}'
+    assert legs.without_prompt_token_ids(untouched) == untouched

@@ -21,10 +21,10 @@ CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE_ID}-00f067aa0ba902b7-01"
 
 
-def _layout() -> tpb.KVLayout:
-    region = 4096 * 64
+def _layout(block_count: int = 64) -> tpb.KVLayout:
+    region = 4096 * block_count
     return tpb.KVLayout(
-        layer_count=2, block_size_tokens=16, block_count=64, block_bytes_per_layer=4096, dtype="bfloat16",
+        layer_count=2, block_size_tokens=16, block_count=block_count, block_bytes_per_layer=4096, dtype="bfloat16",
         memory_kind=tpb.MEMORY_KIND_DRAM, layer_region_bytes=region, compatibility_hash="standin",
         layer_base_addresses=[region, 2 * region],
         planes=[tpb.KVPlane(offset_bytes=0, block_stride_bytes=4096, block_bytes=4096, segment_count=1,
