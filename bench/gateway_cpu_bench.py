@@ -14,7 +14,6 @@ JSON to stdout and bench/results/gateway-cpu-<UTC>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -23,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_io import emit  # bench/, this script's folder
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -80,10 +81,7 @@ def main(argv: list[str] | None = None) -> int:
               "request_wall_ms": {"p50": round(statistics.median(walls), 3),
                                   "p90": round(statistics.quantiles(walls, n=10)[-1], 3)},
               "profile": str(args.profile) if args.profile else None}
-    text = json.dumps(result, indent=2)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"gateway-cpu-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json").write_text(text + "\n")
+    emit(result, args.out, "gateway-cpu")
     return 0
 
 

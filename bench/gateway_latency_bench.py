@@ -30,11 +30,12 @@ import os
 import platform
 import random
 import shlex
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_io import emit  # bench/, this script's folder
 
 ROOT = Path(__file__).resolve().parent.parent
 # Appended, not prepended: where kvpush is installed as a wheel (the H200 host), the checkout's own kvpush/ folder must
@@ -232,10 +233,7 @@ def main(argv=None) -> int:
         b_minus_a = [b - a for a, b in zip(ttft_ms["standalone"], ttft_ms["standalone_b"])]
         result["standalone_b_minus_standalone_median_ms"] = _median(b_minus_a)
         result["standalone_b_minus_standalone_ci95"] = _median_ci95(b_minus_a)
-    text = json.dumps(result, indent=2)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"gateway-latency-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json").write_text(text + "\n")
+    emit(result, args.out, "gateway-latency")
     return 0
 
 
