@@ -179,7 +179,8 @@ def main(argv=None) -> int:
         for role, engine_role in (("prefill", tpb.ENGINE_ROLE_PREFILL), ("decode", tpb.ENGINE_ROLE_DECODE)):
             client.start_registration(dpb.RegisterEngineRequest(
                 engine_id=f"standin-{role}", role=engine_role, tp_rank=0, tp_size=1, agent_name=f"agent-{role}",
-                agent_metadata=b"standin", layout=_layout(block_count=max(64, args.prompt_tokens // 4)), endpoint=f"http://127.0.0.1:{ports[role]}", model="tiny"))
+                agent_metadata=b"standin", layout=_layout(block_count=max(64, args.prompt_tokens // 4)),
+                endpoint=f"http://127.0.0.1:{ports[role]}", model="tiny"))
         flags = ["--prefill-timeout", "10", "--decode-timeout", "10"]
         if "standalone" in kinds:
             gateways["standalone"] = start_gateway(log_dir, directory_address=directory.address, extra_args=flags)

@@ -74,7 +74,8 @@ def transport_errors(leg: str, url: str, total_s: float, *, before_response: boo
         raise bad_gateway(f"{leg} engine at {url}: connection failed: {error!r}") from error
 
 
-def _post(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str], timeout: aiohttp.ClientTimeout):
+def _post(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str],
+          timeout: aiohttp.ClientTimeout):
     """`session.post` with `body` encoded as JSON (by orjson; aiohttp's `json=` would use the standard library's)."""
     return session.post(url, data=orjson.dumps(body), headers={**headers, "Content-Type": "application/json"},
                         timeout=timeout)

@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvpush.connector.compat import SUPPORTED_MAX, SUPPORTED_MIN, parse_release
 from kvpush.connector.config import ConnectorConfig
 from kvpush.localstack.client import call
 from kvpush.localstack.processes import ManagedProcess, free_port, http_ok, start_directory
@@ -227,6 +228,18 @@ def _copied_files(text: str) -> dict[str, Path]:
         if (ROOT / source).is_file():
             copies[target] = ROOT / source
     return copies
+
+
+def test_engine_image_builds_on_a_vllm_release_the_connector_loads_in() -> None:
+    """The engine image's default base is inside the connector's supported range (it refuses others at load), and
+    the image installs what kvpush needs beyond the base (kvpush itself goes in with --no-deps): the gateway hosted in
+    the engine's API server decodes JSON with orjson."""
+    text = _dockerfile("Dockerfile.engine")
+    tag = re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\S+)$", text, re.M)
+    assert tag, "Dockerfile.engine names no default vllm-openai image"
+    assert SUPPORTED_MIN <= parse_release(tag.group(1)) <= SUPPORTED_MAX, tag.group(1)
+    installed = set(re.findall(r"pip install --no-cache-dir (.*)", text)[-1].replace('"', "").split())
+    assert {"structlog", "opentelemetry-exporter-otlp-proto-grpc", "orjson"} <= installed, installed
 
 
 def test_images_pass_flags_their_entry_points_accept() -> None:
