@@ -140,6 +140,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a checkout whose gateway runs as kind standalone_b beside this one's")
     parser.add_argument("--gateway-b-args", default="", help="more flags for the standalone_b gateway")
     parser.add_argument("--gap-s", type=float, default=0.02, help="pause between requests")
+    parser.add_argument("--pin-gateways", action="store_true",
+                        help="standalone gateways on the last CPU, everything else on the others: on a machine with "
+                             "few cores, so that the gateway's own work is what the figures show")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     return parser.parse_args(argv)
 
@@ -157,6 +160,9 @@ def main(argv=None) -> int:
     if args.gateway_b_pythonpath or args.gateway_b_args:
         kinds.append("standalone_b")
     log_dir = Path(tempfile.mkdtemp(prefix="kvpush-gateway-latency-"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin_gateways and len(cpus) > 1:
+        os.sched_setaffinity(0, cpus[:-1])  # inherited by every process started from here on
     directory = start_directory(log_dir)
     context = multiprocessing.get_context("spawn")
     ports = {"prefill": free_port(), "decode": free_port(), "hosted": free_port()}
@@ -189,6 +195,9 @@ def main(argv=None) -> int:
             gateways["standalone_b"] = start_gateway(
                 log_dir, directory_address=directory.address, extra_args=flags + shlex.split(args.gateway_b_args),
                 name="gateway-b", env={"PYTHONPATH": os.pathsep.join(pythonpath)})
+        if args.pin_gateways and len(cpus) > 1:
+            for handle in gateways.values():
+                os.sched_setaffinity(handle.process.popen.pid, cpus[-1:])
         if "hosted" in kinds:
             deadline = time.monotonic() + 30
             while not tcp_open("127.0.0.1", ports["hosted"]):
@@ -224,8 +233,8 @@ def main(argv=None) -> int:
         "bench": "gateway_latency", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": {"rounds": args.rounds, "prefill_ms": args.prefill_ms, "prompt_tokens": args.prompt_tokens,
                    "kinds": kinds, "gateway_b_pythonpath": args.gateway_b_pythonpath,
-                   "gateway_b_args": args.gateway_b_args, "host": platform.node(), "cpu_count": os.cpu_count(),
-                   "python": platform.python_version()},
+                   "gateway_b_args": args.gateway_b_args, "pin_gateways": args.pin_gateways,
+                   "host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
         "ttft_median_ms": {kind: _median(values) for kind, values in ttft_ms.items()},
         "over_direct_median_ms": {kind: _median(values) for kind, values in over_direct.items()},
         "over_direct_ci95": {kind: _median_ci95(values) for kind, values in over_direct.items()},

@@ -157,7 +157,9 @@ def create_app(config: GatewayConfig, local_legs: InProcessSession | None = None
     async def lifecycle(app: web.Application):
         router = make_router(config)
         connector = aiohttp.TCPConnector(limit=1000, ttl_dns_cache=60, keepalive_timeout=config.upstream_keepalive_s)
-        session = aiohttp.ClientSession(connector=connector, trust_env=False)
+        # No cookie jar: the session is shared by every client's legs, so a cookie an engine (or a proxy before it)
+        # set must not travel with other clients' requests; it also spares each leg the jar's filtering.
+        session = aiohttp.ClientSession(connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
         app[ROUTER_KEY] = router
         app[SESSION_KEY] = session
         app[DISPATCHER_KEY] = Dispatcher(config, router, session, metrics, local_legs)

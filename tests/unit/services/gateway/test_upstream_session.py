@@ -1,8 +1,10 @@
-"""The gateway's pooled connections to engines expire before the engines' own keep-alive does.
+"""The gateway's HTTP session to the engines, which every client's legs share.
 
-vLLM's server closes a connection idle for 5 s; a gateway that keeps it longer sends its next request on a
-socket the engine is closing and gets "Server disconnected" with nothing answered (seen on the H200 between
-two requests 5 s apart). The session must drop an idle connection after upstream_keepalive_s instead.
+Its pooled connections expire before the engines' own keep-alive does: vLLM's server closes a connection idle for
+5 s; a gateway that keeps it longer sends its next request on a socket the engine is closing and gets "Server
+disconnected" with nothing answered (seen on the H200 between two requests 5 s apart). The session must drop an
+idle connection after upstream_keepalive_s instead. And it keeps no cookies: one set on a leg's answer must not go
+out with another client's legs.
 """
 
 from __future__ import annotations
@@ -59,3 +61,36 @@ def test_the_default_is_below_vllms_five_seconds_and_the_flag_sets_it():
     assert GatewayConfig().upstream_keepalive_s < 5.0
     config = parse_args(["--directory", "127.0.0.1:1", "--upstream-keepalive", "2.5"])
     assert config.upstream_keepalive_s == 2.5
+
+
+async def _cookies_sent_after_one_was_set() -> list[str | None]:
+    cookies: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        cookies.append(request.headers.get("Cookie"))
+        response = web.Response(text="ok")
+        response.set_cookie("session", "first-client")
+        return response
+
+    engine = web.Application()
+    engine.router.add_get("/", answer)
+    runner = web.AppRunner(engine)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    gateway = create_app(GatewayConfig(mode="kvpush", directory_address="127.0.0.1:1"))
+    gateway_runner = web.AppRunner(gateway)
+    await gateway_runner.setup()
+    try:
+        for _ in range(2):  # by host name: a cookie jar would keep cookies from it (it drops those from IP addresses)
+            async with gateway[SESSION_KEY].get(f"http://localhost:{port}/") as response:
+                assert response.status == 200
+    finally:
+        await gateway_runner.cleanup()
+        await runner.cleanup()
+    return cookies
+
+
+def test_a_cookie_an_engine_set_does_not_go_out_with_later_legs():
+    assert asyncio.run(_cookies_sent_after_one_was_set()) == [None, None]
