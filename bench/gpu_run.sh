@@ -19,10 +19,14 @@ if [ ! -f /tmp/site/.kvpush-carry ]; then
   [ -n "$install" ] || { echo "wheel set not installed and no .gpu-carry/*/install.sh carried" >&2; exit 2; }
   bash "$install" > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
 fi
-# Wheels kvpush needs beyond the wheel set (aetcd, for directory replicas: the directory imports it), from a carried
-# .gpu-carry/extra (pip download --no-deps -d .gpu-carry/extra aetcd).
-if ! PYTHONPATH=/tmp/site python3 -c "import aetcd" 2>/dev/null; then
-  ls "$repo"/.gpu-carry/extra/*.whl >/dev/null 2>&1 || { echo "aetcd missing: carry .gpu-carry/extra (see above)" >&2; exit 2; }
+# Wheels kvpush needs beyond the wheel set (aetcd, for directory replicas: the directory imports it; orjson, the
+# gateway's JSON), from a carried .gpu-carry/extra:
+#   pip download --no-deps -d .gpu-carry/extra aetcd
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .gpu-carry/extra orjson
+if ! PYTHONPATH=/tmp/site python3 -c "import aetcd, orjson" 2>/dev/null; then
+  ls "$repo"/.gpu-carry/extra/*.whl >/dev/null 2>&1 \
+    || { echo "aetcd or orjson missing: carry .gpu-carry/extra (see above)" >&2; exit 2; }
   python3 -m pip install -q --no-deps --no-index --target /tmp/site "$repo"/.gpu-carry/extra/*.whl > "$out/extra.log" 2>&1 \
     || { tail -20 "$out/extra.log"; exit 1; }
 fi
