@@ -156,13 +156,13 @@ class DirectoryRouter:
             if value:
                 overrides[name] = value
         self._client = DirectoryClient(ChannelConfig.from_env(**overrides))
-        self._engines: list[tpb.Engine] = []
+        self._engines: list[types_pb2.Engine] = []
         self._engines_read_at: float | None = None  # monotonic time of the last read that succeeded
         self._engines_reading: asyncio.Task | None = None
         # Prefill picks per engine since the engine list was last read (the list's transfer counts lag them).
         self._picks_since_read: dict[str, int] = {}
 
-    async def _registered(self) -> list[tpb.Engine]:
+    async def _registered(self) -> list[types_pb2.Engine]:
         """Registered workers (for model checks, /tokenize and free-block checks), at most ENGINE_CACHE_S + one
         ListEngines round trip old.
 
