@@ -42,13 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--gap-s", type=float, default=0.01)
     parser.add_argument("--profile", type=Path, default=None, help="py-spy raw samples of the gateway to this file")
+    parser.add_argument("--gateway-pythonpath", default=None,
+                        help="run the gateway from another checkout's packages (the code before a change)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
 
     from kvpush.localstack.client import call
     from tests.unit.services.gateway.test_gateway import Deployment
 
-    deployment = Deployment(Path(tempfile.mkdtemp(prefix="kvpush-gateway-cpu-")), {}, first_token_from_prefill=False)
+    gateway_env = {"PYTHONPATH": args.gateway_pythonpath} if args.gateway_pythonpath else {}
+    deployment = Deployment(Path(tempfile.mkdtemp(prefix="kvpush-gateway-cpu-")), gateway_env,
+                            first_token_from_prefill=False)
     try:
         pid = deployment.gateway.process.pid
         rng = random.Random(0)
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
               "gateway_cpu_per_request_ms": round(cpu_per_request_ms, 3),
               "request_wall_ms": {"p50": round(statistics.median(walls), 3),
                                   "p90": round(statistics.quantiles(walls, n=10)[-1], 3)},
-              "profile": str(args.profile) if args.profile else None}
+              "profile": str(args.profile) if args.profile else None, "gateway_pythonpath": args.gateway_pythonpath}
     emit(result, args.out, "gateway-cpu")
     return 0
 

@@ -76,6 +76,7 @@ def tp2_stack(session_log_dir):
         _wait_all_ranks_registered(client)
         gateway = start_gateway(log_dir, directory_address=directory.address,
                                 extra_args=["--no-first-token-from-prefill"])
+        _first_contact(gateway.url, client)
         yield {"prefill": engines[0], "decode": engines[1], "colocated": engines[2], "gateway": gateway,
                "client": client, "model_dir": model_dir}
     finally:
@@ -96,6 +97,26 @@ def _wait_all_ranks_registered(client: SyncDirectoryClient, timeout_s: float = 6
     while len(client.list_engines()) < 2 * TP:
         assert time.monotonic() < deadline, f"ranks registered: {client.list_engines()}"
         time.sleep(0.2)
+
+
+def _first_contact(gateway_url: str, client: SyncDirectoryClient, attempts: int = 2) -> None:
+    """One disaggregated request before the checks, tried again once if it fails.
+
+    The first transfer between the engines makes their NIXL agents' first contact (`add_remote_agent`), which holds the
+    worker process's GIL. On this loaded 2-core machine it has taken up to 60 s (the `peer_added` warning in the prefill
+    log), long enough for that rank's 30 s lease to lapse and the transfer to fail; the rank then re-registers and
+    later transfers are unaffected. That hazard belongs to the data plane's first contact, not to TP 2 (it is a known
+    issue in the notes), so it is taken here, outside the checks, and reported when it happens.
+    """
+    prompt = _prompt(2 * BLOCK_SIZE, seed=99)
+    for attempt in range(1, attempts + 1):
+        result = call("POST", gateway_url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2,
+                                                                "temperature": 0.0}, timeout_s=180.0)
+        if result.status == 200:
+            return
+        print(f"tp2 first contact, attempt {attempt}: HTTP {result.status}: {result.text[:300]}")
+        _wait_all_ranks_registered(client, timeout_s=120.0)
+    pytest.fail(f"no disaggregated request passed in {attempts} attempts: {result.text[:400]}")
 
 
 def _prompt(length: int, seed: int) -> list[int]:
