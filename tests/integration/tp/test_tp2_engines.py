@@ -105,8 +105,8 @@ def _first_contact(gateway_url: str, client: SyncDirectoryClient, attempts: int 
     The first transfer between the engines makes their NIXL agents' first contact (`add_remote_agent`), which holds the
     worker process's GIL. On this loaded 2-core machine it has taken up to 60 s (the `peer_added` warning in the prefill
     log), long enough for that rank's 30 s lease to lapse and the transfer to fail; the rank then re-registers and
-    later transfers are unaffected. That hazard belongs to the data plane's first contact, not to TP 2 (docs/dataplane.md,
-    "Known issue"), so it is taken here, outside the checks, and reported when it happens.
+    later transfers are unaffected. That hazard belongs to the data plane's first contact, not to TP 2
+    (docs/dataplane.md, "Known issue"), so it is taken here, outside the checks, and reported when it happens.
     """
     prompt = _prompt(2 * BLOCK_SIZE, seed=99)
     for attempt in range(1, attempts + 1):
