@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvpush.localstack.client import call
     from tests.unit.services.gateway.test_gateway import Deployment
 
-    gateway_env = {"PYTHONPATH": args.gateway_pythonpath} if args.gateway_pythonpath else {}
+    # Ahead of the environment's own PYTHONPATH (which is how kvpush is found on the H200 host), not instead of it.
+    pythonpath = [p for p in (args.gateway_pythonpath, os.environ.get("PYTHONPATH")) if p]
+    gateway_env = {"PYTHONPATH": os.pathsep.join(pythonpath)} if args.gateway_pythonpath else {}
     deployment = Deployment(Path(tempfile.mkdtemp(prefix="kvpush-gateway-cpu-")), gateway_env,
                             first_token_from_prefill=False)
     try:

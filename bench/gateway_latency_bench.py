@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import http.client
 import json
-import multiprocessing
 import os
 import platform
 import random
@@ -73,14 +72,15 @@ def _events(body: dict, role: str) -> list[dict]:
     return events
 
 
-def serve_standin(role: str, port: int, prefill_s: float, hosted_args: str | None) -> None:
-    """A stand-in engine's process: FastAPI under uvicorn (as vLLM's API server), optionally hosting the gateway."""
+def serve_standin(role: str, port: int, prefill_s: float) -> None:
+    """A stand-in engine's process: FastAPI under uvicorn (as vLLM's API server), hosting the gateway when its
+    environment carries the hosted gateway's flags (`KVPUSH_GATEWAY_ARGS`)."""
     import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    if hosted_args is not None:
-        os.environ["KVPUSH_GATEWAY_ARGS"] = hosted_args
+    from kvpush.services.gateway.hosted import ARGS_ENV, HostedGateway
+
     app = FastAPI()
 
     async def completions(request):  # Starlette's form: the request, as vLLM's handlers get it
@@ -100,8 +100,7 @@ def serve_standin(role: str, port: int, prefill_s: float, hosted_args: str | Non
 
     app.router.add_route("/v1/completions", completions, methods=["POST"])
 
-    if hosted_args is not None:
-        from kvpush.services.gateway.hosted import HostedGateway
+    if os.environ.get(ARGS_ENV):
         app.add_middleware(HostedGateway)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
 
@@ -144,17 +143,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="standalone gateways on the last CPU, everything else on the others: on a machine with "
                              "few cores, so that the gateway's own work is what the figures show")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    # Internal: the bench starts each stand-in engine as this script with these two flags.
+    parser.add_argument("--serve-standin", choices=("prefill", "decode"), help=argparse.SUPPRESS)
+    parser.add_argument("--standin-port", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from kvpush.localstack.processes import free_port, start_directory, start_gateway, tcp_open
+    if args.serve_standin:
+        serve_standin(args.serve_standin, args.standin_port, args.prefill_ms / 1000)
+        return 0
+    from kvpush.localstack.processes import ManagedProcess, free_port, start_directory, start_gateway, tcp_open
     from kvpush.localstack.stack import hosted_gateway_env
     from kvpush.services.client import ChannelConfig, SyncDirectoryClient
     from kvpush.v1 import directory_pb2 as dpb
     from kvpush.v1 import types_pb2 as tpb
     from tests.unit.services.gateway.test_gateway import _layout
+
+    from hops_bench import _median, _median_ci95  # after kvpush: it puts the checkout first on sys.path
 
     kinds = ["direct"] + [k for k in args.kinds.split(",") if k and k != "direct"]
     if args.gateway_b_pythonpath or args.gateway_b_args:
@@ -164,24 +171,19 @@ def main(argv=None) -> int:
     if args.pin_gateways and len(cpus) > 1:
         os.sched_setaffinity(0, cpus[:-1])  # inherited by every process started from here on
     directory = start_directory(log_dir)
-    context = multiprocessing.get_context("spawn")
     ports = {"prefill": free_port(), "decode": free_port(), "hosted": free_port()}
-    hosted_args = (hosted_gateway_env(ports["hosted"], directory.address, "standin-prefill")["KVPUSH_GATEWAY_ARGS"]
-                   if "hosted" in kinds else None)
-    standins = {role: context.Process(target=serve_standin, daemon=True,
-                                      args=(role, ports[role], args.prefill_ms / 1000,
-                                            hosted_args if role == "prefill" else None))
+    hosted_env = (hosted_gateway_env(ports["hosted"], directory.address, "standin-prefill")
+                  if "hosted" in kinds else {})
+    standins = {role: ManagedProcess(f"standin-{role}", [sys.executable, __file__, "--serve-standin", role,
+                                                          "--standin-port", str(ports[role]),
+                                                          "--prefill-ms", str(args.prefill_ms)],
+                                     log_dir / f"standin-{role}.log", env=hosted_env if role == "prefill" else {})
                 for role in ("prefill", "decode")}
     client = SyncDirectoryClient(ChannelConfig(address=directory.address, timeout_s=5.0))
     gateways = {}
     try:
-        for process in standins.values():
-            process.start()
-        deadline = time.monotonic() + 60
-        while not all(tcp_open("127.0.0.1", ports[role]) for role in standins):
-            if time.monotonic() > deadline:
-                raise RuntimeError("stand-in engines did not start")
-            time.sleep(0.1)
+        for role, process in standins.items():
+            process.start().wait_ready(lambda port=ports[role]: tcp_open("127.0.0.1", port), 60.0, poll_s=0.1)
         for role, engine_role in (("prefill", tpb.ENGINE_ROLE_PREFILL), ("decode", tpb.ENGINE_ROLE_DECODE)):
             client.start_registration(dpb.RegisterEngineRequest(
                 engine_id=f"standin-{role}", role=engine_role, tp_rank=0, tp_size=1, agent_name=f"agent-{role}",
@@ -198,12 +200,8 @@ def main(argv=None) -> int:
         if args.pin_gateways and len(cpus) > 1:
             for handle in gateways.values():
                 os.sched_setaffinity(handle.process.popen.pid, cpus[-1:])
-        if "hosted" in kinds:
-            deadline = time.monotonic() + 30
-            while not tcp_open("127.0.0.1", ports["hosted"]):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the hosted gateway did not start")
-                time.sleep(0.1)
+        if "hosted" in kinds:  # it starts after the prefill stand-in's own start-up
+            standins["prefill"].wait_ready(lambda: tcp_open("127.0.0.1", ports["hosted"]), 30.0, poll_s=0.1)
         port_of = {"direct": ports["prefill"], "hosted": ports["hosted"],
                    **{kind: handle.port for kind, handle in gateways.items()}}
         rng = random.Random(0)
@@ -222,12 +220,8 @@ def main(argv=None) -> int:
             handle.process.stop(grace_s=5.0)
         client.close()
         for process in standins.values():
-            process.terminate()
-            process.join(10)
+            process.stop(grace_s=5.0)
         directory.process.stop(grace_s=5.0)
-    # Imported last: hops_bench puts the checkout first on sys.path, which the stand-ins' processes would inherit.
-    from hops_bench import _median, _median_ci95
-
     over_direct = {kind: [a - b for a, b in zip(ttft_ms[kind], ttft_ms["direct"])] for kind in kinds[1:]}
     result = {
         "bench": "gateway_latency", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
