@@ -10,11 +10,34 @@ out with another client's legs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from aiohttp import web
 
 from kvpush.services.gateway.app import SESSION_KEY, create_app
 from kvpush.services.gateway.config import GatewayConfig, parse_args
+
+
+@contextlib.asynccontextmanager
+async def _engine_behind_a_gateway(handler, config: GatewayConfig):
+    """An aiohttp app answering GET / with `handler` (its own keep-alive 60 s: longer than any gateway's) and a
+    gateway app whose lifecycle ran; yields the engine's port and the gateway's session to engines."""
+    engine = web.Application()
+    engine.router.add_get("/", handler)
+    runner = web.AppRunner(engine, keepalive_timeout=60.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        gateway = create_app(config)
+        gateway_runner = web.AppRunner(gateway)
+        await gateway_runner.setup()  # runs the lifecycle: the session exists
+        try:
+            yield site._server.sockets[0].getsockname()[1], gateway[SESSION_KEY]
+        finally:
+            await gateway_runner.cleanup()
+    finally:
+        await runner.cleanup()
 
 
 async def _client_ports_of_two_requests(idle_s: float, keepalive_s: float) -> list[int]:
@@ -24,26 +47,13 @@ async def _client_ports_of_two_requests(idle_s: float, keepalive_s: float) -> li
         ports.append(request.transport.get_extra_info("peername")[1])
         return web.Response(text="ok")
 
-    engine = web.Application()
-    engine.router.add_get("/", hello)
-    runner = web.AppRunner(engine, keepalive_timeout=60.0)  # the engine would keep it: the gateway must not
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    gateway = create_app(GatewayConfig(mode="kvpush", directory_address="127.0.0.1:1",
-                                       upstream_keepalive_s=keepalive_s))
-    gateway_runner = web.AppRunner(gateway)
-    await gateway_runner.setup()  # runs the lifecycle: the session exists
-    try:
-        session = gateway[SESSION_KEY]
+    # The engine would keep the connection: the gateway must not, past its keep-alive.
+    config = GatewayConfig(mode="kvpush", directory_address="127.0.0.1:1", upstream_keepalive_s=keepalive_s)
+    async with _engine_behind_a_gateway(hello, config) as (port, session):
         for pause in (0.0, idle_s):
             await asyncio.sleep(pause)
             async with session.get(f"http://127.0.0.1:{port}/") as response:
                 assert response.status == 200 and await response.text() == "ok"
-    finally:
-        await gateway_runner.cleanup()
-        await runner.cleanup()
     return ports
 
 
@@ -72,23 +82,11 @@ async def _cookies_sent_after_one_was_set() -> list[str | None]:
         response.set_cookie("session", "first-client")
         return response
 
-    engine = web.Application()
-    engine.router.add_get("/", answer)
-    runner = web.AppRunner(engine)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    gateway = create_app(GatewayConfig(mode="kvpush", directory_address="127.0.0.1:1"))
-    gateway_runner = web.AppRunner(gateway)
-    await gateway_runner.setup()
-    try:
+    config = GatewayConfig(mode="kvpush", directory_address="127.0.0.1:1")
+    async with _engine_behind_a_gateway(answer, config) as (port, session):
         for _ in range(2):  # by host name: a cookie jar would keep cookies from it (it drops those from IP addresses)
-            async with gateway[SESSION_KEY].get(f"http://localhost:{port}/") as response:
+            async with session.get(f"http://localhost:{port}/") as response:
                 assert response.status == 200
-    finally:
-        await gateway_runner.cleanup()
-        await runner.cleanup()
     return cookies
 
 
