@@ -157,9 +157,8 @@ def main(argv=None) -> int:
     from kvpush.localstack.processes import ManagedProcess, free_port, start_directory, start_gateway, tcp_open
     from kvpush.localstack.stack import hosted_gateway_env
     from kvpush.services.client import ChannelConfig, SyncDirectoryClient
-    from kvpush.v1 import directory_pb2 as dpb
     from kvpush.v1 import types_pb2 as tpb
-    from tests.unit.services.gateway.test_gateway import _layout
+    from tests.unit.services.gateway.test_gateway import register_standin
 
     from hops_bench import _median, _median_ci95  # after kvpush: it puts the checkout first on sys.path
 
@@ -185,10 +184,8 @@ def main(argv=None) -> int:
         for role, process in standins.items():
             process.start().wait_ready(lambda port=ports[role]: tcp_open("127.0.0.1", port), 60.0, poll_s=0.1)
         for role, engine_role in (("prefill", tpb.ENGINE_ROLE_PREFILL), ("decode", tpb.ENGINE_ROLE_DECODE)):
-            client.start_registration(dpb.RegisterEngineRequest(
-                engine_id=f"standin-{role}", role=engine_role, tp_rank=0, tp_size=1, agent_name=f"agent-{role}",
-                agent_metadata=b"standin", layout=_layout(block_count=max(64, args.prompt_tokens // 4)),
-                endpoint=f"http://127.0.0.1:{ports[role]}", model="tiny"))
+            register_standin(client, role, engine_role, f"http://127.0.0.1:{ports[role]}",
+                             block_count=max(64, args.prompt_tokens // 4))
         flags = ["--prefill-timeout", "10", "--decode-timeout", "10"]
         if "standalone" in kinds:
             gateways["standalone"] = start_gateway(log_dir, directory_address=directory.address, extra_args=flags)

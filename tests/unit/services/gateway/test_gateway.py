@@ -31,6 +31,13 @@ def _layout(block_count: int = 64) -> tpb.KVLayout:
                             token_stride_bytes=256, segment_bytes_per_token=256)])
 
 
+def register_standin(client: SyncDirectoryClient, name: str, role: int, endpoint: str, block_count: int = 64):
+    """Register a stand-in engine `standin-<name>` (one rank, model "tiny") and keep its lease; the registration."""
+    return client.start_registration(dpb.RegisterEngineRequest(
+        engine_id=f"standin-{name}", role=role, tp_rank=0, tp_size=1, agent_name=f"agent-{name}",
+        agent_metadata=b"standin-metadata", layout=_layout(block_count), endpoint=endpoint, model="tiny"))
+
+
 class Deployment:
     """A directory, a stand-in prefill and decode engine registered there, and a gateway in front."""
 
@@ -40,9 +47,7 @@ class Deployment:
         self.directory = start_directory(log_dir)
         self.client = SyncDirectoryClient(ChannelConfig(address=self.directory.address, timeout_s=5.0))
         for engine, role in ((self.prefill, tpb.ENGINE_ROLE_PREFILL), (self.decode, tpb.ENGINE_ROLE_DECODE)):
-            self.client.start_registration(dpb.RegisterEngineRequest(
-                engine_id=f"standin-{engine.name}", role=role, tp_rank=0, tp_size=1, agent_name=f"agent-{engine.name}",
-                agent_metadata=b"standin-metadata", layout=_layout(), endpoint=engine.url, model="tiny"))
+            register_standin(self.client, engine.name, role, engine.url)
         self.gateway = start_gateway(log_dir, directory_address=self.directory.address, env=otlp_env,
                                      extra_args=["--prefill-timeout", "4", "--decode-timeout", "4",
                                                  # the concurrent path; first token from prefill (the default):
