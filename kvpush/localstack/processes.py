@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -46,11 +47,42 @@ class ReadinessTimeout(TimeoutError):
     """A launched process did not become ready within its bound; the message carries its log tail."""
 
 
+# Ports handed out by free_port in this process: never the same one twice, though it is free again once closed.
+_ports_given: set[int] = set()
+_ports_lock = threading.Lock()
+_PORTS_BELOW_EPHEMERAL = 10_000
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to bind(port 0) and outgoing connections (Linux: ip_local_port_range)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on `host` a moment ago (bind to port 0, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """Return a TCP port that is free on `host` now and that the kernel will not give to anyone else.
+
+    It is chosen below the ephemeral range: a port taken with bind(port 0) and closed goes back to that range,
+    where every other process's bind(port 0) (UCX's and ZMQ's listeners, torch's stores) can take it before our
+    process binds it; a scrape of that port then hangs on a listener that does not speak HTTP. Below the range only
+    another free_port caller can take it, and this process never hands the same port out twice."""
+    high = _ephemeral_low() - 1
+    low = max(1024, high - _PORTS_BELOW_EPHEMERAL)
+    with _ports_lock:
+        for _ in range(200):
+            port = random.randint(low, high)
+            if port in _ports_given:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            _ports_given.add(port)
+            return port
+    raise RuntimeError(f"no free TCP port on {host} in {low}..{high} after 200 tries")
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -162,6 +162,7 @@ class LocalStack:
             self._say(f"[stack] directory ready at {self.directory.address}")
             self._launch_engines()
             self._wait_engines(started)
+            self._check_metrics()
             self.gateway = start_gateway(self.log_dir, directory_address=self.directory.address,
                                          progress=self.progress, port=self.gateway_port,
                                          extra_args=self._gateway_flags(),
@@ -254,6 +255,13 @@ class LocalStack:
             remaining = max(1.0, self.engine_timeout_s - (time.monotonic() - started))
             warmed = handle.warm_up(remaining)  # compiles vLLM's logprob kernel before any test or user asks
             self._say(f"[stack] {handle.spec.name} engine ready at {handle.url} ({took:.0f} s, warm-up {warmed:.0f} s)")
+
+    def _check_metrics(self) -> None:
+        """Every /metrics answers by now (connectors serve theirs before their engine is ready): one that does not
+        is named here, not in a test's scrape later (its log says why, e.g. 'metrics port unavailable')."""
+        for name, url in self.metrics_urls().items():
+            if not http_ok(url, timeout_s=30.0):
+                raise RuntimeError(f"{name}'s metrics at {url} do not answer within 30 s: see {self.log_dir}/{name}.log")
 
     def processes(self) -> list:
         """Every ManagedProcess started so far (directory, engines, gateway)."""

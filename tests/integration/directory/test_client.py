@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 
 import grpc
 import pytest
 import structlog.testing
 
+from kvpush.localstack.processes import free_port
 from kvpush.services.client import (
     ChannelConfig,
     DirectoryCallError,
@@ -25,12 +25,6 @@ from tests.fixtures.directory import DECODE, PREFILL, ready, register_request, r
 from tests.integration.directory.helpers import run
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def _wait_until(predicate, timeout_s: float = 10.0) -> None:
     """Poll a condition every 20 ms, bounded."""
     loop = asyncio.get_running_loop()
@@ -44,7 +38,7 @@ async def _wait_until(predicate, timeout_s: float = 10.0) -> None:
 def test_unary_call_retries_unavailable_until_the_server_is_up():
     """A call made before the directory listens succeeds once it starts (retry with backoff on UNAVAILABLE)."""
     async def body():
-        port = _free_port()
+        port = free_port()
         client = DirectoryClient(ChannelConfig(address=f"127.0.0.1:{port}", max_attempts=30, backoff_max_s=0.2))
         call = asyncio.create_task(client.register_engine(register_request("p1", PREFILL)))
         await asyncio.sleep(0.4)
@@ -91,7 +85,7 @@ def test_registration_renews_and_reports_load():
 def test_clients_recover_after_a_directory_restart():
     """After a restart: leases re-register, the prefill session re-hellos, the watch reports the gap, traffic flows."""
     async def body():
-        port = _free_port()
+        port = free_port()
         config = ChannelConfig(address=f"127.0.0.1:{port}", backoff_max_s=0.2, max_attempts=20)
         limits = Limits(lease_ttl_s=5.0)
         async with running_directory(limits, port=port):

@@ -13,7 +13,8 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, register_request, running_directory
 from tests.integration.directory.helpers import code_of, run, stub
-from tests.integration.directory.test_client import _free_port, _wait_until
+from kvpush.localstack.processes import free_port
+from tests.integration.directory.test_client import _wait_until
 
 
 def _events_in_state(state, count: int) -> list[str]:
@@ -31,7 +32,7 @@ def _events_in_state(state, count: int) -> list[str]:
 def test_watch_sees_a_restart_even_when_the_new_process_is_ahead():
     """The new process emitted MORE events than the client saw: the client still gets on_gap, then all of them."""
     async def body():
-        port = _free_port()
+        port = free_port()
         config = ChannelConfig(address=f"127.0.0.1:{port}", backoff_max_s=0.2, max_attempts=20)
         limits = Limits(lease_ttl_s=5.0)
         client = DirectoryClient(config)
@@ -78,7 +79,7 @@ def test_watch_sees_a_restart_even_when_the_new_process_is_ahead():
 def test_prefill_session_and_lease_see_the_new_incarnation():
     """After a restart the prefill session reports on_directory_restart once, the lease re-registers."""
     async def body():
-        port = _free_port()
+        port = free_port()
         config = ChannelConfig(address=f"127.0.0.1:{port}", backoff_max_s=0.2, max_attempts=20)
         limits = Limits(lease_ttl_s=5.0)
         restarts: list[str] = []

@@ -17,13 +17,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvpush.localstack.processes import free_port
 from kvpush.services.directory.etcd_store import prefix_end  # noqa: F401  (the module must import)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_port(port: int, timeout_s: float) -> None:

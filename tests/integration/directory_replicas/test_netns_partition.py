@@ -25,7 +25,8 @@ from kvpush.localstack.netns import PDNetwork
 from kvpush.services.client import ChannelConfig, DirectoryClient
 from kvpush.services.directory.etcd_store import EtcdStore
 from tests.integration.directory.helpers import run
-from tests.integration.directory_replicas.conftest import _wait_port, free_port
+from kvpush.localstack.processes import free_port
+from tests.integration.directory_replicas.conftest import _wait_port
 from tests.integration.directory_replicas.harness import wait_all_owned
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("etcd"),

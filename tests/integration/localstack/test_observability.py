@@ -33,8 +33,8 @@ PROMPT_LENGTHS = (20, 150, 300)
 def _scrape(url: str, attempts: int = 3) -> dict[tuple[str, tuple], float]:
     """Every sample of an endpoint: (name, sorted labels) -> value.
 
-    A scrape that times out is tried again, as Prometheus scrapes again (`attempts` of 10 s at most): on the loaded
-    CI machine an engine worker's metrics thread once answered later than 10 s; the samples are what is checked."""
+    A scrape that times out is tried again, as Prometheus scrapes again (`attempts` of 10 s at most): the samples are
+    what is checked, not how fast a loaded 2-core machine answers."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     for attempt in range(1, attempts + 1):
         try:

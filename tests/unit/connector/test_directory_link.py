@@ -3,12 +3,12 @@ bounded failure, the calls the scheduler submits, and close."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import pytest
 
+from kvpush.localstack.processes import free_port
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.directory_link import DirectoryLink
 from kvpush.services.client.config import ChannelConfig
@@ -21,16 +21,10 @@ def _config(address: str, **extra) -> ConnectorConfig:
     return ConnectorConfig.from_extra_config({"directory_address": address, **extra}, role="decode", engine_id="d")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_registration_without_a_directory_fails_in_bounded_time_naming_the_address():
     """No directory listening: register raises RuntimeError with the engine id and the address, within the
     client's retry budget, instead of hanging the engine's start-up."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     link = DirectoryLink(_config(address, directory_timeout_s=0.5, directory_max_attempts=2))
     started = time.monotonic()
     try:
