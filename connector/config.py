@@ -77,6 +77,8 @@ class ConnectorConfig:
         vLLM's output thread sends the token before the I/O thread takes the GIL (default 0.0005).
     max_output_wait_s: the longest a deferred step's push waits for its output to be processed at all; then it
         is posted anyway (default 0.05).
+    preload_peers: a prefill worker loads each decode worker the directory announces (PeerAnnouncement) at once,
+        so a first contact's wire-up is not on a request's path; false: only when an instruction names it.
     metrics_port: serve this engine's kvpush_connector_* Prometheus metrics over HTTP (default 0: off): the
         worker of TP rank r on metrics_port + r, at /metrics (`connector.metrics`).
     fault_stall_after_writes: TESTING ONLY. Once a prefill worker posted this many writes of a transfer it
@@ -104,6 +106,7 @@ class ConnectorConfig:
     idle_step_wait_s: float = 0.004
     batch_layer_posts: bool = True
     post_after_output: bool = True
+    preload_peers: bool = True
     output_grace_s: float = 0.0005
     max_output_wait_s: float = 0.05
     metrics_port: int = 0
@@ -178,6 +181,7 @@ class ConnectorConfig:
             idle_step_wait_s=_seconds(extra, "idle_step_wait_s", 0.004, low_included=True, high=0.1),
             batch_layer_posts=_bool(extra, "batch_layer_posts", True),
             post_after_output=_bool(extra, "post_after_output", True),
+            preload_peers=_bool(extra, "preload_peers", True),
             output_grace_s=_seconds(extra, "output_grace_s", 0.0005, low_included=True, high=0.1),
             max_output_wait_s=_seconds(extra, "max_output_wait_s", 0.05, high=10.0),
             metrics_port=_int(extra, "metrics_port", 0, minimum=0, maximum=65535),

@@ -102,8 +102,11 @@ class DirectoryLink:
     def open_prefill_session(self, on_instruction: Callable[[dpb.PushInstruction], None],
                              on_cancellation: Callable[[dpb.Cancellation], None],
                              on_rejection: Callable[[dpb.EventRejection], None],
-                             on_session_reset: Callable[..., None]) -> PrefillSession:
+                             on_session_reset: Callable[..., None],
+                             on_peer: Callable[[dpb.PeerAnnouncement], None] | None = None) -> PrefillSession:
         """Open the StreamPrefill session of this (registered) prefill worker.
+
+        on_peer hears of each decode worker this one may push to (to load it ahead of the first instruction).
 
         on_session_reset runs when the directory dropped the transfers this worker had begun: the stream
         reconnected (the directory failed them), or the directory restarted (a new incarnation forgot them).
@@ -111,7 +114,7 @@ class DirectoryLink:
         assert self.registration is not None, "register() first"
         self.session = self._loop.open_prefill_session(
             self.registration, on_instruction=on_instruction, on_cancellation=on_cancellation,
-            on_rejection=on_rejection, on_reconnect=on_session_reset,
+            on_rejection=on_rejection, on_peer=on_peer, on_reconnect=on_session_reset,
             on_directory_restart=lambda incarnation_id: on_session_reset(),
             # Replicas: one replica's session broke; only the transfers it carried are concerned.
             on_replica_reset=lambda concerns: on_session_reset(concerns))

@@ -210,7 +210,8 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_
         link.register(tpb.ENGINE_ROLE_PREFILL, tp_rank, tp_size, agent.agent_name, agent.agent_metadata(), layout,
                       on_lease_lost=on_lease_lost, model=model, load_callback=load_callback)
         session = link.open_prefill_session(_tapped(worker.on_instruction, tap_instruction), worker.on_cancellation,
-                                            worker.on_rejection, on_session_reset=worker.on_session_reset)
+                                            worker.on_rejection, on_session_reset=worker.on_session_reset,
+                                            on_peer=worker.on_peer)
         if metrics is not None:
             metrics.watch_backlog(lambda: session.queued_message_count)
         if tp_size == 1:

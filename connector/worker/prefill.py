@@ -6,8 +6,8 @@ Two parts, one owner each:
   (`Released`, `TimelineChanged`) from a thread-safe outbox. A hook never runs push logic and never
   waits for another thread, except the bounded idle wait of an empty step (see `inbox.py`).
 - `PushOwner` (the NIXL I/O thread: posts go through `TransferAgent.post`): owns every transfer's
-  `PushTransfer`, span and timeline. Directory callbacks (instruction, cancellation, rejection,
-  session reset) and data-plane outcomes are posted to it as well, so each wakes the I/O thread and is
+  `PushTransfer`, span and timeline. Directory callbacks (peer announcement, instruction, cancellation,
+  rejection, session reset) and data-plane outcomes are posted to it as well, so each wakes the I/O thread and is
   applied at once: an instruction that arrives after the last `save_kv_layer` of a GPU step (the host
   enqueues a whole forward long before the GPU finishes it) starts writing without waiting for a hook.
 
@@ -182,6 +182,11 @@ class PrefillWorker:
     def on_instruction(self, instruction: dpb.PushInstruction) -> None:
         """Directory client thread: hand the instruction to the owner, which applies it at once."""
         self._post(lambda: self.owner.apply_instruction(instruction))
+
+    def on_peer(self, peer: dpb.PeerAnnouncement) -> None:
+        """Directory client thread: a decode worker this one may push to; the owner loads it now (preload_peers)."""
+        if self._config.preload_peers:
+            self._post(lambda: self.owner.apply_peer(peer))
 
     def on_cancellation(self, cancellation: dpb.Cancellation) -> None:
         """Directory client thread: hand the cancellation to the owner, which applies it at once."""
@@ -641,6 +646,21 @@ class PushOwner:
         if live.push.nothing_to_write():
             live.push.stop(PushOutcome.DONE, "decode already holds every token")
         self._pump(live)
+
+    def apply_peer(self, peer: dpb.PeerAnnouncement) -> None:
+        """Load an announced decode worker's agent ahead of the first instruction to it: its wire-up (NIXL holds
+        the GIL through it) then happens when the peer joins, not on a request's path. Known agents are skipped;
+        an agent that cannot be loaded is logged, and its first instruction tries again."""
+        try:
+            loading = self._transport.ensure_peer(peer.decode_agent_name, peer.decode_agent_metadata,
+                                                  peer.decode_layout)
+        except (ValueError, RuntimeError) as exc:
+            _log.warning("announced decode peer refused", peer=peer.decode_agent_name,
+                         decode_engine_id=peer.decode_engine_id, error=str(exc))
+            return
+        if loading is not None:
+            _log.info("loading announced decode peer", peer=peer.decode_agent_name,
+                      decode_engine_id=peer.decode_engine_id)
 
     def apply_cancellation(self, transfer_id: str, reason: str, failed: bool = False) -> None:
         """Stop a transfer (CANCELLED, or FAILED for a refusal); confirm at once one that is not here."""

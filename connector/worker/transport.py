@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,16 +84,26 @@ class PushTransport:
         self._on_writer_quiet = on_writer_quiet
         self._writer = PushWriter(agent, on_request_done=self._request_done, on_transfer_done=self._transfer_done)
 
-    def ensure_peer(self, agent_name: str, metadata: bytes, layout_proto: Any) -> None:
-        """Load a decode worker's agent once (queued on the I/O thread ahead of any write to it)."""
+    def ensure_peer(self, agent_name: str, metadata: bytes, layout_proto: Any) -> Future[str] | None:
+        """Load a decode worker's agent once (queued on the I/O thread ahead of any write to it).
+
+        Returns the load's Future (a failure is logged), or None when the agent is known (loaded or loading)."""
         try:
             self._agent.peer_layout(agent_name)
-            return
+            return None
         except KeyError:
             pass
         if not metadata or layout_proto is None:
             raise ValueError(f"decode agent {agent_name!r} is unknown here and the instruction carries no metadata")
-        self._agent.add_peer(agent_name, bytes(metadata), KVLayoutSpec.from_proto(layout_proto))
+        loading = self._agent.add_peer(agent_name, bytes(metadata), KVLayoutSpec.from_proto(layout_proto))
+
+        def loaded(future: Future[str]) -> None:
+            error = None if future.cancelled() else future.exception()
+            if error is not None:
+                _log.warning("decode peer not loaded", peer=agent_name, error=repr(error))
+
+        loading.add_done_callback(loaded)
+        return loading
 
     def submit(self, transfer_id: str, peer_agent: str, write: PlannedWrite, notification: bytes, ready_event: Any,
                trace_context: str, post_guard: Callable[[], str | None] | None = None) -> None:

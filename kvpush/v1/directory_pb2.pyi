@@ -264,6 +264,20 @@ class PushInstruction(_message.Message):
     trace_context: str
     def __init__(self, transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., decode_tp_rank: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., skip_token_count: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., notification: _Optional[bytes] = ..., trace_context: _Optional[str] = ...) -> None: ...
 
+class PeerAnnouncement(_message.Message):
+    __slots__ = ("decode_engine_id", "decode_tp_rank", "decode_agent_name", "decode_agent_metadata", "decode_layout")
+    DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    decode_engine_id: str
+    decode_tp_rank: int
+    decode_agent_name: str
+    decode_agent_metadata: bytes
+    decode_layout: _types_pb2.KVLayout
+    def __init__(self, decode_engine_id: _Optional[str] = ..., decode_tp_rank: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ...) -> None: ...
+
 class Cancellation(_message.Message):
     __slots__ = ("transfer_id", "reason")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -287,18 +301,20 @@ class SessionOpened(_message.Message):
     def __init__(self, directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class StreamPrefillResponse(_message.Message):
-    __slots__ = ("instruction", "cancellation", "rejection", "opened", "directory_incarnation_id")
+    __slots__ = ("instruction", "cancellation", "rejection", "opened", "peer", "directory_incarnation_id")
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     CANCELLATION_FIELD_NUMBER: _ClassVar[int]
     REJECTION_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     instruction: PushInstruction
     cancellation: Cancellation
     rejection: EventRejection
     opened: SessionOpened
+    peer: PeerAnnouncement
     directory_incarnation_id: str
-    def __init__(self, instruction: _Optional[_Union[PushInstruction, _Mapping]] = ..., cancellation: _Optional[_Union[Cancellation, _Mapping]] = ..., rejection: _Optional[_Union[EventRejection, _Mapping]] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, instruction: _Optional[_Union[PushInstruction, _Mapping]] = ..., cancellation: _Optional[_Union[Cancellation, _Mapping]] = ..., rejection: _Optional[_Union[EventRejection, _Mapping]] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., peer: _Optional[_Union[PeerAnnouncement, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class WatchTransfersRequest(_message.Message):
     __slots__ = ("engine_id", "after_sequence_number", "directory_incarnation_id", "replay_retained")

@@ -20,7 +20,7 @@ different one than the previous session's means the directory restarted and forg
 (readiness re-sent for them would be refused NOT_FOUND anyway).
 
 Callbacks run on the client's event loop and must not block:
-`on_instruction(PushInstruction)`, `on_cancellation(Cancellation)`,
+`on_instruction(PushInstruction)`, `on_peer(PeerAnnouncement)`, `on_cancellation(Cancellation)`,
 `on_rejection(EventRejection)`, `on_reconnect()`, `on_directory_restart(incarnation_id)`, `on_disconnect()`
 (an open stream ended or broke, before any reconnect).
 """
@@ -56,10 +56,12 @@ class PrefillSession:
                  on_reconnect: Callable[[], None] | None = None,
                  on_directory_restart: Callable[[str], None] | None = None,
                  max_batch_events: int = 4096, write_timeout_s: float = 30.0,
-                 on_disconnect: Callable[[], None] | None = None) -> None:
+                 on_disconnect: Callable[[], None] | None = None,
+                 on_peer: Callable[[dpb.PeerAnnouncement], None] | None = None) -> None:
         self.client = client
         self.registration = registration
         self.on_instruction = on_instruction
+        self.on_peer = on_peer
         self.on_cancellation = on_cancellation
         self.on_rejection = on_rejection
         self.on_reconnect = on_reconnect
@@ -206,6 +208,8 @@ class PrefillSession:
                     self.on_cancellation(message.cancellation)
                 elif kind == "rejection" and self.on_rejection is not None:
                     self.on_rejection(message.rejection)
+                elif kind == "peer" and self.on_peer is not None:
+                    self.on_peer(message.peer)
             except Exception:  # a callback bug must not kill the session
                 log.exception("prefill callback failed", kind=kind)
 

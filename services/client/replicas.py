@@ -75,10 +75,13 @@ class ReplicatedPrefillSession:
                  on_reconnect: Callable[[], None] | None = None,
                  on_directory_restart: Callable[[str], None] | None = None,
                  on_replica_reset: Callable[[Callable[[str], bool]], None] | None = None,
-                 refresh_s: float = 1.0, max_queued: int = 1_000_000) -> None:
+                 refresh_s: float = 1.0, max_queued: int = 1_000_000,
+                 on_peer: Callable[[dpb.PeerAnnouncement], None] | None = None) -> None:
         self.client = client
         self.registration = registration
         self.on_instruction = on_instruction
+        # Every replica announces the decode workers it knows of: the callee takes each agent once.
+        self.on_peer = on_peer
         self.on_cancellation = on_cancellation
         self.on_rejection = on_rejection
         self.on_reconnect = on_reconnect
@@ -153,7 +156,7 @@ class ReplicatedPrefillSession:
         session = PrefillSession(client, self.registration, on_instruction=instructed,
                                  on_cancellation=self.on_cancellation, on_rejection=rejected,
                                  on_reconnect=reconnected, on_directory_restart=restarted,
-                                 on_disconnect=reconnected)
+                                 on_disconnect=reconnected, on_peer=self.on_peer)
         replica = self.replicas[address] = _Replica(session, client)
         return replica
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 from kvpush.services.directory.errors import FailedPrecondition, ResourceExhausted
-from kvpush.services.directory.records import EngineGroup
+from kvpush.services.directory.records import EngineGroup, Worker
+from kvpush.v1 import types_pb2 as tpb
 
 
 def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_token_count: int,
@@ -49,17 +50,26 @@ def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_
 
 def incompatibility(prefill: EngineGroup, decode: EngineGroup) -> str:
     """Why two engines cannot be paired ("" when they can)."""
-    p, d = prefill.layout(), decode.layout()
-    names = f"prefill {prefill.engine_id!r} and decode {decode.engine_id!r}"
     if prefill.tp_size != decode.tp_size:
         return (f"tp_size {prefill.tp_size} of {prefill.engine_id} differs from {decode.tp_size} of "
                 f"{decode.engine_id} (heterogeneous TP is not supported yet)")
+    return _layout_incompatibility(prefill.layout(), decode.layout(), prefill.engine_id, decode.engine_id)
+
+
+def can_push_to(prefill: Worker, decode: Worker) -> bool:
+    """True when a plan could send `prefill`'s instructions to `decode`: the same rank of engines that pair."""
+    return (prefill.tp_size == decode.tp_size and prefill.tp_rank == decode.tp_rank
+            and not _layout_incompatibility(prefill.layout, decode.layout, prefill.engine_id, decode.engine_id))
+
+
+def _layout_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_engine_id: str, decode_engine_id: str) -> str:
+    names = f"prefill {prefill_engine_id!r} and decode {decode_engine_id!r}"
     if p.layer_count != d.layer_count:
         return f"layer_count {p.layer_count} differs from {d.layer_count} ({names})"
     if p.dtype != d.dtype:
         return f"dtype {p.dtype!r} differs from {d.dtype!r} ({names})"
     if p.compatibility_hash != d.compatibility_hash:
-        return (f"compatibility hash {p.compatibility_hash or '(none)'} of prefill {prefill.engine_id!r} differs "
-                f"from {d.compatibility_hash or '(none)'} of decode {decode.engine_id!r}: they differ in model, "
+        return (f"compatibility hash {p.compatibility_hash or '(none)'} of prefill {prefill_engine_id!r} differs "
+                f"from {d.compatibility_hash or '(none)'} of decode {decode_engine_id!r}: they differ in model, "
                 "dtype, KV layout, block size or vLLM release")
     return ""

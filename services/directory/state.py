@@ -31,6 +31,9 @@ Life cycle of a transfer (terminal states never change again):
    engine's watch log (sequence-numbered) and puts a `Cancellation` in the outbox of every
    prefill rank that may still be working on it.
 
+Peers: a prefill worker's session opens with a `PeerAnnouncement` of every decode worker it may push to, and
+gets one for each that registers later, so it loads the peer's NIXL agent before any instruction needs it.
+
 Effects: each mutating call returns an `Effects` naming the prefill outboxes (engine id, rank)
 and decode watch logs that received something, so the servicer only wakes those streams.
 
@@ -57,7 +60,7 @@ from kvpush.services.directory.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvpush.services.directory.planning import choose_pair
+from kvpush.services.directory.planning import can_push_to, choose_pair
 from kvpush.services.directory.registry import EngineRegistry
 from kvpush.services.directory.records import (
     DECODE,
@@ -84,6 +87,12 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
 _SEQUENCE_TOKEN = re.compile("[0-9]{1,18}")
+
+
+def _announcement(decode: Worker) -> dpb.StreamPrefillResponse:
+    return dpb.StreamPrefillResponse(peer=dpb.PeerAnnouncement(
+        decode_engine_id=decode.engine_id, decode_tp_rank=decode.tp_rank, decode_agent_name=decode.agent_name,
+        decode_agent_metadata=decode.agent_metadata, decode_layout=decode.layout))
 
 
 def _transfer_of(message: dpb.StreamPrefillResponse) -> str:
@@ -137,6 +146,7 @@ class DirectoryState:
         if request.role == DECODE:
             self._watch_logs.setdefault(
                 request.engine_id, WatchLog(self.limits.retained_watch_events_per_engine)).gone_since = None
+            self._announce_decode(worker, fx)
         return worker, fx
 
     def lease_holder(self, lease_id: str) -> Worker:
@@ -425,9 +435,22 @@ class DirectoryState:
             raise FailedPrecondition(f"engine {engine_id!r} is not a prefill engine")
         worker.session_id = next(self._session_ids)
         fx = Effects()
+        for group in self.engines.groups.values():
+            decode = group.workers.get(tp_rank) if group.role == DECODE else None
+            if decode is not None and can_push_to(worker, decode):
+                worker.outbox.append(_announcement(decode))
         if worker.outbox:
             fx.prefill_outboxes.add((engine_id, tp_rank))
         return worker.session_id, fx
+
+    def _announce_decode(self, decode: Worker, fx: Effects) -> None:
+        """Tell every open session of a prefill worker that may push to a newly registered decode worker about it
+        (a worker without a session hears of it when its session opens)."""
+        for group in self.engines.groups.values():
+            prefill = group.workers.get(decode.tp_rank) if group.role == PREFILL else None
+            if prefill is not None and prefill.session_id and can_push_to(prefill, decode):
+                prefill.outbox.append(_announcement(decode))
+                fx.prefill_outboxes.add((prefill.engine_id, prefill.tp_rank))
 
     def session_worker(self, engine_id: str, tp_rank: int, session_id: int) -> Worker | None:
         """The worker if `session_id` is still its current session, else None."""
@@ -761,6 +784,8 @@ class DirectoryState:
             if holder is not None:
                 self._remove_worker(holder, f"agent {request.agent_name} re-registered elsewhere", fx)
             worker = self.engines.add(request, now)
+            if request.role == DECODE:
+                self._announce_decode(worker, fx)
         self.engines.leases.pop(worker.lease_id, None)
         worker.lease_id = lease_key
         self.engines.leases[lease_key] = worker

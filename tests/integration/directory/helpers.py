@@ -27,15 +27,16 @@ def stub(address: str, token: str = "") -> tuple[grpc.aio.Channel, dgrpc.KVDirec
 
 
 async def read(call, timeout_s: float = WAIT_S):
-    """Read the next message from a stream call, bounded, skipping the greeting every stream opens with.
+    """Read the next message from a stream call, bounded, skipping the greeting every stream opens with and
+    StreamPrefill's peer announcements.
 
     The greetings (a StreamPrefill `opened`, the first, empty WatchTransfers response) only name the
-    directory's incarnation; tests that check them read with `call.read()` directly.
+    directory's incarnation; tests that check them or the announcements read with `call.read()` directly.
     """
     async def next_message():
         while True:
             message = await call.read()
-            if isinstance(message, dpb.StreamPrefillResponse) and message.WhichOneof("message") == "opened":
+            if isinstance(message, dpb.StreamPrefillResponse) and message.WhichOneof("message") in ("opened", "peer"):
                 continue
             if isinstance(message, dpb.WatchTransfersResponse) and not message.events:
                 continue

@@ -465,6 +465,29 @@ def test_transfer_end_is_logged_with_ids_bound():
     run(body())
 
 
+def test_prefill_session_announces_decode_workers_on_the_wire():
+    """The stream opens with `opened`, then one `peer` per decode worker registered before it; a decode worker
+    registering later is announced on the open stream. The first instruction still carries the metadata."""
+    async def body():
+        async with running_directory() as directory:
+            channel, s = stub(directory.address)
+            p_lease, _ = await _pair(s)
+            prefill = await open_prefill(s, "p1", p_lease)
+            kinds = [(await asyncio.wait_for(prefill.read(), 10)).WhichOneof("message") for _ in range(2)]
+            assert kinds == ["opened", "peer"]
+            await s.RegisterEngine(register_request("d2", DECODE))
+            late = await asyncio.wait_for(prefill.read(), 10)
+            assert (late.peer.decode_engine_id, late.peer.decode_agent_metadata) == ("d2", b"nixl-md-d2-0")
+            assert late.peer.decode_layout.layer_count == 4 and late.directory_incarnation_id
+            tid = await _plan(s, decode_engine_id="d1")
+            await s.ReportAllocation(allocation(tid))
+            await send_ready(prefill, ready(tid, 0, 4))
+            assert (await read(prefill)).instruction.decode_agent_metadata == b"nixl-md-d1-0"
+            await prefill.done_writing()
+            await channel.close()
+    run(body())
+
+
 def test_new_agent_metadata_is_sent_again_under_the_same_agent_name():
     """A decode worker that re-registers under the same agent name with new NIXL metadata gets it re-sent."""
     async def body():

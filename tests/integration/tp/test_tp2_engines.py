@@ -102,11 +102,11 @@ def _wait_all_ranks_registered(client: SyncDirectoryClient, timeout_s: float = 6
 def _first_contact(gateway_url: str, client: SyncDirectoryClient, attempts: int = 2) -> None:
     """One disaggregated request before the checks, tried again once if it fails.
 
-    The first transfer between the engines makes their NIXL agents' first contact (`add_remote_agent`), which holds the
+    The NIXL agents' first contact (`add_remote_agent`, made when the directory announces the decode ranks) holds the
     worker process's GIL. On this loaded 2-core machine it has taken up to 60 s (the `peer_added` warning in the prefill
-    log), long enough for that rank's 30 s lease to lapse and the transfer to fail; the rank then re-registers and
-    later transfers are unaffected. That hazard belongs to the data plane's first contact, not to TP 2
-    (docs/dataplane.md, "Known issue"), so it is taken here, outside the checks, and reported when it happens.
+    log), long enough for that rank's 30 s lease to lapse; the rank then re-registers and later transfers are
+    unaffected. That hazard belongs to the data plane's first contact, not to TP 2 (docs/dataplane.md, "First
+    contact"), so a request here makes sure the stack serves before the checks, and reports a failure when it happens.
     """
     prompt = _prompt(2 * BLOCK_SIZE, seed=99)
     for attempt in range(1, attempts + 1):

@@ -12,6 +12,8 @@ import itertools
 import threading
 import time
 
+import structlog.testing
+
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.dataplane.agent import TransferAgent
 from kvpush.connector.metadata import KVPushMetadata, PrefillChunk
@@ -50,9 +52,13 @@ class _Transport:
         self.watched: list[tuple[object, object]] = []
         self.cancelled: list[str] = []
         self.guards: list = []
+        self.peers: list[tuple[str, bytes]] = []
+        self.refuse_peers = False
 
     def ensure_peer(self, agent_name, metadata, layout) -> None:
-        pass
+        if self.refuse_peers:
+            raise ValueError("layouts cannot exchange KV")
+        self.peers.append((agent_name, bytes(metadata)))
 
     def submit(self, transfer_id, peer_agent, write, notification, ready_event, trace_context, post_guard=None) -> None:
         self.writes.append((write.layer, write.token_start, write.token_end, ready_event,
@@ -560,3 +566,25 @@ def test_readiness_of_a_leg_sent_before_its_plan_says_so_and_a_cancellation_befo
     (result,) = directory.session.results
     assert result.transfer_id == "t1" and result.status == dpb.WRITE_RESULT_STATUS_CANCELLED
     assert transport.writes == []
+
+
+def _announcement(agent: str) -> dpb.PeerAnnouncement:
+    return dpb.PeerAnnouncement(decode_engine_id="d", decode_agent_name=agent, decode_agent_metadata=b"md-" + agent.encode())
+
+
+def test_an_announced_peer_is_loaded_by_the_owner_and_a_refused_one_only_logged():
+    """on_peer posts to the owner, which loads the peer; a peer the transport refuses is logged, nothing raised;
+    with preload_peers off nothing is posted at all."""
+    worker, transport, _, loop = _worker()
+    worker.on_peer(_announcement("decode-a"))
+    assert transport.peers == []  # posted, not applied on the directory's thread
+    loop.run()
+    assert transport.peers == [("decode-a", b"md-decode-a")]
+    transport.refuse_peers = True
+    with structlog.testing.capture_logs() as logs:
+        worker.on_peer(_announcement("decode-b"))
+        loop.run()
+    assert [(e["event"], e["peer"]) for e in logs] == [("announced decode peer refused", "decode-b")]
+    off, off_transport, _, off_loop = _worker(preload_peers=False)
+    off.on_peer(_announcement("decode-a"))
+    assert off_loop.posted == [] and off_transport.peers == []

@@ -285,3 +285,44 @@ def test_first_token_from_prefill_comes_with_complete_not_before():
             client.close()
             prefill.shutdown()
             decode.shutdown()
+
+
+def _peer_loaded(parts, agent_name: str) -> bool:
+    return parts.agent.call_soon(lambda: parts.agent.peer(agent_name) is not None).result(BOUND_S)
+
+
+def test_decode_workers_are_loaded_before_any_instruction_whichever_registers_first():
+    """The directory announces each decode worker to the prefill sessions that may push to it: one registered
+    before the prefill's session opened and one registered after are both loaded by prefill's agent before any
+    transfer is planned, and a push to one of them then lands as before."""
+    fabric_name, _ = new_fabric()
+    with directory_on_loopback() as address:
+        early = build_worker_half(connector_config(address, "decode", "d-early"), _caches(False), BS, HEADS, HEAD, 0, 1,
+                                  "d-early-agent", create_agent=_in_memory_agent(fabric_name))
+        p_caches = _caches(True)
+        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1,
+                                    "p-agent", create_agent=_in_memory_agent(fabric_name))
+        d_caches = _caches(False)
+        late = build_worker_half(connector_config(address, "decode", "d-late"), d_caches, BS, HEADS, HEAD, 0, 1,
+                                 "d-late-agent", create_agent=_in_memory_agent(fabric_name))
+        client = SyncDirectoryClient(ChannelConfig(address=address))
+        try:
+            _until(lambda: _peer_loaded(prefill, "d-early-agent") and _peer_loaded(prefill, "d-late-agent"),
+                   "prefill to load both announced decode workers")
+            prompt, src, dst = 40, (4, 9, 2), (11, 3, 7)
+            transfer_id = client.plan_transfer(prompt_token_count=prompt,
+                                               decode_engine_id="d-late").transfer.transfer_id
+            late.link.report_allocation(transfer_id, list(dst), prompt, 0, lambda error: None)
+            late.half.begin_step(KVPushMetadata(receives=[ReceiveStart("rd", transfer_id, dst, prompt, 0)]))
+            prefill.half.begin_step(KVPushMetadata(prefill_chunks=[
+                PrefillChunk("rp", transfer_id, 0, prompt, prompt, src)]))
+            for name in p_caches:
+                prefill.half.save_kv_layer(name)
+            prefill.half.wait_for_save()
+            _until(lambda: client.get_transfer(transfer_id).state == tpb.TRANSFER_STATE_COMPLETE, "the push")
+            for name in p_caches:
+                assert torch.equal(d_caches[name][dst[0]], p_caches[name][src[0]]), name
+        finally:
+            client.close()
+            for parts in (prefill, early, late):
+                parts.shutdown()

@@ -46,6 +46,8 @@ class Directory:
             worker, _ = self.state.register(register_request(engine, role))
             if role == PREFILL:
                 self.sessions[engine] = self.state.open_session(engine, 0, worker.lease_id)[0]
+        for engine in self.sessions:  # each session opens with d1's announcement: the tests here read transfers
+            self.outbox(engine)
 
     def early(self, transfer_id: str = TID, engine: str = "p1", layers=(0, 4)):
         return self.state.report_ready(engine, 0, [ready(transfer_id, *layers, plan_in_flight=True)])

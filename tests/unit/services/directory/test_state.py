@@ -47,6 +47,8 @@ class Directory:
                 self.leases[(engine, rank)] = worker.lease_id
         self.sessions = {rank: self.state.open_session("p1", rank, self.leases[("p1", rank)])[0]
                          for rank in range(tp_size)}
+        # Each session opens with d1's announcement (test_peer_announcements.py); the tests here read transfers.
+        self.announced = {rank: self.outbox(rank) for rank in range(tp_size)}
 
     def plan(self, **fields) -> str:
         return self.state.plan(dpb.PlanTransferRequest(**fields), None)[0].transfer_id
