@@ -652,15 +652,10 @@ class PushOwner:
         the GIL through it) then happens when the peer joins, not on a request's path. Known agents are skipped;
         an agent that cannot be loaded is logged, and its first instruction tries again."""
         try:
-            loading = self._transport.ensure_peer(peer.decode_agent_name, peer.decode_agent_metadata,
-                                                  peer.decode_layout)
+            self._transport.ensure_peer(peer.decode_agent_name, peer.decode_agent_metadata, peer.decode_layout)
         except (ValueError, RuntimeError) as exc:
             _log.warning("announced decode peer refused", peer=peer.decode_agent_name,
                          decode_engine_id=peer.decode_engine_id, error=str(exc))
-            return
-        if loading is not None:
-            _log.info("loading announced decode peer", peer=peer.decode_agent_name,
-                      decode_engine_id=peer.decode_engine_id)
 
     def apply_cancellation(self, transfer_id: str, reason: str, failed: bool = False) -> None:
         """Stop a transfer (CANCELLED, or FAILED for a refusal); confirm at once one that is not here."""
