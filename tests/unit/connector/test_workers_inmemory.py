@@ -46,6 +46,17 @@ def _until(predicate, what: str) -> None:
         time.sleep(0.005)
 
 
+def _prefill_one_step(prefill, decode, p_caches, transfer_id: str, prompt: int, src, dst, on_refused) -> None:
+    """Decode reports its blocks `dst` and starts receiving ("rd"); prefill computes every layer of the prompt
+    from blocks `src` ("rp") in one step."""
+    decode.link.report_allocation(transfer_id, list(dst), prompt, 0, on_refused)
+    decode.half.begin_step(KVPushMetadata(receives=[ReceiveStart("rd", transfer_id, dst, prompt, 0)]))
+    prefill.half.begin_step(KVPushMetadata(prefill_chunks=[PrefillChunk("rp", transfer_id, 0, prompt, prompt, src)]))
+    for name in p_caches:
+        prefill.half.save_kv_layer(name)
+    prefill.half.wait_for_save()
+
+
 def test_push_lands_byte_exact_and_decode_finishes_receiving():
     """Prefill computes three layers, the directory dispatches, the owner writes, decode hears and finishes."""
     fabric_name, _ = new_fabric()
@@ -61,13 +72,7 @@ def test_push_lands_byte_exact_and_decode_finishes_receiving():
             prompt, src, dst = 40, (4, 9, 2), (11, 3, 7)
             transfer_id = client.plan_transfer(prompt_token_count=prompt).transfer.transfer_id
             refused: list[str] = []
-            decode.link.report_allocation(transfer_id, list(dst), prompt, 0, refused.append)
-            decode.half.begin_step(KVPushMetadata(receives=[ReceiveStart("rd", transfer_id, dst, prompt, 0)]))
-            prefill.half.begin_step(KVPushMetadata(prefill_chunks=[
-                PrefillChunk("rp", transfer_id, 0, prompt, prompt, src)]))
-            for name in p_caches:
-                prefill.half.save_kv_layer(name)
-            prefill.half.wait_for_save()
+            _prefill_one_step(prefill, decode, p_caches, transfer_id, prompt, src, dst, refused.append)
             prefill.half.begin_step(KVPushMetadata(held_prefills=["rp"]))
             finished: set[str] = set()
             released: set[str] = set()
@@ -312,13 +317,7 @@ def test_decode_workers_are_loaded_before_any_instruction_whichever_registers_fi
             prompt, src, dst = 40, (4, 9, 2), (11, 3, 7)
             transfer_id = client.plan_transfer(prompt_token_count=prompt,
                                                decode_engine_id="d-late").transfer.transfer_id
-            late.link.report_allocation(transfer_id, list(dst), prompt, 0, lambda error: None)
-            late.half.begin_step(KVPushMetadata(receives=[ReceiveStart("rd", transfer_id, dst, prompt, 0)]))
-            prefill.half.begin_step(KVPushMetadata(prefill_chunks=[
-                PrefillChunk("rp", transfer_id, 0, prompt, prompt, src)]))
-            for name in p_caches:
-                prefill.half.save_kv_layer(name)
-            prefill.half.wait_for_save()
+            _prefill_one_step(prefill, late, p_caches, transfer_id, prompt, src, dst, lambda error: None)
             _until(lambda: client.get_transfer(transfer_id).state == tpb.TRANSFER_STATE_COMPLETE, "the push")
             for name in p_caches:
                 assert torch.equal(d_caches[name][dst[0]], p_caches[name][src[0]]), name
