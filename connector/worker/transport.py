@@ -84,13 +84,12 @@ class PushTransport:
         self._on_writer_quiet = on_writer_quiet
         self._writer = PushWriter(agent, on_request_done=self._request_done, on_transfer_done=self._transfer_done)
 
-    def ensure_peer(self, agent_name: str, metadata: bytes, layout_proto: Any) -> Future[str] | None:
-        """Load a decode worker's agent once (queued on the I/O thread ahead of any write to it).
-
-        Returns the load's Future (a failure is logged), or None when the agent is known (loaded or loading)."""
+    def ensure_peer(self, agent_name: str, metadata: bytes, layout_proto: Any) -> None:
+        """Load a decode worker's agent once (queued on the I/O thread ahead of any write to it); a known agent
+        (loaded or loading) is skipped, and a load that fails is logged."""
         try:
             self._agent.peer_layout(agent_name)
-            return None
+            return
         except KeyError:
             pass
         if not metadata or layout_proto is None:
@@ -103,7 +102,6 @@ class PushTransport:
                 _log.warning("decode peer not loaded", peer=agent_name, error=repr(error))
 
         loading.add_done_callback(loaded)
-        return loading
 
     def submit(self, transfer_id: str, peer_agent: str, write: PlannedWrite, notification: bytes, ready_event: Any,
                trace_context: str, post_guard: Callable[[], str | None] | None = None) -> None:
