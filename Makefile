@@ -2,10 +2,15 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup run test lint protos
+.PHONY: setup lock run test lint protos
 
+# Installs exactly the committed locks (requirements/dev.lock, package-lock.json).
 setup:
 	@scripts/setup.sh
+
+# Refreshes the locks on purpose (newest releases), then the generated code with the new toolchain.
+lock:
+	@scripts/lock.sh
 
 protos: setup
 	@PATH=$(CURDIR)/.venv/bin:$$PATH scripts/gen_protos.sh
