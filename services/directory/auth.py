@@ -1,8 +1,11 @@
 """Who is calling: principals from credentials, and the checks every RPC makes with them.
 
 A caller's principal comes from its credentials (docs/security.md):
-- mutual TLS: a URI SAN of the client certificate, `spiffe://kvpush/engine/<engine_id>` for an
-  engine, `spiffe://kvpush/operator` for a gateway or an inspection tool;
+- mutual TLS: the URI SAN of the client certificate, `spiffe://kvpush/engine/<engine_id>` for an
+  engine, `spiffe://kvpush/operator` for a gateway or an inspection tool. Only URI SANs name anyone
+  (a DNS or e-mail SAN spelling the same text names nobody), read from the peer certificate itself
+  (`x509_pem_cert`), and a certificate carries exactly one: two or more URI SANs are refused
+  (UNAUTHENTICATED), whatever they say; none leaves the token, if any, to name the caller;
 - a per-engine token: `--tokens-file` maps tokens to the same principals, one `<principal> <token>`
   a line, principal `engine/<engine_id>` or `operator` (`#` starts a comment). The file is re-read
   when it changes (rotation without a restart).
@@ -21,9 +24,13 @@ import hmac
 import os
 import time
 from dataclasses import dataclass
+from functools import lru_cache
+
+from cryptography import x509
 
 from kvpush.observability import get_logger
 from kvpush.services.directory.errors import DirectoryError, PermissionDenied
+from kvpush.services.directory.validation import ID_PATTERN
 
 log = get_logger("directory.auth")
 
@@ -81,12 +88,44 @@ def parse_principal(text: str) -> Principal:
 
 
 def principal_from_uri(uri: str) -> Principal | None:
-    """The principal a certificate URI SAN names, None for another URI."""
+    """The principal a certificate URI SAN names, None for another URI (or an engine id that is no valid id)."""
     if uri == OPERATOR_URI:
         return OPERATOR
-    if uri.startswith(ENGINE_URI_PREFIX) and len(uri) > len(ENGINE_URI_PREFIX):
+    if uri.startswith(ENGINE_URI_PREFIX) and ID_PATTERN.fullmatch(uri[len(ENGINE_URI_PREFIX):]):
         return Principal(engine_id=uri[len(ENGINE_URI_PREFIX):])
     return None
+
+
+@lru_cache(maxsize=1024)
+def certificate_uris(pem: bytes) -> tuple[str, ...]:
+    """Every URI SAN of a PEM certificate, in order (other SAN kinds are not identities); cached per certificate."""
+    try:
+        certificate = x509.load_pem_x509_certificate(pem)
+    except ValueError as error:
+        raise Unauthenticated(f"the client certificate could not be parsed: {error}") from None
+    try:
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ()
+    return tuple(names.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def principal_from_certificate(pem: bytes) -> Principal | None:
+    """The principal a client certificate names: its one URI SAN (None: it has no URI SAN).
+
+    Unauthenticated for two or more URI SANs, or one that names no kvpush principal.
+    """
+    uris = certificate_uris(pem)
+    if not uris:
+        return None
+    if len(uris) > 1:
+        raise Unauthenticated(f"the client certificate has {len(uris)} URI SANs; a kvpush identity "
+                              "needs exactly one")
+    principal = principal_from_uri(uris[0])
+    if principal is None:
+        raise Unauthenticated(f"the client certificate's URI SAN {uris[0][:200]!r} names no kvpush principal "
+                              f"({ENGINE_URI_PREFIX}<engine_id> or {OPERATOR_URI})")
+    return principal
 
 
 def _digest(token: str | bytes) -> bytes:
@@ -172,14 +211,15 @@ class Authenticator:
             return ANYONE
         from_cert = None
         if self._mutual_tls and auth_context:
-            for uri in (*auth_context.get("x509_uri", ()), *auth_context.get("x509_subject_alternative_name", ())):
-                uri = uri.decode() if isinstance(uri, bytes) else uri
-                from_cert = principal_from_uri(uri) or from_cert
+            certificates = auth_context.get("x509_pem_cert", ())
+            if certificates:
+                from_cert = principal_from_certificate(bytes(certificates[0]))
         presented = self._bearer(metadata)
         from_token = self._tokens.get(_digest(presented[7:])) if presented.startswith(b"Bearer ") else None
         if from_cert and from_token and from_cert != from_token:
             raise Unauthenticated(f"the certificate names {from_cert}, the token {from_token}")
         principal = from_cert or from_token
         if principal is None:
-            raise Unauthenticated("no identity: present a client certificate with a kvpush SAN or a per-engine token")
+            raise Unauthenticated("no identity: present a client certificate with one kvpush URI SAN or a "
+                                  "per-engine token")
         return principal

@@ -33,6 +33,7 @@ MAX_LAYER_NAME_LENGTH = 128
 # Ids (engine, agent, transfer, lease, request): 1-128 of these characters (URI- and log-safe; no NUL,
 # newline or space), so an engine id fits a certificate URI SAN as it is.
 ID_CHARACTERS = "A-Za-z0-9._:@+=~-"
+ID_PATTERN = re.compile(f"[{ID_CHARACTERS}]{{1,128}}")
 _ID = re.compile(f"[{ID_CHARACTERS}]+")
 # Free text (reasons, endpoints, trace context, dtype, hash): no control characters (NUL, newline, ...).
 _CONTROL = re.compile("[\x00-\x1f\x7f]")

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from kvpush.services.directory.auth import (
     ANYONE,
@@ -10,6 +16,7 @@ from kvpush.services.directory.auth import (
     Authenticator,
     Principal,
     Unauthenticated,
+    principal_from_certificate,
     principal_from_uri,
     read_tokens_file,
 )
@@ -39,17 +46,66 @@ def test_malformed_tokens_files_are_refused(tmp_path, text):
         read_tokens_file(str(path))
 
 
+def certificate_pem(*names: x509.GeneralName) -> bytes:
+    """A self-signed certificate (real X.509, EC key) with these subject alternative names."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvpush-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number()).not_valid_before(now)
+               .not_valid_after(now + datetime.timedelta(days=1)))
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
+    return builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+URI, DNS, EMAIL = x509.UniformResourceIdentifier, x509.DNSName, x509.RFC822Name
+
+
 def test_certificate_uris_name_principals():
     """spiffe://kvpush/engine/<id> and spiffe://kvpush/operator; other URIs name nobody."""
     assert principal_from_uri("spiffe://kvpush/engine/decode-0") == Principal(engine_id="decode-0")
     assert principal_from_uri("spiffe://kvpush/operator") == OPERATOR
     assert principal_from_uri("spiffe://other/engine/decode-0") is None
     assert principal_from_uri("spiffe://kvpush/engine/") is None
+    assert principal_from_uri("spiffe://kvpush/engine/d1/../x") is None  # not an engine id
     auth = Authenticator(mutual_tls=True)
-    context = {"x509_subject_alternative_name": [b"localhost", b"spiffe://kvpush/engine/p1"]}
-    assert auth.principal((), context) == Principal(engine_id="p1")
-    with pytest.raises(Unauthenticated):
-        auth.principal((), {"x509_subject_alternative_name": [b"localhost"]})
+    pem = certificate_pem(DNS("localhost"), URI("spiffe://kvpush/engine/p1"))
+    assert auth.principal((), {"x509_pem_cert": [pem]}) == Principal(engine_id="p1")
+    with pytest.raises(Unauthenticated, match="no identity"):
+        auth.principal((), {"x509_pem_cert": [certificate_pem(DNS("localhost"))]})
+
+
+@pytest.mark.parametrize("names", [
+    (DNS("spiffe://kvpush/engine/d1"),),
+    (DNS("spiffe://kvpush/operator"),),
+    (EMAIL("spiffe://kvpush/operator"),),
+])
+def test_only_uri_sans_name_anyone(names):
+    """A DNS or e-mail SAN spelling a kvpush URI names nobody (the certificate has no identity)."""
+    pem = certificate_pem(*names)
+    assert principal_from_certificate(pem) is None
+    # Even when gRPC's own property list (which mixes every SAN kind) would show the text.
+    context = {"x509_pem_cert": [pem], "x509_subject_alternative_name": [names[0].value.encode()]}
+    with pytest.raises(Unauthenticated, match="no identity"):
+        Authenticator(mutual_tls=True).principal((), context)
+
+
+def test_an_extra_dns_san_does_not_change_the_identity():
+    """An engine certificate with a DNS SAN spelling the operator's URI after its URI SAN is still the engine."""
+    pem = certificate_pem(URI("spiffe://kvpush/engine/e1"), DNS("spiffe://kvpush/operator"))
+    assert principal_from_certificate(pem) == Principal(engine_id="e1")
+
+
+@pytest.mark.parametrize("names, message", [
+    ((URI("spiffe://kvpush/engine/e1"), URI("spiffe://kvpush/operator")), "has 2 URI SANs"),
+    ((URI("spiffe://kvpush/engine/e1"), URI("spiffe://kvpush/engine/e1")), "has 2 URI SANs"),
+    ((URI("spiffe://other/engine/e1"),), "names no kvpush principal"),
+])
+def test_ambiguous_or_foreign_uri_sans_are_refused(names, message):
+    """Two URI SANs (even equal ones) or one outside kvpush's namespace: UNAUTHENTICATED naming why."""
+    with pytest.raises(Unauthenticated, match=message):
+        Authenticator(mutual_tls=True).principal((), {"x509_pem_cert": [certificate_pem(*names)]})
 
 
 def test_what_each_principal_may_do():
