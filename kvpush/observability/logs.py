@@ -9,6 +9,9 @@ Trace-linked lines (`add_trace_context`): a line logged inside a span, or naming
 ids; a line without one (a callback on another thread, a directory handler) takes them from the transfer it
 names, whose span was registered with `remember_transfer` when it started (the directory's transfer span, an
 engine's push or receive span). Paste a `trace_id` into Jaeger's search to open the request's trace.
+
+Exceptions (`log.exception`, `exc_info=`) are rendered as their type, message and frames (file, line, function),
+never with frame locals or source lines: locals hold prompts, completions and credentials (`render_exception`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from collections import OrderedDict
 
 import structlog
@@ -62,6 +66,57 @@ def add_trace_context(logger, method_name: str, event_dict: dict) -> dict:
     return event_dict
 
 
+# Bounds of a rendered exception: its message, its frames (the innermost kept), its chain of causes.
+_EXCEPTION_MESSAGE_CHARS = 1000
+_EXCEPTION_FRAMES = 40
+_EXCEPTION_CHAIN = 4
+
+
+def exception_summary(error: BaseException) -> list[dict]:
+    """`error` and the exceptions it was raised from or during, outermost first: each its type, message and frames
+    as file, line and function only (no locals, no source text)."""
+    chain: list[dict] = []
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen and len(chain) < _EXCEPTION_CHAIN:
+        seen.add(id(current))
+        frames = traceback.extract_tb(current.__traceback__)[-_EXCEPTION_FRAMES:]
+        chain.append({"type": f"{type(current).__module__}.{type(current).__qualname__}",
+                      "message": str(current)[:_EXCEPTION_MESSAGE_CHARS],
+                      "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames]})
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    return chain
+
+
+def _logged_exception(exc_info) -> BaseException | None:
+    """The exception an `exc_info` value names (True: the one being handled), else None."""
+    if isinstance(exc_info, BaseException):
+        return exc_info
+    if isinstance(exc_info, tuple):
+        return exc_info[1] if len(exc_info) == 3 and isinstance(exc_info[1], BaseException) else None
+    return sys.exc_info()[1] if exc_info else None
+
+
+def render_exception(logger, method_name: str, event_dict: dict) -> dict:
+    """structlog processor: `exc_info` becomes `exception`, `exception_summary`'s list (frame locals never appear)."""
+    error = _logged_exception(event_dict.pop("exc_info", None))
+    if error is not None:
+        event_dict["exception"] = exception_summary(error)
+    return event_dict
+
+
+def _exception_text(logger, method_name: str, event_dict: dict) -> dict:
+    """structlog processor for the console: `exception` as a short traceback text, innermost frame last."""
+    chain = event_dict.get("exception")
+    if isinstance(chain, list):
+        lines = []
+        for error in reversed(chain):
+            lines += [f'  File "{f["file"]}", line {f["line"]}, in {f["function"]}' for f in error["frames"]]
+            lines.append(f"{error['type']}: {error['message']}")
+        event_dict["exception"] = "\n".join(lines)
+    return event_dict
+
+
 def shared_processors() -> list:
     """The processors every kvpush process runs before rendering (contextvars first, then trace ids)."""
     return [
@@ -69,6 +124,7 @@ def shared_processors() -> list:
         add_trace_context,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        render_exception,
     ]
 
 
@@ -82,10 +138,9 @@ def configure_logging(level: str | None = None, fmt: str | None = None, force: b
     fmt = fmt or os.environ.get("KVPUSH_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
     shared = shared_processors()
     if fmt == "console":
-        renderer: structlog.typing.Processor = structlog.dev.ConsoleRenderer()
-        processors = [*shared, renderer]
+        processors = [*shared, _exception_text, structlog.dev.ConsoleRenderer()]
     else:
-        processors = [*shared, structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        processors = [*shared, structlog.processors.JSONRenderer()]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
