@@ -6,6 +6,8 @@
 #                              build backend): what `make setup` installs, exactly.
 #   requirements/runtime.lock  kvpush's own dependencies only, at the same versions: what the directory
 #                              and gateway images install.
+#   requirements/engine-cpu.lock  kvpush's dependencies with its [engine] extra + requirements/engine-cpu.in
+#                              (vLLM for CPU, NIXL), at the same versions: what the CPU engine image installs.
 # LOCK_ARGS passes more to uv, e.g. LOCK_ARGS="--upgrade-package grpcio" (default: --upgrade, newest of all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,9 @@ read -r -a extra <<< "${LOCK_ARGS---upgrade}"
     --no-emit-package nixl-cu12 -o requirements/dev.lock
 "$uv" pip compile pyproject.toml "${common[@]}" --constraint requirements/dev.lock \
     -o requirements/runtime.lock
+"$uv" pip compile pyproject.toml requirements/engine-cpu.in --extra engine "${common[@]}" \
+    --constraint requirements/dev.lock --no-emit-package torchvision --no-emit-package torchaudio \
+    --no-emit-package torchcodec --no-emit-package nixl-cu12 -o requirements/engine-cpu.lock
 npm install --package-lock-only --no-audit --no-fund --silent
 echo "[lock] requirements/*.lock and package-lock.json refreshed; regenerating kvpush/v1 with the locked toolchain" >&2
 # The new toolchain must be installed before it generates code.
