@@ -41,6 +41,11 @@ class GatewayConfig:
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 120.0
     decode_timeout_s: float = 600.0
+    # First-byte bounds: from sending a streamed leg to its engine's response headers (vLLM sends them once its API
+    # server has taken the request, before any token). An engine over the bound is frozen or hung: it is reported
+    # unreachable and the request planned again, while no byte has reached the client. 0: no bound. docs/gateway.md.
+    prefill_first_byte_timeout_s: float = 10.0
+    decode_first_byte_timeout_s: float = 10.0
     # Idle pooled connections to engines are closed after this long: below the engines' own keep-alive
     # (vLLM's uvicorn closes idle connections after 5 s), so a request never goes out on a connection the
     # engine is closing (that fails as "Server disconnected" with nothing sent back).
@@ -52,7 +57,7 @@ class GatewayConfig:
     # Count text and chat prompts' tokens with a prefill engine's /tokenize before planning (free-block check).
     count_prompt_tokens: bool = True
     # Stream prefill's token to the client when the prefill leg returns (kvpush mode, streamed requests and
-    # max_tokens=1; decode engines need the ForcePrefillFirstToken logits processor). Both legs still leave at
+    # max_tokens=1; only with decode engines that register forces_first_token). Both legs still leave at
     # once: prefill's token reaches decode with the transfer's completion. See docs/gateway.md.
     first_token_from_prefill: bool = True
     # kvpush mode: send the prefill leg at the same time as PlanTransfer instead of after it. The gateway picks
@@ -75,6 +80,9 @@ class GatewayConfig:
                      "upstream_keepalive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        for name in ("prefill_first_byte_timeout_s", "decode_first_byte_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative (0: no bound)")
         if not 0 <= self.max_failovers <= 16:
             raise ValueError(f"max_failovers must be in [0, 16], got {self.max_failovers}")
         if not 0 <= self.port <= 65535:
@@ -127,6 +135,12 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to an engine")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for the whole prefill leg")
     parser.add_argument("--decode-timeout", type=float, default=600.0, help="seconds for the whole decode leg")
+    parser.add_argument("--prefill-first-byte-timeout", type=float, default=10.0,
+                        help="seconds from sending a streamed prefill leg to its response headers; an engine over it "
+                             "is reported unreachable and the request planned again (0: no bound)")
+    parser.add_argument("--decode-first-byte-timeout", type=float, default=10.0,
+                        help="seconds from sending a streamed decode leg to its response headers; an engine over it "
+                             "is reported unreachable and the request planned again (0: no bound)")
     parser.add_argument("--upstream-keepalive", type=float, default=4.0,
                         help="seconds an idle connection to an engine is kept for reuse (below the engines' own "
                              "keep-alive timeout: vLLM's is 5 s)")
@@ -138,8 +152,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                              "directory checks decode's free blocks (default on)")
     parser.add_argument("--first-token-from-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="stream the prefill leg's token at once and force decode's first token to it "
-                             "(kvpush mode; decode engines need --logits-processors "
-                             "kvpush.connector.first_token:ForcePrefillFirstToken). On by default; "
+                             "(kvpush mode; only for decode engines that register forces_first_token, see "
+                             "`kvpush engines`; the others produce every token). On by default; "
                              "--no-first-token-from-prefill streams decode's tokens only")
     parser.add_argument("--prefill-before-plan", action=argparse.BooleanOptionalAction, default=True,
                         help="kvpush mode: send the prefill leg with PlanTransfer instead of after it (the gateway "
@@ -162,6 +176,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                            prefill_side_channel=args.prefill_side_channel, plan_timeout_s=args.plan_timeout,
                            connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,
                            decode_timeout_s=args.decode_timeout, transfer_ttl_s=args.transfer_ttl,
+                           prefill_first_byte_timeout_s=args.prefill_first_byte_timeout,
+                           decode_first_byte_timeout_s=args.decode_first_byte_timeout,
                            upstream_keepalive_s=args.upstream_keepalive,
                            api_key=args.api_key, count_prompt_tokens=args.count_prompt_tokens,
                            first_token_from_prefill=args.first_token_from_prefill,

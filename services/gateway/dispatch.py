@@ -22,6 +22,12 @@ Failover: a leg whose engine cannot be reached (`errors.EngineUnreachable`: refu
 response byte) ends that attempt (the other leg and the transfer are cancelled as for any failure), the engine
 is reported to the directory (`Router.report_unreachable`, which leaves it out of plans until it renews its
 lease) and the request is planned again, at most `max_failovers` times and only while no byte reached the client.
+An engine that takes a streamed leg's connection but sends no response headers within the leg's first-byte bound
+(`errors.EngineUnresponsive`: frozen, hung) is treated the same way; with first token from prefill, prefill's token
+goes to the client only once decode's headers came, so a frozen decode engine is still failed over.
+A stream that breaks after its headers ends with an SSE error event and no [DONE], and counts as a failure
+(`metrics`: its error's status, `kvpush_gateway_stream_errors_total`). A cancellation the directory does not take is
+tried again in the background (CANCEL_RETRY_DELAYS_S) and counted when it never is.
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ from kvpush.observability import get_logger, get_tracer
 from kvpush.observability.logs import remember_transfer
 from kvpush.services.gateway import first_token, legs
 from kvpush.services.gateway.config import GatewayConfig
-from kvpush.services.gateway.errors import EngineUnreachable, GatewayError, LegTimeout, bad_gateway
+from kvpush.services.gateway.errors import EngineUnreachable, EngineUnresponsive, GatewayError, LegTimeout, bad_gateway
 from kvpush.services.gateway.in_process import InProcessSession
-from kvpush.services.gateway.metrics import GatewayMetrics
+from kvpush.services.gateway.metrics import RECORD_KEY, GatewayMetrics, RequestRecord, TokenClock
+from kvpush.services.gateway.streams import ClientGone, StreamWatch, end, error_event, event_error_status, open_client, \
+    send
 from kvpush.services.gateway.routing import PickRefused, PrefillPick, Route, Router, pull_decode_params
 from kvpush.services.gateway.validation import (
     ClientRequest,
@@ -54,9 +62,12 @@ from kvpush.services.gateway.validation import (
     prompt_token_upper_bound,
     tokenize_body,
 )
+from kvpush.services.gateway.validation import CHAT_COMPLETIONS
 
 # A hosted gateway (`hosted`) plans after its local prefill engine has the leg, at most this long after the leg left.
 HOSTED_PLAN_WAIT_S = 0.02
+# Waits before each further CancelTransfer attempt after the first failed (bounded: 3.1 s in all, then counted).
+CANCEL_RETRY_DELAYS_S = (0.1, 0.2, 0.4, 0.8, 1.6)
 
 _log = get_logger("gateway.dispatch")
 _tracer = get_tracer("kvpush.gateway")
@@ -85,6 +96,13 @@ class Outcome:
     prefill_ok: bool = False
     cancelled: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    # A stream that broke after its headers: the status its error event said (the request's outcome), and why.
+    stream_error_status: int = 0
+    stream_error_reason: str = ""
+    # The stream's tokens as they go to the client (time to first token, inter-token latency); None if not streamed.
+    clock: TokenClock | None = None
+    # The stream's last event ([DONE]) was written: a client that goes away after it was answered in full.
+    answered: bool = False
     # Set once the prefill engine has the leg: a streamed leg's response headers came (vLLM sends them after it has
     # handed the request to its engine core), or the leg ended; at once for a leg not streamed (its headers come
     # with the whole answer).
@@ -109,13 +127,17 @@ class Dispatcher:
         # Hosted: prefill legs to the hosting engine go into its app, not over HTTP (`in_process`).
         self._local_legs = local_legs
         self._metrics = metrics or GatewayMetrics()
-        # Streamed prefill legs still being read after their token's event (`_prefill`).
+        # Streamed prefill legs still being read after their token's event (`_prefill`), cancellations being retried.
         self._drains: set[asyncio.Task] = set()
 
     async def handle(self, http_request: web.Request, request: ClientRequest, request_id: str) -> web.StreamResponse:
         """Serve one validated request; raise GatewayError for a clean error response."""
         outcome = Outcome(request_id=request_id)
         started = time.monotonic()
+        record: RequestRecord = http_request.get(RECORD_KEY) or RequestRecord(started=started)
+        record.route = "chat" if request.path == CHAT_COMPLETIONS else "completions"
+        if request.stream:
+            outcome.clock = TokenClock(self._metrics, record.route, record.started)
         parent = propagate.extract(dict(http_request.headers))
         with _tracer.start_as_current_span("gateway.request", context=parent, kind=trace.SpanKind.SERVER) as span, \
                 bound_contextvars(request_id=request_id):
@@ -126,6 +148,10 @@ class Dispatcher:
                 response = await self._run(http_request, request, request_id, outcome)
                 outcome.status = response.status
                 return response
+            except ClientGone as gone:
+                # Its stream had begun: the legs are stopped and the transfer cancelled (`_legs`); nothing to send.
+                outcome.status, outcome.error = 499, "client disconnected"
+                return gone.response
             except GatewayError as error:
                 if isinstance(error, LegTimeout):
                     self._metrics.leg_timeouts.labels(error.leg).inc()
@@ -134,16 +160,23 @@ class Dispatcher:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error.message))
                 raise
             except asyncio.CancelledError:
-                if outcome.status == 0:  # after the stream's headers, a client closing is a normal end
+                # A client that closed after its stream's [DONE] had its whole answer: that is a normal end.
+                if outcome.status == 0 or not outcome.answered:
                     outcome.status, outcome.error = 499, "client disconnected"
                 raise
             finally:
                 outcome.total_ms = (time.monotonic() - started) * 1000
+                status = outcome.stream_error_status or outcome.status
+                record.status, record.completed = status, status == 200
+                if outcome.clock is not None:
+                    record.mode = outcome.clock.mode
                 span.set_attribute("kvpush.transfer_id", outcome.transfer_id)
                 span.set_attribute("http.status_code", outcome.status)
+                if outcome.stream_error_status:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, outcome.error))
                 _log.info("request", request_id=request_id, transfer_id=outcome.transfer_id, path=request.path,
-                          stream=request.stream, status=outcome.status, error=outcome.error or None,
-                          prefill_ms=round(outcome.prefill_ms, 1),
+                          stream=request.stream, status=status, error=outcome.error or None,
+                          stream_error=outcome.stream_error_reason or None, prefill_ms=round(outcome.prefill_ms, 1),
                           first_token_ms=round(outcome.first_token_ms, 1) or None, total_ms=round(outcome.total_ms, 1))
                 self._metrics.observe_dispatch(None if outcome.plan_ms is None else outcome.plan_ms / 1000,
                                                outcome.prefill_ms / 1000 if outcome.prefill_ok else None,
@@ -182,6 +215,8 @@ class Dispatcher:
 
     async def _fail_over(self, route: Route, error: EngineUnreachable, outcome: Outcome, failovers: int) -> bool:
         """Report the unreachable engine; True when the request is to be planned again (see module docstring)."""
+        if isinstance(error, EngineUnresponsive):
+            self._metrics.first_byte_timeouts.labels(error.leg).inc()
         result = await asyncio.shield(self._router.report_unreachable(route, error.leg, error.message))
         if result is not None:
             self._metrics.unreachable_reports.labels(error.leg, result).inc()
@@ -274,8 +309,32 @@ class Dispatcher:
                 outcome.cancelled = bool(route.transfer_id)
                 # Shielded: a cancelled handler must still tell the directory to stop the transfer.
                 with contextlib.suppress(BaseException):
-                    await asyncio.shield(self._router.cancel(route, reason))
+                    await asyncio.shield(self._cancel(route, reason))
             raise
+
+    async def _cancel(self, route: Route, reason: str) -> None:
+        """Cancel the route's transfer (the router makes the reason safe); when the directory failed to take it, try
+        again in the background (CANCEL_RETRY_DELAYS_S), so an error answer does not wait for a struggling directory,
+        and count a transfer that could not be cancelled at all."""
+        result = await self._router.cancel(route, reason)
+        if result == "failed":
+            retry = asyncio.create_task(self._retry_cancel(route, reason))
+            self._drains.add(retry)
+            retry.add_done_callback(self._drains.discard)
+        elif result == "refused":
+            self._metrics.cancel_failures.inc()
+
+    async def _retry_cancel(self, route: Route, reason: str) -> None:
+        result = "failed"
+        for delay in CANCEL_RETRY_DELAYS_S:
+            await asyncio.sleep(delay)
+            result = await self._router.cancel(route, reason)
+            if result != "failed":
+                break
+        if result != "cancelled":
+            self._metrics.cancel_failures.inc()
+            _log.error("transfer not cancelled; it holds its engines' capacity until its TTL ends it",
+                       transfer_id=route.transfer_id, attempt_count=1 + len(CANCEL_RETRY_DELAYS_S), result=result)
 
     async def _count_prompt_tokens(self, request: ClientRequest, model: str) -> int:
         """A text or chat prompt's token count from a prefill engine's /tokenize (0 when it cannot say).
@@ -341,7 +400,7 @@ class Dispatcher:
                                        headers: dict[str, str], outcome: Outcome) -> dict[str, Any]:
         total_s = self._config.prefill_timeout_s
         response = await legs.open_stream(session, "prefill", url, body, _leg_headers(headers), total_s,
-                                          self._config.connect_timeout_s)
+                                          self._config.connect_timeout_s, self._config.prefill_first_byte_timeout_s)
         outcome.prefill_leg_accepted.set()
         folded = first_token.StreamedPrefillAnswer(request)
         # The token's event carries the whole prompt's ids (the leg asks for token ids); only a client that asked for
@@ -419,7 +478,9 @@ class Dispatcher:
         """Both legs at once; prefill's token to the client when its leg returns; decode from the second token.
 
         The decode leg says `first_token_from_prefill`: its engine waits for prefill's token, which comes with
-        the transfer's COMPLETE event, and samples it first (module docstring; docs/gateway.md).
+        the transfer's COMPLETE event, and samples it first (module docstring; docs/gateway.md). Prefill's token
+        goes out only once decode's engine answered its leg's headers (it has the request): until the first byte
+        reaches the client, a decode engine that does not (frozen) is failed over.
         """
         assert route.decode_params is not None
         if first_token.client_max_tokens(request) == 1:
@@ -434,6 +495,8 @@ class Dispatcher:
                 token = first_token.prefill_token(request, answer)
             except ValueError as error:
                 raise bad_gateway(f"prefill engine at {route.prefill_url}: {error}") from error
+            finished = first_token.prefill_finished(request, token)
+            response = None if finished else await stream_task
         except BaseException:
             for task in (prefill_task, stream_task):
                 task.cancel()
@@ -442,62 +505,88 @@ class Dispatcher:
             if stream_task.done() and not stream_task.cancelled() and stream_task.exception() is None:
                 stream_task.result().release()
             raise
-        if first_token.prefill_finished(request, token):
+        if response is None:
             # Prefill's answer is the whole answer (EOS or a stop on its first token): end the stream now and stop
             # the decode leg, whose engine would only produce the same token.
             out = await self._open_client_stream(http_request, route, outcome)
             events, done, _ = first_token.first_events(request, token).partition(first_token.DONE_EVENT)
-            await out.write(events)
+            outcome.clock.mode = "prefill"
+            await send(out, events)
+            outcome.clock.sent(1)
             outcome.first_token_ms = (time.monotonic() - started) * 1000
             await self._stop_decode_leg(stream_task, route, "the prefill leg finished the request")
-            await out.write(done)  # the stream ends once the transfer is ended
-            await out.write_eof()
+            await send(out, done)  # the stream ends once the transfer is ended
+            outcome.answered = True
+            await end(out)
             return out
         held_back = first_token.hold_back_reason(request, token)
         if held_back:
             # The token's text cannot go out alone; decode's stream, first token forced, is passed whole.
-            response = await stream_task
             try:
                 first_chunk = await response.content.readany()
             except BaseException:
                 response.release()
                 raise
             return await self._pass_through(http_request, response, first_chunk, route, outcome, None)
-        out = await self._open_client_stream(http_request, route, outcome)
-        await out.write(first_token.first_events(request, token))
+        try:
+            out = await self._open_client_stream(http_request, route, outcome)
+            outcome.clock.mode = "prefill"
+            await send(out, first_token.first_events(request, token))
+        except BaseException:
+            response.release()
+            raise
+        outcome.clock.sent(1)
         outcome.first_token_ms = (time.monotonic() - started) * 1000
         rewriter = first_token.DecodeStreamRewriter(request, token)
+        failure: BaseException | None = None
         try:
-            response = await stream_task
-            try:
+            with legs.transport_errors("decode", route.decode_url, self._config.decode_timeout_s):
                 async for chunk in response.content.iter_any():
                     outcome.kv_delivered = True
-                    data = rewriter.feed(chunk)
-                    if data:
-                        await out.write(data)
-                data = rewriter.flush()
-                if data:
-                    await out.write(data)
-            finally:
-                response.release()
-        except (GatewayError, aiohttp.ClientError, asyncio.TimeoutError, first_token.FirstTokenMismatch) as error:
+                    await self._send_rewritten(out, rewriter, chunk, outcome)
+                    if rewriter.error is not None:
+                        break
+                await self._send_rewritten(out, rewriter, None, outcome)
+        except (GatewayError, first_token.FirstTokenMismatch) as error:
+            failure = error
+        finally:
+            response.release()
+        if rewriter.error is not None:  # the engine's error event went out: the stream ends with it
+            self._stream_failed(outcome, "engine_error", event_error_status(rewriter.error),
+                                f"decode engine streamed an error: {str(rewriter.error)[:500]}")
+        elif failure is not None:
             # Headers and the first token are gone: the only way left to say it is an SSE error event.
-            message = error.message if isinstance(error, GatewayError) else f"decode stream broke: {error}"
-            code = error.status if isinstance(error, GatewayError) else 502
-            if isinstance(error, EngineUnreachable):  # too late to plan again, but later requests avoid it
-                await self._fail_over(route, error, outcome, self._config.max_failovers)
-            elif isinstance(error, (LegTimeout, asyncio.TimeoutError)):
+            message = failure.message if isinstance(failure, GatewayError) else f"decode stream broke: {failure}"
+            code = failure.status if isinstance(failure, GatewayError) else 502
+            if isinstance(failure, EngineUnreachable):  # too late to plan again, but later requests avoid it
+                await self._fail_over(route, failure, outcome, self._config.max_failovers)
+            elif isinstance(failure, LegTimeout):
                 self._metrics.leg_timeouts.labels("decode").inc()
             _log.warning("decode leg failed after the first token", transfer_id=route.transfer_id, error=message)
-            outcome.error = message
+            self._stream_failed(outcome, _stream_error_reason(failure), code, message)
             if not outcome.kv_delivered:
                 outcome.cancelled = True
-                await asyncio.shield(self._router.cancel(route, message))
+                await asyncio.shield(self._cancel(route, message))
                 outcome.kv_delivered = True
-            event = {"error": {"message": message[:500], "type": "bad_gateway", "code": code}}
-            await out.write(b"data: " + json.dumps(event).encode() + b"\n\n" + first_token.DONE_EVENT)
-        await out.write_eof()
+            await send(out, error_event(message, code))
+        await end(out)
         return out
+
+    async def _send_rewritten(self, out: web.StreamResponse, rewriter: first_token.DecodeStreamRewriter,
+                              chunk: bytes | None, outcome: Outcome) -> None:
+        """Rewrite decode's `chunk` (None: what is left at its end) and send it, timing the tokens it carries."""
+        tokens_before = rewriter.token_count
+        data = rewriter.flush() if chunk is None else rewriter.feed(chunk)
+        if not data:
+            return
+        await send(out, data)
+        outcome.clock.sent(rewriter.token_count - tokens_before)
+        outcome.answered = outcome.answered or data.endswith(first_token.DONE_EVENT)
+
+    def _stream_failed(self, outcome: Outcome, reason: str, status: int, message: str) -> None:
+        """Record a stream that broke after its headers (its outcome's status, the error, the counter)."""
+        outcome.stream_error_status, outcome.stream_error_reason, outcome.error = status, reason, message
+        self._metrics.stream_errors.labels(reason).inc()
 
     async def _prefill_only(self, http_request: web.Request, request: ClientRequest, route: Route,
                             outcome: Outcome, prefill_task: asyncio.Task) -> web.StreamResponse:
@@ -512,7 +601,7 @@ class Dispatcher:
         outcome.kv_delivered = True  # nothing left for a later failure to cancel
         # The cancellation's round trip runs while the answer goes out; the answer ends only after it.
         cancelled = asyncio.ensure_future(
-            self._router.cancel(route, "first token only: the prefill leg finished the request"))
+            self._cancel(route, "first token only: the prefill leg finished the request"))
         if not request.stream:
             answer.pop("kv_transfer_params", None)
             if not request.body.get("return_token_ids"):
@@ -522,13 +611,20 @@ class Dispatcher:
                 answer.pop("prompt_token_ids", None)
             await asyncio.shield(cancelled)
             return self._json_response(answer, route, outcome)
-        out = await self._open_client_stream(http_request, route, outcome)
-        events, done, _ = first_token.first_events(request, token).partition(first_token.DONE_EVENT)
-        await out.write(events)
+        try:
+            out = await self._open_client_stream(http_request, route, outcome)
+            events, done, _ = first_token.first_events(request, token).partition(first_token.DONE_EVENT)
+            outcome.clock.mode = "prefill"
+            await send(out, events)
+        except BaseException:
+            await asyncio.shield(cancelled)
+            raise
+        outcome.clock.sent(1)
         outcome.first_token_ms = (time.monotonic() - started) * 1000
         await asyncio.shield(cancelled)
-        await out.write(done)  # the stream ends ([DONE]) once the transfer is ended, as a JSON answer does
-        await out.write_eof()
+        await send(out, done)  # the stream ends ([DONE]) once the transfer is ended, as a JSON answer does
+        outcome.answered = True
+        await end(out)
         return out
 
     async def _open_decode_stream(self, url: str, request: ClientRequest, params: dict,
@@ -539,7 +635,8 @@ class Dispatcher:
             span.set_attribute("kvpush.first_token_from_prefill", True)
             body = decode_body(request, _leg_params(params), want_token_ids=True)
             return await legs.open_stream(self._session, "decode", url, body, _leg_headers(headers),
-                                          self._config.decode_timeout_s, self._config.connect_timeout_s)
+                                          self._config.decode_timeout_s, self._config.connect_timeout_s,
+                                          self._config.decode_first_byte_timeout_s)
 
     async def _stop_decode_leg(self, stream_task: asyncio.Task, route: Route, reason: str) -> None:
         """Close the decode leg (vLLM aborts the request, its connector cancels the transfer) and cancel the
@@ -549,7 +646,7 @@ class Dispatcher:
         if isinstance(done[0], aiohttp.ClientResponse):
             done[0].release()
             done[0].close()
-        await asyncio.shield(self._router.cancel(route, reason))
+        await asyncio.shield(self._cancel(route, reason))
 
     async def _open_client_stream(self, http_request: web.Request, route: Route,
                                   outcome: Outcome) -> web.StreamResponse:
@@ -558,7 +655,7 @@ class Dispatcher:
                    **_route_headers(route, outcome.request_id)}
         _add_prefill_params_header(headers, outcome)
         out = web.StreamResponse(status=200, headers=headers)
-        await out.prepare(http_request)
+        await open_client(out, http_request)
         outcome.status = 200
         return out
 
@@ -588,7 +685,8 @@ class Dispatcher:
             span.set_attribute("server.address", url)
             body = decode_body(request, _leg_params(params))
             response = await legs.open_stream(self._session, "decode", url, body, _leg_headers(headers),
-                                              self._config.decode_timeout_s, self._config.connect_timeout_s)
+                                              self._config.decode_timeout_s, self._config.connect_timeout_s,
+                                              self._config.decode_first_byte_timeout_s)
             try:
                 with legs.transport_errors("decode", url, self._config.decode_timeout_s):
                     return response, await response.content.readany()
@@ -614,23 +712,34 @@ class Dispatcher:
                    "Cache-Control": "no-cache", **_route_headers(route, outcome.request_id)}
         _add_prefill_params_header(headers, outcome)
         out = web.StreamResponse(status=200, headers=headers)
+        watch = StreamWatch()
+        failure: GatewayError | None = None
         try:
-            await out.prepare(http_request)
+            await open_client(out, http_request)
             outcome.status = 200
-            if first_chunk:
-                await out.write(first_chunk)
-            async for chunk in response.content.iter_any():
-                await out.write(chunk)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            # Headers are gone: the only way left to say it is an SSE error event.
-            if isinstance(error, asyncio.TimeoutError):
-                self._metrics.leg_timeouts.labels("decode").inc()
-            message = f"decode stream broke: {error!r}"
-            _log.warning("decode stream broke", transfer_id=route.transfer_id, error=repr(error))
-            await out.write(f'data: {{"error": {{"message": "{message[:200]}", "code": 502}}}}\n\n'.encode())
+            with legs.transport_errors("decode", route.decode_url, self._config.decode_timeout_s):
+                chunk = first_chunk
+                while chunk and watch.error is None:
+                    await send(out, watch.feed(chunk))
+                    outcome.answered = watch.done
+                    if outcome.clock is not None:
+                        outcome.clock.sent(watch.token_count)
+                    chunk = await response.content.readany()
+        except GatewayError as error:
+            failure = error
         finally:
             response.release()
-        await out.write_eof()
+        if watch.error is not None:  # the engine's error event went out: the stream ends with it
+            self._stream_failed(outcome, "engine_error", event_error_status(watch.error),
+                                f"decode engine streamed an error: {str(watch.error)[:500]}")
+        elif failure is not None:
+            # Headers are gone: the only way left to say it is an SSE error event.
+            if isinstance(failure, LegTimeout):
+                self._metrics.leg_timeouts.labels("decode").inc()
+            _log.warning("decode stream broke", transfer_id=route.transfer_id, error=failure.message)
+            self._stream_failed(outcome, _stream_error_reason(failure), failure.status, failure.message)
+            await send(out, error_event(failure.message, failure.status))
+        await end(out)
         if prefill_task is not None:
             # Bounded by the leg's own timeout; the client already has its answer.
             done, _ = await asyncio.wait({prefill_task}, timeout=self._config.prefill_timeout_s)
@@ -638,6 +747,15 @@ class Dispatcher:
                 _log.warning("prefill leg failed after decode streamed", transfer_id=route.transfer_id,
                              error=str(prefill_task.exception()))
         return out
+
+
+def _stream_error_reason(error: BaseException) -> str:
+    """The `kvpush_gateway_stream_errors_total` reason of a stream broken by `error` (see `metrics`)."""
+    if isinstance(error, LegTimeout):
+        return "timeout"
+    if isinstance(error, first_token.FirstTokenMismatch):
+        return "first_token_mismatch"
+    return "connection"
 
 
 async def _stop(task: asyncio.Task) -> None:

@@ -6,7 +6,13 @@ answered badly), 503 (no backend reachable or none registered), 504 (a bound was
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+# Control characters (C0, DEL, C1): the directory refuses free text that holds any (a newline of an engine's message).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+# What the gateway sends the directory as a reason: short enough for any directory's bound (1,024 characters).
+DIRECTORY_REASON_CHARS = 500
 
 
 @dataclass
@@ -38,6 +44,13 @@ class EngineUnreachable(GatewayError):
 
 
 @dataclass
+class EngineUnresponsive(EngineUnreachable):
+    """504: the `leg`'s engine took the connection but sent no response headers within the leg's first-byte bound
+    (a frozen or hung engine). Nothing reached the client, so the request is planned again as for an unreachable
+    engine."""
+
+
+@dataclass
 class LegTimeout(GatewayError):
     """504: the `leg`'s engine did not answer within its bound."""
 
@@ -62,3 +75,9 @@ def unavailable(message: str) -> GatewayError:
 def timeout(message: str) -> GatewayError:
     """504: a backend did not answer within its bound."""
     return GatewayError(504, message, "gateway_timeout")
+
+
+def directory_reason(text: str) -> str:
+    """`text` as a reason the directory takes (CancelTransfer, ReportEngineUnreachable): control characters and runs
+    of white space as one space, at most DIRECTORY_REASON_CHARS characters."""
+    return " ".join(_CONTROL.sub(" ", text).split())[:DIRECTORY_REASON_CHARS]

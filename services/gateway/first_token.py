@@ -228,6 +228,8 @@ class DecodeStreamRewriter:
     _logprob_skipped: bool = False
     _client_wants_ids: bool = False
     events_seen: int = 0
+    token_count: int = 0  # decode's tokens passed on (its first, prefill's, not counted)
+    error: Any = None  # the first error event's `error`: nothing follows it (no [DONE])
 
     def __post_init__(self) -> None:
         self._text_to_skip = self.token.text
@@ -251,6 +253,8 @@ class DecodeStreamRewriter:
 
     def _event(self, raw: bytes) -> bytes:
         line = raw.strip()
+        if self.error is not None:
+            return b""
         if not line.startswith(b"data:"):
             return raw + b"\n\n" if line else b""
         data = line[5:].strip()
@@ -261,6 +265,8 @@ class DecodeStreamRewriter:
         except ValueError:
             return raw + b"\n\n"
         self.events_seen += 1
+        if isinstance(event, dict) and "error" in event:
+            self.error = event["error"]
         if not isinstance(event, dict) or "error" in event or not event.get("choices"):
             return _sse(event) if isinstance(event, dict) else raw + b"\n\n"
         if not self._client_wants_ids:
@@ -283,6 +289,7 @@ class DecodeStreamRewriter:
             ids = ids[1:]
             self._id_skipped = True
         if isinstance(ids, list):
+            self.token_count += len(ids)
             if self._client_wants_ids:
                 choice["token_ids"] = ids
             else:

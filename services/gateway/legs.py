@@ -4,6 +4,8 @@ Mapping (the leg name is always in the message):
 - cannot connect, or the connection
   reset/closed before any response  -> 503 EngineUnreachable (the dispatcher may plan the request again)
 - no complete answer within bound   -> 504 (also while reading a streamed answer's first chunk)
+- a streamed leg's headers not within
+  its first-byte bound              -> 504 EngineUnresponsive (a frozen engine: planned again like unreachable)
 - engine 4xx (bad input)            -> the same 4xx with the engine's message (the client's fault)
 - engine 5xx or a non-JSON 200      -> 502
 Cancelling a leg's task closes its connection, which makes vLLM abort the request.
@@ -24,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kvpush.services.gateway.errors import EngineUnreachable, GatewayError, LegTimeout, bad_gateway
+from kvpush.services.gateway.errors import EngineUnreachable, EngineUnresponsive, GatewayError, LegTimeout, bad_gateway
 
 
 def _engine_message(text: str) -> str:
@@ -104,11 +106,17 @@ async def post_json(session: aiohttp.ClientSession, leg: str, url: str, body: di
 
 
 async def open_stream(session: aiohttp.ClientSession, leg: str, url: str, body: dict, headers: dict[str, str],
-                      total_s: float, connect_s: float) -> aiohttp.ClientResponse:
-    """POST a streaming request; return the open 200 response (the caller must release it)."""
+                      total_s: float, connect_s: float, first_byte_s: float = 0.0) -> aiohttp.ClientResponse:
+    """POST a streaming request; return the open 200 response (the caller must release it). `first_byte_s` (0: none):
+    the response headers' bound, past which the leg is given up (its connection closed) as EngineUnresponsive."""
     client_timeout = aiohttp.ClientTimeout(total=total_s, connect=connect_s)
-    with transport_errors(leg, url, total_s, before_response=True):
-        response = await _post(session, url, body, headers, client_timeout)
+    try:
+        async with asyncio.timeout(first_byte_s or None):
+            with transport_errors(leg, url, total_s, before_response=True):
+                response = await _post(session, url, body, headers, client_timeout)
+    except TimeoutError as error:  # only the bound's: transport_errors turns aiohttp's own timeouts into LegTimeout
+        raise EngineUnresponsive(504, f"{leg} engine at {url} sent no response headers within {first_byte_s:g} s",
+                                 "gateway_timeout", leg=leg, url=url) from error
     if response.status != 200:
         try:
             with transport_errors(leg, url, total_s):

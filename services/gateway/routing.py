@@ -27,12 +27,16 @@ import grpc
 from kvpush.observability import get_logger
 from kvpush.services.client import ChannelConfig, DirectoryCallError, DirectoryClient
 from kvpush.services.gateway.config import GatewayConfig
-from kvpush.services.gateway.errors import GatewayError, bad_gateway, unavailable
+from kvpush.services.gateway.errors import GatewayError, bad_gateway, directory_reason, unavailable
 from kvpush.v1 import types_pb2
 
 _log = get_logger("gateway.routing")
 # How long the registered-engine list is reused for model checks and /tokenize endpoints.
 ENGINE_CACHE_S = 2.0
+# CancelTransfer's reason when the directory refused the one given.
+CANCEL_REASON = "cancelled by the gateway"
+# CancelTransfer codes that another attempt cannot change (the transfer is not this caller's, or a bad request).
+_CANCEL_FINAL = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT}
 
 
 @dataclass
@@ -101,8 +105,9 @@ class Router(Protocol):
     async def fits_every_decode_engine(self, token_count: int, model: str) -> bool:
         """True when every decode engine for `model` last reported room for `token_count` tokens."""
 
-    async def cancel(self, route: Route, reason: str) -> None:
-        """Give up a route after a failed leg (never raises)."""
+    async def cancel(self, route: Route, reason: str) -> str:
+        """Give up a route after a failed leg (never raises): "cancelled" (or nothing to cancel), "failed" (the
+        directory did not answer or failed: worth another try) or "refused" (another try cannot change it)."""
 
     async def report_unreachable(self, route: Route, leg: str, reason: str) -> str | None:
         """Report that `leg`'s engine of `route` could not be reached (never raises). The result: "marked",
@@ -274,15 +279,25 @@ class DirectoryRouter:
                      extra={"prefill_engine_id": transfer.prefill_engine_id,
                             "decode_engine_id": transfer.decode_engine_id})
 
-    async def cancel(self, route: Route, reason: str) -> None:
-        """CancelTransfer with a bound; a failure to cancel is logged (the transfer's TTL still ends it)."""
+    async def cancel(self, route: Route, reason: str) -> str:
+        """CancelTransfer, bounded, the reason made safe (`directory_reason`; refused anyway: sent again with a plain
+        one); see `Router.cancel` for the result."""
         if not route.transfer_id:
-            return
-        try:
-            await self._client.cancel_transfer(route.transfer_id, reason[:500])
-        except DirectoryCallError as error:
-            _log.warning("cancel transfer failed", transfer_id=route.transfer_id, code=error.code.name,
-                         details=error.details)
+            return "cancelled"
+        reason = directory_reason(reason) or CANCEL_REASON
+        for fallback in (False, True):
+            try:
+                await self._client.cancel_transfer(route.transfer_id, CANCEL_REASON if fallback else reason)
+                return "cancelled"
+            except DirectoryCallError as error:
+                if error.code == grpc.StatusCode.INVALID_ARGUMENT and not fallback:
+                    continue
+                _log.warning("cancel transfer failed", transfer_id=route.transfer_id, code=error.code.name,
+                             details=directory_reason(error.details))
+                if error.code == grpc.StatusCode.NOT_FOUND:
+                    return "cancelled"  # unknown (expired and forgotten): nothing left to end
+                return "refused" if error.code in _CANCEL_FINAL else "failed"
+        return "refused"
 
     async def report_unreachable(self, route: Route, leg: str, reason: str) -> str | None:
         """ReportEngineUnreachable for `leg`'s planned engine ("prefill" or "decode"), bounded; see `Router`."""
@@ -290,7 +305,8 @@ class DirectoryRouter:
         if not engine_id:
             return "failed"
         try:
-            marked = await self._client.report_engine_unreachable(engine_id, route.transfer_id, reason[:1000])
+            marked = await self._client.report_engine_unreachable(engine_id, route.transfer_id,
+                                                                  directory_reason(reason))
         except DirectoryCallError as error:
             _log.warning("unreachable report failed", engine_id=engine_id, code=error.code.name,
                          details=error.details)
@@ -379,8 +395,9 @@ class StaticRouter:
                          "remote_host": host, "remote_port": int(port), "tp_size": 1, "pp_size": 1}
         return Route(config.prefill_url, config.decode_url, prefill_params, decode_params)
 
-    async def cancel(self, route: Route, reason: str) -> None:
+    async def cancel(self, route: Route, reason: str) -> str:
         """Nothing to cancel: vLLM's connectors rely on leases and watchdogs."""
+        return "cancelled"
 
     async def report_unreachable(self, route: Route, leg: str, reason: str) -> str | None:
         """None: one static engine per role, nothing else to plan."""
