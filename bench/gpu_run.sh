@@ -7,6 +7,7 @@
 #   bash bench/gpu_run.sh e2e                 # arguments go to bench/gpu_e2e.py
 #   bash bench/gpu_run.sh serve --connectors kvpush,nixl-push
 #   KVPUSH_GPU_TIMEOUT_S=250 KVPUSH_GPU_TAG=_eager bash bench/gpu_run.sh e2e --eager   (bound and log name)
+#   KVPUSH_GPU_WHEEL='dist/kvpush-*.whl' bash bench/gpu_run.sh e2e   (the built wheel instead of the sources)
 #
 # Results land in $OUT (the device tool's folder that comes back); engine logs under /tmp/kvpush-gpu-logs.
 set -euo pipefail
@@ -33,13 +34,25 @@ fi
 # KVPUSH_GPU_PYTHONPATH_PREFIX: a folder put first on PYTHONPATH (a measuring aid such as bench/hook_timeline).
 export PYTHONPATH=${KVPUSH_GPU_PYTHONPATH_PREFIX:+$KVPUSH_GPU_PYTHONPATH_PREFIX:}/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 KVPUSH_MODEL_CACHE=${KVPUSH_MODEL_CACHE:-/tmp/kvpush-models}
-sources=$(cd "$repo" && find connector services kvpush protos pyproject.toml setup.py -type f -not -path '*/__pycache__/*' \
-  | sort | xargs cat | sha256sum | cut -c1-16)
+# kvpush itself: a built wheel when one is carried (KVPUSH_GPU_WHEEL=dist/kvpush-*.whl, what users install: docs/
+# install.md), else the checkout's sources, each installed again only when it changed.
+if [ -n "${KVPUSH_GPU_WHEEL:-}" ]; then
+  wheel=$(cd "$repo" && ls $KVPUSH_GPU_WHEEL | head -1)
+  [ -n "$wheel" ] || { echo "no wheel matches $KVPUSH_GPU_WHEEL" >&2; exit 2; }
+  install_from="$repo/$wheel"
+  sources=$(sha256sum "$install_from" | cut -c1-16)
+else
+  install_from=.
+  sources=$(cd "$repo" && find connector services kvpush protos pyproject.toml setup.py -type f -not -path '*/__pycache__/*' \
+    | sort | xargs cat | sha256sum | cut -c1-16)
+fi
 if [ "$(cat /tmp/site/.kvpush-sources 2>/dev/null)" != "$sources" ]; then
-  (cd "$repo" && python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/site .) \
+  (cd "$repo" && python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/site "$install_from") \
     > "$out/pip.log" 2>&1 || { tail -20 "$out/pip.log"; exit 1; }
   echo "$sources" > /tmp/site/.kvpush-sources
 fi
+# Which kvpush runs: the installed one, never the checkout (recorded beside the results).
+(cd /tmp && python3 -c "import kvpush, kvpush.connector; print(kvpush.__file__, kvpush.connector.__file__)") > "$out/kvpush-path.txt" 2>&1
 command=$1; shift
 log_dir=/tmp/kvpush-gpu-logs/$command-$(date +%H%M%S)
 cd /tmp

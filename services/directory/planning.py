@@ -1,8 +1,8 @@
 """Planning: which prefill and which decode engine take a new transfer.
 
 Rule: among engines with every rank registered, serving the request's model (when it names one) and below
-their transfer cap, decode engines need enough free blocks for the prompt (from their last EngineLoad, else
-their block count); prefill engines are tried fewest active transfers first, then fewest queued (running +
+their transfer cap, decode engines need room for the prompt in their KV cache (their block count: the free blocks
+they last reported are a load signal, stale while an engine idles); prefill engines are tried fewest active transfers first, then fewest queued (running +
 waiting) requests; decode engines most free blocks first, then fewest queued requests, then fewest active
 transfers (engine id breaks ties, so a plan is deterministic). The first pair whose layouts are compatible
 wins (`incompatibility`): equal TP size, layer count, dtype and compatibility hash.
@@ -33,10 +33,16 @@ def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_
     if not prefills or not decodes:
         raise ResourceExhausted("every candidate engine is at its transfer cap")
     if prompt_token_count > 0:
+        # Admitted by capacity, not by the last reported free blocks: an idle decode engine reports the blocks it
+        # freed only at its next step or renewal, and such a stale report refused requests it could hold. An
+        # engine that is full right now queues the request (as a colocated engine would); free blocks still order
+        # the choice below.
+        largest = max(g.layout().block_count * g.layout().block_size_tokens for g in decodes)
         decodes = [g for g in decodes
-                   if g.free_blocks() >= math.ceil(prompt_token_count / g.layout().block_size_tokens)]
+                   if g.layout().block_count >= math.ceil(prompt_token_count / g.layout().block_size_tokens)]
         if not decodes:
-            raise ResourceExhausted(f"no decode engine has free blocks for {prompt_token_count} tokens")
+            raise ResourceExhausted(f"no decode engine has room for {prompt_token_count} tokens "
+                                    f"(the largest holds {largest})")
     prefills.sort(key=lambda g: (len(g.active_transfers), g.queued_requests(), g.engine_id))
     decodes.sort(key=lambda g: (-g.free_blocks(), g.queued_requests(), len(g.active_transfers), g.engine_id))
     why = ""

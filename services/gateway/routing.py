@@ -206,7 +206,7 @@ class DirectoryRouter:
         return None
 
     async def fits_every_decode_engine(self, token_count: int, model: str) -> bool:
-        """From the cached engine list: every decode worker for `model` has free blocks for `token_count` tokens."""
+        """From the cached engine list: every decode worker for `model` has room for `token_count` tokens."""
         decodes = [e for e in await self._registered()
                    if e.role == types_pb2.ENGINE_ROLE_DECODE and (not model or e.model == model)]
         if not decodes:
@@ -416,9 +416,9 @@ class StaticRouter:
 
 
 def _has_room(decode: types_pb2.EngineWorker, token_count: int) -> bool:
-    """From a listed decode worker's last load: free blocks for `token_count` tokens."""
-    free = decode.load.free_block_count if decode.HasField("load") else decode.layout.block_count
-    return free * decode.layout.block_size_tokens >= token_count
+    """A listed decode worker's KV cache holds `token_count` tokens (the directory admits by capacity too:
+    planning.choose_pair says why the last reported free blocks are not the bound)."""
+    return decode.layout.block_count * decode.layout.block_size_tokens >= token_count
 
 
 def make_router(config: GatewayConfig) -> Router:

@@ -445,8 +445,8 @@ def test_planning_prefers_free_blocks_then_fewest_transfers():
     second = d.state.plan(dpb.PlanTransferRequest(), None)[0]
     assert first.decode_engine_id == "d2" and second.decode_engine_id == "d2"
     assert {first.prefill_engine_id, second.prefill_engine_id} == {"p1", "p2"}
-    with pytest.raises(ResourceExhausted):  # 1000 tokens need 63 blocks; nobody has them
-        d.state.plan(dpb.PlanTransferRequest(prompt_token_count=1000), None)[0]
+    with pytest.raises(ResourceExhausted):  # 1040 tokens need 65 blocks; no decode engine holds more than 64
+        d.state.plan(dpb.PlanTransferRequest(prompt_token_count=1040), None)[0]
 
 
 def test_planning_refuses_incompatible_and_missing_engines():

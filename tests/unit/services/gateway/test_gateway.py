@@ -361,11 +361,11 @@ class TestStaticModes:
 
 
 def test_text_prompt_is_counted_and_a_prompt_too_long_for_decode_is_refused(gw):
-    """A text prompt is tokenized on the prefill engine first; 2000 tokens exceed decode's 64 free blocks of 16
+    """A text prompt is tokenized on the prefill engine first; 2000 tokens exceed decode's 64 blocks of 16
     tokens, so the directory refuses the plan (503 naming the count) and no leg is sent."""
     result = _complete(gw, {"model": "tiny", "prompt": " ".join(["word"] * 2000), "max_tokens": 2})
     assert result.status == 503, result.text
-    assert "free blocks for 2000 tokens" in result.body["error"]["message"]
+    assert "room for 2000 tokens" in result.body["error"]["message"]
     assert gw.prefill.tokenized[-1]["prompt"].count("word") == 2000
     assert not gw.prefill.legs and not gw.decode.legs
 
