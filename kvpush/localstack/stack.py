@@ -109,7 +109,10 @@ class LocalStack:
     # Every engine of this stack is on one host: keep UCX off other interfaces (a peer load lists them all,
     # holding the GIL, and stalled for a minute when namespaced veth links were up).
     engine_env: dict[str, str] = field(default_factory=lambda: {"UCX_NET_DEVICES": "lo"})
-    model_dir: Path | None = None
+    model_dir: Path | None = None  # set: serve this model folder instead of building the tiny model from `spec`
+    # More vLLM flags for every engine (e.g. `kvpush up --tensor-parallel-size 2`); the last of a repeated flag wins.
+    engine_args: tuple[str, ...] = ()
+    served_model_name: str = "tiny"  # the model's name at the engines and the gateway
     directory: DirectoryHandle | None = None
     prefill: EngineHandle | None = None
     decode: EngineHandle | None = None
@@ -146,8 +149,9 @@ class LocalStack:
         try:
             started = time.monotonic()
             self._say(f"[stack] logs in {self.log_dir}")
-            self.model_dir = ensure_tiny_model(self.spec)
-            self._say(f"[stack] tiny model ready: {self.model_dir}")
+            if self.model_dir is None:
+                self.model_dir = ensure_tiny_model(self.spec)
+                self._say(f"[stack] tiny model ready: {self.model_dir}")
             if self.mutual_tls:
                 self.pki = make_stack_pki(self.log_dir / "pki", [PREFILL_ENGINE_ID, *self.decode_engine_ids()])
             tls_args = self.pki.directory_args() if self.pki else []
@@ -232,19 +236,22 @@ class LocalStack:
             name="prefill", port=prefill_port, kv_transfer_config=kv_transfer_config(
                 "kvpush", "prefill", engine_id=PREFILL_ENGINE_ID, directory_address=self.directory.address,
                 engine_endpoint=f"http://127.0.0.1:{prefill_port}", extra=extra("prefill", PREFILL_ENGINE_ID)),
-            model_dir=self.model_dir, env=prefill_env, extra_args=prefill_args, log_stats=True), self.log_dir)
+            model_dir=self.model_dir, served_model_name=self.served_model_name, env=prefill_env,
+            extra_args=(*prefill_args, *self.engine_args), log_stats=True), self.log_dir)
         for name, engine_id in zip(self._decode_names(), self.decode_engine_ids()):
             decode_port = free_port()
             self.decodes.append(launch_engine(EngineSpec(
                 name=name, port=decode_port, kv_transfer_config=kv_transfer_config(
                     "kvpush", "decode", engine_id=engine_id, directory_address=self.directory.address,
                     engine_endpoint=f"http://127.0.0.1:{decode_port}", extra=extra(name, engine_id)),
-                model_dir=self.model_dir, env=env(name), extra_args=DECODE_ENGINE_ARGS,
+                model_dir=self.model_dir, served_model_name=self.served_model_name, env=env(name),
+                extra_args=(*DECODE_ENGINE_ARGS, *self.engine_args),
                 log_stats=True), self.log_dir))
         self.decode = self.decodes[0]
         if self.with_colocated:
             self.colocated = launch_engine(EngineSpec(name="colocated", model_dir=self.model_dir,
-                                                      env=env("colocated")), self.log_dir)
+                                                      served_model_name=self.served_model_name, env=env("colocated"),
+                                                      extra_args=self.engine_args), self.log_dir)
         names = ", ".join(["prefill", *self._decode_names()]) + (" and colocated" if self.with_colocated else "")
         self._say(f"[stack] launched {names} vLLM engines (CPU, eager); loading takes about a minute on 2 cores")
 

@@ -1,31 +1,97 @@
-"""`kvpush up`: bring the local P/D stack up, print where it is and how to use it, keep it up until Ctrl-C.
+"""`kvpush up`: bring a local P/D stack up, print where it is and how to use it, keep it up until Ctrl-C.
 
 Steps:
-  1. build (or reuse) the tiny model; start the directory, a prefill and a decode vLLM engine with
-     KVPushConnector (and, with --colocated, a reference engine without one) and the gateway, printing progress;
-  2. print every URL (gateway, engines, directory, metrics, logs) and ready-to-paste curl and `openai` examples;
-  3. wait for SIGINT (Ctrl-C) or SIGTERM; then stop every process (each stop bounded) and exit 0.
+  1. build (or reuse) the tiny model, or take `--model PATH`; start the directory, a prefill and a decode vLLM
+     engine with KVPushConnector (and, with --colocated, a reference engine without one) and the gateway, printing
+     progress. The gateway requires an API key, generated here (`--no-api-key`: none);
+  2. write the stack's addresses and the key to the state file (`state_path()`, readable by the user alone), which
+     `kvpush engines`, `transfers`, `trace` and `health` read when given no address; print every URL (gateway,
+     engines, directory, metrics, logs), the key, once, and ready-to-paste curl and `openai` examples;
+  3. wait for SIGINT (Ctrl-C) or SIGTERM; then stop every process (each stop bounded), remove the state file and
+     exit 0.
 A signal during start-up stops what had started. `make run` stays the checked demo (`kvpush.demo`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from kvpush.localstack.model import TinyModelSpec
 from kvpush.localstack.stack import LocalStack
 from kvpush.observability import configure_logging
+
+# The tiny model's name at the gateway; a `--model` folder is served under its folder name.
+TINY_MODEL_NAME = "tiny"
+
+
+def state_path() -> Path:
+    """Where a running `kvpush up` keeps its addresses: $XDG_RUNTIME_DIR/kvpush/up.json (a per-user, memory-backed
+    folder on most Linux systems), else ~/.cache/kvpush/up.json."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    root = Path(runtime) if runtime else Path.home() / ".cache"
+    return root / "kvpush" / "up.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class UpState:
+    """What a running `kvpush up` tells the inspection commands and the user's tools."""
+
+    pid: int
+    directory_address: str
+    gateway_url: str
+    model: str
+    api_key: str  # empty with --no-api-key
+    log_dir: str
+    engines: dict[str, str]  # name -> URL
+
+    def write(self, path: Path) -> None:
+        """Write atomically, readable and writable by the user alone (it holds the API key)."""
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        staging = path.with_name(f".{path.name}.{self.pid}")
+        descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump(dataclasses.asdict(self), handle, indent=2)
+        os.replace(staging, path)
+
+
+def read_state(path: Path | None = None) -> UpState | None:
+    """The state of the `kvpush up` that runs now, or None (no file, unreadable, or its process is gone)."""
+    path = path or state_path()
+    try:
+        state = UpState(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    try:
+        os.kill(state.pid, 0)
+    except ProcessLookupError:
+        return None  # left behind by a `kvpush up` that was killed
+    except PermissionError:
+        pass  # alive, another user's
+    return state
+
+
+def _remove_state(path: Path) -> None:
+    """Remove the state file if it is this process's (a later `kvpush up` may have replaced it)."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
 
 
 def _say(message: str) -> None:
     print(message, flush=True)
 
 
-def usage_text(stack: LocalStack) -> str:
-    """The URLs of a started stack and examples to paste."""
+def usage_text(stack: LocalStack, *, model: str, api_key: str, state_file: Path) -> str:
+    """The URLs of a started stack, its API key and examples to paste."""
     lines = ["", "kvpush stack is up.", f"  gateway (OpenAI API)  {stack.gateway_url}/v1",
              f"  directory (gRPC)      {stack.directory.address}",
              f"  prefill engine        {stack.prefill.url}", f"  decode engine         {stack.decode.url}"]
@@ -38,22 +104,28 @@ def usage_text(stack: LocalStack) -> str:
     lines.append(f"  process logs          {stack.log_dir}")
     pids = ", ".join(f"{p.name} {p.pid}" for p in stack.processes())
     lines.append(f"  processes             {pids}")
-    model = stack.prefill.spec.served_model_name
+    lines.append(f"  state file            {state_file}  (read by kvpush engines, transfers, trace, health)")
+    auth = ""
+    if api_key:
+        # The key is printed here alone; the examples read it from the variable (the openai client reads it too).
+        lines += ["", "The gateway requires this API key (also in the state file):",
+                  f"  export OPENAI_API_KEY={api_key}"]
+        auth = " -H \"Authorization: Bearer $OPENAI_API_KEY\""
     lines += ["", "Try it:",
-              f"  curl -s {stack.gateway_url}/v1/completions -H 'Content-Type: application/json' \\",
+              f"  curl -s {stack.gateway_url}/v1/completions -H 'Content-Type: application/json'{auth} \\",
               f"       -d '{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 12}}'",
               "",
               "  python - <<'EOF'",
               "  from openai import OpenAI",
-              f"  client = OpenAI(base_url=\"{stack.gateway_url}/v1\", api_key=\"unused\")",
+              f"  client = OpenAI(base_url=\"{stack.gateway_url}/v1\"" + (")" if api_key else ", api_key=\"unused\")"),
               f"  answer = client.chat.completions.create(model=\"{model}\", max_tokens=12,",
               "      messages=[{\"role\": \"user\", \"content\": \"Tell me a story about a lighthouse.\"}])",
               "  print(answer.choices[0].message.content)",
               "  EOF",
               "",
-              f"  kvpush transfers --address {stack.directory.address}          # recent transfers",
-              f"  kvpush trace TRANSFER_ID --address {stack.directory.address}  # one transfer's timeline "
-              "(id: X-KVPush-Transfer-Id header)",
+              "  kvpush engines             # the registered engines",
+              "  kvpush transfers           # recent transfers",
+              "  kvpush trace TRANSFER_ID   # one transfer's timeline (id: the X-KVPush-Transfer-Id header)",
               "",
               "Ctrl-C stops everything."]
     return "\n".join(lines)
@@ -68,16 +140,69 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `kvpush up`."""
+    parser.add_argument("--model", type=Path, metavar="PATH",
+                        help="serve this local Hugging Face model folder (config.json, weights, tokenizer) instead of "
+                             "the generated tiny model; it must be one kvpush supports (README.md)")
+    parser.add_argument("--served-model-name", default="",
+                        help="the name clients put in \"model\" (default: tiny, or the --model folder's name)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: engines run eager with a 1 GiB KV cache each (vLLM's CPU build); cuda: engines "
+                             "capture CUDA graphs (a CUDA build of vLLM; give every engine a "
+                             "--gpu-memory-utilization share when they share a card) (default %(default)s)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="vLLM's --tensor-parallel-size for every engine; prefill and decode use the same "
+                             "(default %(default)s)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="vLLM's --gpu-memory-utilization for every engine (e.g. 0.3 when prefill, decode and "
+                             "the colocated engine share one GPU)")
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="vLLM's --max-model-len for every engine (default %(default)s)")
     parser.add_argument("--colocated", action="store_true", help="also start a reference engine without a connector")
     parser.add_argument("--gateway-port", type=int, default=0, help="gateway port (default: a free one)")
     parser.add_argument("--hosted-gateway", action="store_true",
                         help="also serve a gateway from the prefill engine's API server (docs/gateway.md)")
+    parser.add_argument("--no-api-key", action="store_true",
+                        help="serve the gateway without an API key (by default one is generated, printed once and "
+                             "kept in the state file)")
     parser.add_argument("--engine-timeout", type=float, default=600.0, help="seconds for the engines to load")
     parser.add_argument("--no-metrics", action="store_true", help="do not serve /metrics on the directory and engines")
 
 
+def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The vLLM flags `kvpush up` adds to every engine's (they follow the stack's, so they win)."""
+    flags = ["--max-model-len", str(args.max_model_len)]
+    if args.device == "cuda":
+        flags.append("--no-enforce-eager")
+    if args.tensor_parallel_size != 1:
+        flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.gpu_memory_utilization is not None:
+        flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    return tuple(flags)
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The model's name at the gateway."""
+    if args.served_model_name:
+        return args.served_model_name
+    return args.model.resolve().name if args.model is not None else TINY_MODEL_NAME
+
+
+def _build_stack(args: argparse.Namespace, api_key: str) -> LocalStack:
+    if args.model is not None and not (args.model / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: no config.json there (a Hugging Face model folder is needed)")
+    if args.tensor_parallel_size < 1 or args.max_model_len < 1:
+        raise ValueError("--tensor-parallel-size and --max-model-len must be at least 1")
+    key_env = {"KVPUSH_GATEWAY_API_KEY": api_key} if api_key else {}
+    engine_env = {"UCX_NET_DEVICES": "lo", **(key_env if args.hosted_gateway else {})}
+    return LocalStack(spec=TinyModelSpec(), model_dir=args.model.resolve() if args.model is not None else None,
+                      engine_args=engine_args(args), served_model_name=served_model_name(args),
+                      progress=lambda m: _say("  " + m), engine_timeout_s=args.engine_timeout, with_colocated=args.colocated,
+                      serve_metrics=not args.no_metrics, gateway_port=args.gateway_port or None,
+                      hosted_gateway=args.hosted_gateway, service_env=key_env, engine_env=engine_env)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Start, print, wait for a signal, stop."""
+    """Start, write the state file, print, wait for a signal, stop."""
     configure_logging(level="WARNING", fmt="console")
     stopping = threading.Event()
     received: list[int] = []
@@ -89,11 +214,15 @@ def run(args: argparse.Namespace) -> int:
             raise KeyboardInterrupt(f"signal {signum}")  # interrupts start-up; start() stops what started
 
     started = threading.Event()
+    api_key = "" if args.no_api_key else secrets.token_urlsafe(24)
+    try:
+        stack = _build_stack(args, api_key)
+    except ValueError as error:
+        print(f"kvpush up: {error}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    stack = LocalStack(spec=TinyModelSpec(), progress=lambda m: _say("  " + m), engine_timeout_s=args.engine_timeout,
-                       with_colocated=args.colocated, serve_metrics=not args.no_metrics,
-                       gateway_port=args.gateway_port or None, hosted_gateway=args.hosted_gateway)
+    path = state_path()
     _say("kvpush up: starting the local P/D stack (directory, prefill and decode vLLM engines, gateway)")
     try:
         try:
@@ -105,7 +234,11 @@ def run(args: argparse.Namespace) -> int:
             _say(f"FAILED to start the stack: {error}\nProcess logs: {stack.log_dir}")
             return 1
         started.set()
-        _say(usage_text(stack))
+        model = served_model_name(args)
+        UpState(pid=os.getpid(), directory_address=stack.directory.address, gateway_url=stack.gateway_url,
+                model=model, api_key=api_key, log_dir=str(stack.log_dir),
+                engines={e.spec.name: e.url for e in stack.engines()}).write(path)
+        _say(usage_text(stack, model=model, api_key=api_key, state_file=path))
         while not stopping.wait(1.0):
             dead = [p.name for p in stack.processes() if not p.alive()]
             if dead:
@@ -114,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         _say(f"\n{signal.Signals(received[0]).name}: stopping the stack ...")
         return 0
     finally:
+        _remove_state(path)
         stack.stop()
         _say("stopped.")
 

@@ -5,10 +5,12 @@
     kvpush transfers [ID] [--state S] [--engine E] [--limit N] [--json]
     kvpush health [--json]              exit 0 when SERVING
     kvpush trace TRANSFER_ID [--json]   one transfer's timeline, readable in a terminal
-    kvpush up [--colocated]             the local P/D stack (CPU, tiny model), up until Ctrl-C
+    kvpush up [--model PATH] [...]      a local P/D stack (CPU, tiny model by default), up until Ctrl-C
+    kvpush engine-args --role R [...]   the `vllm serve` arguments of a prefill or decode engine
 
 Client commands reach the directory through `--address`/`--token`/`--tls-*` or the
-`KVPUSH_DIRECTORY_ADDRESS`/`KVPUSH_DIRECTORY_TOKEN`/`KVPUSH_DIRECTORY_TLS_*` variables. Exit codes:
+`KVPUSH_DIRECTORY_ADDRESS`/`KVPUSH_DIRECTORY_TOKEN`/`KVPUSH_DIRECTORY_TLS_*` variables; with neither, the
+directory of a running `kvpush up` (its state file), else 127.0.0.1:50051. Exit codes:
 0 success, 1 a refused call or unhealthy server, 2 bad usage.
 """
 
@@ -95,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run on uvloop when installed (default on)")
 
     def client_flags(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--address", help="directory host:port (env KVPUSH_DIRECTORY_ADDRESS)")
+        sub.add_argument("--address", help="directory host:port (env KVPUSH_DIRECTORY_ADDRESS; default: the "
+                                           "running `kvpush up`'s directory, else 127.0.0.1:50051)")
         sub.add_argument("--token", help="bearer token (env KVPUSH_DIRECTORY_TOKEN)")
         sub.add_argument("--tls-root-cert", help="CA to verify the server (env KVPUSH_DIRECTORY_TLS_ROOT_CERT)")
         sub.add_argument("--tls-client-cert", help="client certificate for mutual TLS")
@@ -105,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     engines = commands.add_parser("engines", help="list registered engine workers")
     client_flags(engines)
-    engines.add_argument("--role", choices=["prefill", "decode"])
+    engines.add_argument("--role", choices=["prefill", "decode"], help="only engines of this role")
 
     transfers = commands.add_parser("transfers", help="list transfers, or show one")
     client_flags(transfers)
@@ -122,10 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     client_flags(trace)
     trace.add_argument("transfer_id", help="the transfer (X-KVPush-Transfer-Id of the gateway's answer)")
 
-    up = commands.add_parser("up", help="bring the local P/D stack up (CPU, tiny model) until Ctrl-C")
-    from kvpush.localstack.up import add_arguments
+    up = commands.add_parser("up", help="bring a local P/D stack up (CPU and the tiny model by default) until "
+                                        "Ctrl-C")
+    from kvpush.localstack import up as local_up
 
-    add_arguments(up)
+    local_up.add_arguments(up)
+
+    engine_args = commands.add_parser("engine-args", help="print the `vllm serve` arguments of a prefill or decode "
+                                                          "engine with KVPushConnector")
+    from kvpush.services.cli import engine_args as engine_args_command
+
+    engine_args_command.add_arguments(engine_args)
     return parser
 
 
@@ -134,6 +144,12 @@ def _channel_config(args: argparse.Namespace) -> ChannelConfig:
         "address": args.address, "token": args.token, "root_cert_file": args.tls_root_cert,
         "client_cert_file": args.tls_client_cert, "client_key_file": args.tls_client_key,
         "timeout_s": args.timeout_s}.items() if value not in (None, "")}
+    if "address" not in overrides and not os.environ.get("KVPUSH_DIRECTORY_ADDRESS"):
+        from kvpush.localstack.up import read_state
+
+        state = read_state()  # a running `kvpush up`: its directory, without flags
+        if state is not None:
+            overrides["address"] = state.directory_address
     return ChannelConfig.from_env(max_attempts=2, **overrides)
 
 
@@ -329,6 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvpush.localstack.up import run
 
         return run(args)
+    if args.command == "engine-args":
+        from kvpush.services.cli.engine_args import run as print_engine_args
+
+        return print_engine_args(args)
     handler = {"engines": _engines, "transfers": _transfers, "health": _health, "trace": _trace}[args.command]
     try:
         return asyncio.run(handler(args))

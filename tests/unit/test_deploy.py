@@ -16,7 +16,6 @@ import pytest
 import yaml
 
 from kvpush.connector.compat import SUPPORTED_MAX, SUPPORTED_MIN, parse_release
-from kvpush.connector.config import ConnectorConfig
 from kvpush.localstack.client import call
 from kvpush.localstack.processes import ManagedProcess, free_port, http_ok, start_directory
 from kvpush.services.cli.main import build_parser
@@ -39,16 +38,6 @@ def _compose() -> dict:
 
 def _k8s_docs() -> list[dict]:
     return [d for f in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
-
-
-def _kv_transfer_configs(text: str, env: dict[str, str] | None = None) -> list[dict]:
-    """Every --kv-transfer-config JSON object in a file, after shell-style unescaping and env substitution."""
-    found = []
-    for match in re.finditer(r"--kv-transfer-config[= ]\"?(\{.*?\}\})\"?", text, re.S):
-        raw = match.group(1).replace('\\"', '"').replace("\n", " ")
-        raw = re.sub(r"\$\{?([A-Z_]+)(:-[^}]*)?\}?", lambda m: (env or {}).get(m.group(1), "x"), raw)
-        found.append(json.loads(raw))
-    return found
 
 
 # ---------------------------------------------------------------- compose
@@ -80,21 +69,8 @@ def test_compose_ships_jaeger_with_otlp_and_requires_a_model():
         assert model.startswith("--model=${MODEL:?"), model
 
 
-@pytest.mark.parametrize("path", ["compose/docker-compose.yaml", "k8s/engines.yaml"])
-def test_engine_kv_transfer_configs_are_accepted_by_the_connector(path: str) -> None:
-    """Each engine's kv_transfer_config names our connector and its extra config passes the connector's parser."""
-    config_map = next(d for d in _k8s_docs() if d["kind"] == "ConfigMap")["data"]
-    configs = _kv_transfer_configs((DEPLOY / path).read_text(), config_map)
-    assert len(configs) == 2
-    roles = set()
-    for config in configs:
-        assert config["kv_connector"] == "KVPushConnector"
-        assert config["kv_connector_module_path"] == "kvpush.connector"
-        role = {"kv_producer": "prefill", "kv_consumer": "decode"}[config["kv_role"]]
-        parsed = ConnectorConfig.from_extra_config(config["kv_connector_extra_config"], role=role, engine_id="e")
-        assert parsed.directory_address.endswith(":50051")
-        roles.add(role)
-    assert roles == {"prefill", "decode"}
+# Engine flags (the connector's config): tests/unit/cli/test_engine_args.py runs each engine command as written and
+# compares it with what `kvpush engine-args` prints.
 
 
 # ---------------------------------------------------------------- kubernetes
@@ -138,7 +114,8 @@ def test_k8s_containers_define_every_variable_they_use():
         for container in deployment["spec"]["template"]["spec"]["containers"]:
             defined = _container_env_names(container, config_maps, secrets)
             text = " ".join(container.get("command", []) + container.get("args", []))
-            used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", text))
+            assigned = set(re.findall(r"(?:^|[\s;&])([A-Za-z_][A-Za-z0-9_]*)=", text))  # the script's own variables
+            used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", text)) - assigned
             assert used <= defined, f"{deployment['metadata']['name']}: {sorted(used - defined)} undefined"
             for entry in container.get("env", []):
                 ref = entry.get("valueFrom", {})
@@ -337,8 +314,8 @@ def test_sagemaker_serve_starts_the_gateway_on_port_8080() -> None:
 
 
 def test_ec2_runbook_commands_use_flags_that_exist():
-    """The EC2/EFA run-book's directory command parses, its connector config is accepted, and the link check's
-    benchmark flags exist."""
+    """The EC2/EFA run-book's directory command parses and the link check's benchmark flags exist (its engine command:
+    tests/unit/cli/test_engine_args.py)."""
     text = (DEPLOY / "ec2-efa" / "README.md").read_text()
     joined = text.replace("\\\n", " ")
     directory_line = next(line for line in joined.splitlines() if line.strip().startswith("kvpush directory"))
@@ -349,8 +326,3 @@ def test_ec2_runbook_commands_use_flags_that_exist():
     for flag in re.findall(r"dataplane_bench\.py ((?:--[a-z-]+ ?\S* ?)+)", text):
         for name in re.findall(r"--[a-z-]+", flag):
             assert f'"{name}"' in bench, f"bench/dataplane_bench.py has no {name}"
-    extra = re.search(r'"kv_connector_extra_config":\{(.*?)\}\}', text, re.S).group(1)
-    extra = re.sub(r"'\"\$\([^)]*\)\"'|'\"\$[A-Z_]+\"'", "x", extra).replace("\n", " ")
-    config = json.loads("{" + extra + "}")
-    parsed = ConnectorConfig.from_extra_config(config, role="prefill", engine_id="p")
-    assert parsed.nixl_backends == ("LIBFABRIC",) and parsed.metrics_port == 9400
