@@ -134,12 +134,22 @@ class KVPushConnector(KVConnectorBase_V1):
             self.config, kv_caches, self._block_size, num_kv_heads, head_size, tp_rank, tp_size, agent_name,
             model=str(getattr(model_config, "served_model_name", None) or model_config.model),
             compatibility_hash=lambda agent: self._compatibility_hash(agent, num_kv_heads, head_size, len(kv_caches)),
-            load_callback=self._load, metrics=self._metrics)
+            load_callback=self._load, metrics=self._metrics, forces_first_token=self._forces_first_token())
         self._worker = self._parts.half
         agent = self._parts.agent
         _log.info("kvpush connector worker ready", engine_id=self.config.engine_id, role=self.config.role,
                   tp_rank=tp_rank, tp_size=tp_size, agent=agent.agent_name, layers=len(kv_caches),
                   layout=agent.layout.layout_name, blocks=agent.layout.block_count)
+
+    def _forces_first_token(self) -> bool:
+        """Decode: whether this process's sampler got a forcing first-token processor (vLLM built it with the model
+        runner, before this connector existed; connector/first_token.py says when it cannot)."""
+        from kvpush.connector.first_token import forcing_installed
+
+        forces = self.config.is_decode and forcing_installed()
+        if self.config.is_decode:
+            _log.info("first token from prefill", engine_id=self.config.engine_id, forces_first_token=forces)
+        return forces
 
     def _compatibility_hash(self, agent: Any, num_kv_heads: int, head_size: int, layer_count: int) -> str:
         import vllm

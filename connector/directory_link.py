@@ -82,14 +82,16 @@ class DirectoryLink:
 
     def register(self, role: int, tp_rank: int, tp_size: int, agent_name: str, agent_metadata: bytes,
                  layout: tpb.KVLayout, on_lease_lost: Callable[[str, str], None] | None = None, model: str = "",
-                 load_callback: Callable[[], tpb.EngineLoad | None] | None = None) -> EngineRegistration:
+                 load_callback: Callable[[], tpb.EngineLoad | None] | None = None,
+                 forces_first_token: bool = False) -> EngineRegistration:
         """Register this worker and keep its lease alive (blocking, bounded by the client's retry budget).
 
         load_callback (client thread, must not block) gives the load each renewal reports.
         """
         request = dpb.RegisterEngineRequest(
             engine_id=self._config.engine_id, role=role, tp_rank=tp_rank, tp_size=tp_size, agent_name=agent_name,
-            agent_metadata=agent_metadata, layout=layout, endpoint=self._config.engine_endpoint, model=model)
+            agent_metadata=agent_metadata, layout=layout, endpoint=self._config.engine_endpoint, model=model,
+            forces_first_token=forces_first_token)
         try:
             self.registration = self._loop.start_registration(request, on_lease_lost=on_lease_lost,
                                                               load_callback=load_callback)

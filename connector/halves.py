@@ -166,11 +166,13 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_
                       load_callback: Callable[[], Any] | None = None, metrics: Any = None,
                       tap_write_done: Callable[[Any], None] | None = None,
                       tap_instruction: Callable[[Any], None] | None = None,
-                      tap_notification: Callable[[str, bytes], None] | None = None) -> WorkerParts:
+                      tap_notification: Callable[[str, bytes], None] | None = None,
+                      forces_first_token: bool = False) -> WorkerParts:
     """Wire this process's worker half and register it with the directory (blocking, bounded; start-up only).
 
     create_agent: builds the TransferAgent (default: `transport.create_agent`, real NIXL).
     model: the served model name registered with the directory (plans that name a model pick by it).
+    forces_first_token: a decode worker registers that its engine forces prefill's first token.
     compatibility_hash(agent): the layout's compatibility hash, once the agent described the KV memory.
     load_callback: the engine's load for each lease renewal (client thread, must not block).
     metrics: a `metrics.WorkerMetrics` fed with write settlements, quiet transfers, lost leases, the backlog.
@@ -227,7 +229,7 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_
     listener = NotificationListener(agent, _tapped(worker.on_notification, tap_notification))
     link.register(tpb.ENGINE_ROLE_DECODE, tp_rank, tp_size, agent.agent_name, agent.agent_metadata(), layout,
                   on_lease_lost=(lambda lease, reason: lease_lost()) if lease_lost is not None else None,
-                  model=model, load_callback=load_callback)
+                  model=model, load_callback=load_callback, forces_first_token=forces_first_token)
     link.watch(worker.on_event, worker.on_gap)
     return WorkerParts(worker, agent, link, listener)
 

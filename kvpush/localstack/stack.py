@@ -51,9 +51,11 @@ from kvpush.localstack.processes import (
 DIRECTORY_ARGS = ("--lease-ttl-s", "30")
 PREFILL_ENGINE_ID = "prefill-0"
 DECODE_ENGINE_ID = "decode-0"
-# What a kvpush decode engine loads so the gateway's first token from prefill holds (docs/gateway.md).
+# The first-token logits processor (docs/gateway.md). Decode engines get it from kvpush's `vllm.logits_processors`
+# entry point, so they need no flag; deployments that still pass it keep working (FIRST_TOKEN_FLAG_ARGS).
 FIRST_TOKEN_PROCESSOR = "kvpush.connector.first_token:ForcePrefillFirstToken"
-DECODE_ENGINE_ARGS = ("--logits-processors", FIRST_TOKEN_PROCESSOR)
+FIRST_TOKEN_FLAG_ARGS = ("--logits-processors", FIRST_TOKEN_PROCESSOR)
+DECODE_ENGINE_ARGS: tuple[str, ...] = ()
 # What a prefill engine loads to host a gateway in its API server (kvpush.services.gateway.hosted).
 HOSTED_GATEWAY_MIDDLEWARE = "kvpush.services.gateway.hosted.HostedGateway"
 

@@ -53,7 +53,7 @@ class GetReplicasResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[DirectoryReplica, _Mapping]]] = ..., shard_count: _Optional[int] = ..., shard_owner_replica_ids: _Optional[_Iterable[str]] = ..., replica_id: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint", "model")
+    __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint", "model", "forces_first_token")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class RegisterEngineRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    FORCES_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: _types_pb2.EngineRole
     tp_rank: int
@@ -72,7 +73,8 @@ class RegisterEngineRequest(_message.Message):
     layout: _types_pb2.KVLayout
     endpoint: str
     model: str
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    forces_first_token: bool
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., model: _Optional[str] = ..., forces_first_token: _Optional[bool] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("lease_id", "ttl", "directory_incarnation_id")
@@ -139,16 +141,18 @@ class PlanTransferRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., trace_context: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class PlanTransferResponse(_message.Message):
-    __slots__ = ("transfer", "prefill_endpoint", "decode_endpoint", "directory_incarnation_id")
+    __slots__ = ("transfer", "prefill_endpoint", "decode_endpoint", "decode_forces_first_token", "directory_incarnation_id")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FORCES_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     transfer: _types_pb2.Transfer
     prefill_endpoint: str
     decode_endpoint: str
+    decode_forces_first_token: bool
     directory_incarnation_id: str
-    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., decode_forces_first_token: _Optional[bool] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class ReportAllocationRequest(_message.Message):
     __slots__ = ("transfer_id", "engine_id", "block_ids", "prompt_token_count", "prefix_hit_token_count")

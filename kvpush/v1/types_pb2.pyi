@@ -108,7 +108,7 @@ class EngineLoad(_message.Message):
     def __init__(self, free_block_count: _Optional[int] = ..., running_request_count: _Optional[int] = ..., waiting_request_count: _Optional[int] = ...) -> None: ...
 
 class EngineWorker(_message.Message):
-    __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint", "lease_id", "lease_expire_time", "load", "active_transfer_count", "register_time", "model", "unreachable_time", "unreachable_reason")
+    __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint", "lease_id", "lease_expire_time", "load", "active_transfer_count", "register_time", "model", "unreachable_time", "unreachable_reason", "forces_first_token")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class EngineWorker(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_TIME_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_REASON_FIELD_NUMBER: _ClassVar[int]
+    FORCES_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: EngineRole
     tp_rank: int
@@ -141,7 +142,8 @@ class EngineWorker(_message.Message):
     model: str
     unreachable_time: _timestamp_pb2.Timestamp
     unreachable_reason: str
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., active_transfer_count: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model: _Optional[str] = ..., unreachable_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., unreachable_reason: _Optional[str] = ...) -> None: ...
+    forces_first_token: bool
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., active_transfer_count: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model: _Optional[str] = ..., unreachable_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., unreachable_reason: _Optional[str] = ..., forces_first_token: _Optional[bool] = ...) -> None: ...
 
 class Transfer(_message.Message):
     __slots__ = ("transfer_id", "request_id", "state", "prefill_engine_id", "decode_engine_id", "prompt_token_count", "prefix_hit_token_count", "decode_block_ids", "layers_written_count", "bytes_written", "failure_reason", "create_time", "allocate_time", "first_ready_time", "dispatch_time", "end_time", "deadline", "trace_context", "rank_timings", "layer_timings", "first_token_id")

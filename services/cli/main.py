@@ -173,6 +173,13 @@ def _short_enum(enum, value: int, prefix: str) -> str:
     return enum.Name(value).removeprefix(prefix).lower()
 
 
+def _first_token(worker: tpb.EngineWorker) -> str:
+    """A decode worker's first-token capability: "forced" (gateways may stream prefill's token) or "no"."""
+    if worker.role != tpb.ENGINE_ROLE_DECODE:
+        return "-"
+    return "forced" if worker.forces_first_token else "no"
+
+
 async def _engines(args: argparse.Namespace) -> int:
     role = {"prefill": tpb.ENGINE_ROLE_PREFILL, "decode": tpb.ENGINE_ROLE_DECODE}.get(args.role or "", 0)
     async with DirectoryClient(_channel_config(args)) as client:
@@ -186,9 +193,9 @@ async def _engines(args: argparse.Namespace) -> int:
              w.agent_name, w.model or "-", w.layout.layer_count, w.layout.block_count,
              w.load.free_block_count if w.HasField("load") else "-",
              f"{w.load.running_request_count}/{w.load.waiting_request_count}" if w.HasField("load") else "-",
-             w.active_transfer_count, _ts(w.lease_expire_time), w.endpoint or "-") for w in workers]
+             w.active_transfer_count, _first_token(w), _ts(w.lease_expire_time), w.endpoint or "-") for w in workers]
     print(_table(["ENGINE", "ROLE", "RANK", "AGENT", "MODEL", "LAYERS", "BLOCKS", "FREE", "RUN/WAIT", "ACTIVE",
-                  "LEASE_UNTIL", "ENDPOINT"], rows))
+                  "FIRST_TOKEN", "LEASE_UNTIL", "ENDPOINT"], rows))
     return 0
 
 

@@ -174,6 +174,8 @@ class Worker:
     lease_deadline_wall: float
     load: tpb.EngineLoad | None = None
     model: str = ""
+    # As registered: a decode worker whose first sampled token follows kv_transfer_params.first_token_id.
+    forces_first_token: bool = False
     # Messages for this prefill worker's StreamPrefill session, delivered in order.
     outbox: deque = field(default_factory=deque)
     # The current StreamPrefill session (0: none); a stale session's end changes nothing.

@@ -79,6 +79,7 @@ class EngineRegistry:
             engine_id=request.engine_id, tp_rank=request.tp_rank, role=request.role, tp_size=request.tp_size,
             agent_name=request.agent_name, agent_metadata=bytes(request.agent_metadata),
             layout=copy_message(request.layout), endpoint=request.endpoint, model=request.model,
+            forces_first_token=request.forces_first_token,
             lease_id=uuid.uuid4().hex,
             lease_deadline=now + self.limits.lease_ttl_s, register_wall=wall,
             lease_deadline_wall=wall + self.limits.lease_ttl_s,
@@ -100,6 +101,7 @@ class EngineRegistry:
         worker.agent_metadata = bytes(request.agent_metadata)
         worker.layout = copy_message(request.layout)
         worker.endpoint = request.endpoint
+        worker.forces_first_token = request.forces_first_token
         self.extend(worker, now)
         self.groups[worker.engine_id].unreachable = None
 

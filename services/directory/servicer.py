@@ -145,7 +145,7 @@ def worker_to_proto(worker: Worker, active_transfer_count: int,
         engine_id=worker.engine_id, role=worker.role, tp_rank=worker.tp_rank, tp_size=worker.tp_size,
         agent_name=worker.agent_name, layout=worker.layout,
         endpoint=worker.endpoint, active_transfer_count=active_transfer_count,
-        model=worker.model,
+        model=worker.model, forces_first_token=worker.forces_first_token,
     )
     engine.lease_expire_time.FromNanoseconds(int(worker.lease_deadline_wall * 1e9))
     engine.register_time.FromNanoseconds(int(worker.register_wall * 1e9))
@@ -463,9 +463,11 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                                request_id=request.request_id)
             await self._abort(context, error)
         prefill = self.state.get_engine(record.prefill_engine_id)[0]
-        decode = self.state.get_engine(record.decode_engine_id)[0]
+        decode_ranks = self.state.get_engine(record.decode_engine_id)
+        decode = decode_ranks[0]
         return dpb.PlanTransferResponse(transfer=record.to_proto(), prefill_endpoint=prefill.endpoint,
                                         decode_endpoint=decode.endpoint,
+                                        decode_forces_first_token=all(w.forces_first_token for w in decode_ranks),
                                         directory_incarnation_id=self.incarnation_id)
 
     async def ReportAllocation(self, request, context):

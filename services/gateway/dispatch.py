@@ -471,6 +471,7 @@ class Dispatcher:
     def _first_token_applies(self, request: ClientRequest, route: Route) -> bool:
         """First token from prefill: kvpush routes, when streamed (TTFT) or when one token is all (no decode)."""
         return (self._config.first_token_from_prefill and bool(route.transfer_id) and route.concurrent
+                and route.first_token_capable
                 and (request.stream or first_token.client_max_tokens(request) == 1))
 
     async def _first_token(self, http_request: web.Request, request: ClientRequest, route: Route,

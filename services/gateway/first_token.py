@@ -284,8 +284,8 @@ class DecodeStreamRewriter:
         if isinstance(ids, list) and ids and not self._id_skipped:
             if ids[0] != self.token.token_id:
                 raise FirstTokenMismatch(
-                    f"decode's first token {ids[0]} differs from prefill's {self.token.token_id}: load "
-                    "--logits-processors kvpush.connector.first_token:ForcePrefillFirstToken on decode engines")
+                    f"decode's first token {ids[0]} differs from prefill's {self.token.token_id}: the decode engine "
+                    "registered forces_first_token but its ForcePrefillFirstToken processor did not force it")
             ids = ids[1:]
             self._id_skipped = True
         if isinstance(ids, list):

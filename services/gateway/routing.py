@@ -50,6 +50,9 @@ class Route:
     decode_params: dict[str, Any] | None
     transfer_id: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # First token from prefill may serve this route: its decode engine registered that it forces prefill's token
+    # (and a prefill leg sent before the plan was sent for it). False: decode produces every token.
+    first_token_capable: bool = True
 
     @property
     def concurrent(self) -> bool:
@@ -75,12 +78,15 @@ class PrefillPick:
     engine_id: str
     url: str
     transfer_id: str
+    # Every decode engine listed for the model forces prefill's first token: the early leg may be sent for it.
+    first_token_capable: bool = True
 
     def early_route(self, traceparent: str) -> Route:
         """The route as far as the prefill leg needs it before the plan (its params say the plan is in flight)."""
         prefill_params, _ = kvpush_params(self.transfer_id, traceparent)
         return Route(prefill_url=self.url, decode_url="", prefill_params={**prefill_params, PLAN_IN_FLIGHT_KEY: True},
-                     decode_params={}, transfer_id=self.transfer_id, extra={"prefill_engine_id": self.engine_id})
+                     decode_params={}, transfer_id=self.transfer_id, extra={"prefill_engine_id": self.engine_id},
+                     first_token_capable=self.first_token_capable)
 
 
 class PickRefused(GatewayError):
@@ -241,7 +247,9 @@ class DirectoryRouter:
             candidates, key=lambda w: (w.active_transfer_count + self._picks_since_read.get(w.engine_id, 0),
                                        w.load.running_request_count + w.load.waiting_request_count, w.engine_id))
         self._picks_since_read[best.engine_id] = self._picks_since_read.get(best.engine_id, 0) + 1
-        return PrefillPick(engine_id=best.engine_id, url=best.endpoint.rstrip("/"), transfer_id=uuid.uuid4().hex)
+        decodes = [w for w in engines if w.role == types_pb2.ENGINE_ROLE_DECODE and (not model or w.model == model)]
+        return PrefillPick(engine_id=best.engine_id, url=best.endpoint.rstrip("/"), transfer_id=uuid.uuid4().hex,
+                           first_token_capable=bool(decodes) and all(w.forces_first_token for w in decodes))
 
     async def plan(self, request_id: str, prompt_token_count: int, traceparent: str, model: str = "",
                    pick: PrefillPick | None = None) -> Route:
@@ -277,7 +285,11 @@ class DirectoryRouter:
         return Route(prefill_url=response.prefill_endpoint.rstrip("/"), decode_url=response.decode_endpoint.rstrip("/"),
                      prefill_params=prefill_params, decode_params=decode_params, transfer_id=transfer.transfer_id,
                      extra={"prefill_engine_id": transfer.prefill_engine_id,
-                            "decode_engine_id": transfer.decode_engine_id})
+                            "decode_engine_id": transfer.decode_engine_id},
+                     # A decode engine that does not force prefill's token decodes the whole answer (never a stream
+                     # cut after its first token); an early prefill leg sent without first token stays so.
+                     first_token_capable=response.decode_forces_first_token and (pick is None
+                                                                                 or pick.first_token_capable))
 
     async def cancel(self, route: Route, reason: str) -> str:
         """CancelTransfer, bounded, the reason made safe (`directory_reason`; refused anyway: sent again with a plain

@@ -31,23 +31,27 @@ def _layout(block_count: int = 64) -> tpb.KVLayout:
                             token_stride_bytes=256, segment_bytes_per_token=256)])
 
 
-def register_standin(client: SyncDirectoryClient, name: str, role: int, endpoint: str, block_count: int = 64):
+def register_standin(client: SyncDirectoryClient, name: str, role: int, endpoint: str, block_count: int = 64,
+                     forces_first_token: bool = False):
     """Register a stand-in engine `standin-<name>` (one rank, model "tiny") and keep its lease; the registration."""
     return client.start_registration(dpb.RegisterEngineRequest(
         engine_id=f"standin-{name}", role=role, tp_rank=0, tp_size=1, agent_name=f"agent-{name}",
-        agent_metadata=b"standin-metadata", layout=_layout(block_count), endpoint=endpoint, model="tiny"))
+        agent_metadata=b"standin-metadata", layout=_layout(block_count), endpoint=endpoint, model="tiny",
+        forces_first_token=forces_first_token))
 
 
 class Deployment:
     """A directory, a stand-in prefill and decode engine registered there, and a gateway in front."""
 
-    def __init__(self, log_dir: Path, otlp_env: dict[str, str], first_token_from_prefill: bool = False) -> None:
+    def __init__(self, log_dir: Path, otlp_env: dict[str, str], first_token_from_prefill: bool = False,
+                 decode_forces_first_token: bool = True) -> None:
         self.prefill = StandInEngine("prefill").start()
         self.decode = StandInEngine("decode").start()
         self.directory = start_directory(log_dir)
         self.client = SyncDirectoryClient(ChannelConfig(address=self.directory.address, timeout_s=5.0))
         for engine, role in ((self.prefill, tpb.ENGINE_ROLE_PREFILL), (self.decode, tpb.ENGINE_ROLE_DECODE)):
-            register_standin(self.client, engine.name, role, engine.url)
+            register_standin(self.client, engine.name, role, engine.url,
+                             forces_first_token=role == tpb.ENGINE_ROLE_DECODE and decode_forces_first_token)
         self.gateway = start_gateway(log_dir, directory_address=self.directory.address, env=otlp_env,
                                      extra_args=["--prefill-timeout", "4", "--decode-timeout", "4",
                                                  # the concurrent path; first token from prefill (the default):

@@ -218,7 +218,8 @@ def hosted(tmp_path_factory):
                                  ("standin-decode", tpb.ENGINE_ROLE_DECODE, decode.url)):
         client.start_registration(dpb.RegisterEngineRequest(
             engine_id=engine_id, role=role, tp_rank=0, tp_size=1, agent_name=f"agent-{engine_id}",
-            agent_metadata=b"standin-metadata", layout=_layout(), endpoint=url, model="tiny"))
+            agent_metadata=b"standin-metadata", layout=_layout(), endpoint=url, model="tiny",
+            forces_first_token=role == tpb.ENGINE_ROLE_DECODE))
     yield client, prefill, decode, f"http://127.0.0.1:{gateway_port}"
     served.stop()
     client.close()
