@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -153,6 +154,7 @@ def test_recipe_parses_into_services_and_a_request():
 
 def test_the_readme_request_is_answered(running_recipe):
     """The block's own curl command, as written, gets a completion of the model through the gateway."""
+    assert shutil.which("curl"), "the README's request is a curl command: install curl (Debian: apt-get install curl)"
     for command in running_recipe.recipe.commands:
         done = subprocess.run(["bash", "-c", _substitute_ports(command, running_recipe.ports)], capture_output=True, text=True,
                               env=running_recipe.env, timeout=180)
