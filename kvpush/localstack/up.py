@@ -58,6 +58,7 @@ class UpState:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         staging = path.with_name(f".{path.name}.{self.pid}")
         descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(descriptor, 0o600)  # a file left from an earlier run keeps its mode through O_CREAT
         with os.fdopen(descriptor, "w") as handle:
             json.dump(dataclasses.asdict(self), handle, indent=2)
         os.replace(staging, path)
