@@ -99,7 +99,8 @@ class Outcome:
     # A stream that broke after its headers: the status its error event said (the request's outcome), and why.
     stream_error_status: int = 0
     stream_error_reason: str = ""
-    # The stream's tokens as they go to the client (time to first token, inter-token latency); None if not streamed.
+    # The tokens as they go to the client (a stream's time to first token, inter-token latency) and where the first
+    # came from; set when the request is handled.
     clock: TokenClock | None = None
     # The stream's last event ([DONE]) was written: a client that goes away after it was answered in full.
     answered: bool = False
@@ -136,8 +137,7 @@ class Dispatcher:
         started = time.monotonic()
         record: RequestRecord = http_request.get(RECORD_KEY) or RequestRecord(started=started)
         record.route = "chat" if request.path == CHAT_COMPLETIONS else "completions"
-        if request.stream:
-            outcome.clock = TokenClock(self._metrics, record.route, record.started)
+        outcome.clock = TokenClock(self._metrics, record.route, record.started, request.stream)
         parent = propagate.extract(dict(http_request.headers))
         with _tracer.start_as_current_span("gateway.request", context=parent, kind=trace.SpanKind.SERVER) as span, \
                 bound_contextvars(request_id=request_id):
@@ -168,8 +168,7 @@ class Dispatcher:
                 outcome.total_ms = (time.monotonic() - started) * 1000
                 status = outcome.stream_error_status or outcome.status
                 record.status, record.completed = status, status == 200
-                if outcome.clock is not None:
-                    record.mode = outcome.clock.mode
+                record.mode = outcome.clock.mode
                 span.set_attribute("kvpush.transfer_id", outcome.transfer_id)
                 span.set_attribute("http.status_code", outcome.status)
                 if outcome.stream_error_status:
@@ -603,6 +602,7 @@ class Dispatcher:
         # The cancellation's round trip runs while the answer goes out; the answer ends only after it.
         cancelled = asyncio.ensure_future(
             self._cancel(route, "first token only: the prefill leg finished the request"))
+        outcome.clock.mode = "prefill"
         if not request.stream:
             answer.pop("kv_transfer_params", None)
             if not request.body.get("return_token_ids"):
@@ -615,7 +615,6 @@ class Dispatcher:
         try:
             out = await self._open_client_stream(http_request, route, outcome)
             events, done, _ = first_token.first_events(request, token).partition(first_token.DONE_EVENT)
-            outcome.clock.mode = "prefill"
             await send(out, events)
         except BaseException:
             await asyncio.shield(cancelled)
@@ -723,8 +722,7 @@ class Dispatcher:
                 while chunk and watch.error is None:
                     await send(out, watch.feed(chunk))
                     outcome.answered = watch.done
-                    if outcome.clock is not None:
-                        outcome.clock.sent(watch.token_count)
+                    outcome.clock.sent(watch.token_count)
                     chunk = await response.content.readany()
         except GatewayError as error:
             failure = error

@@ -53,20 +53,22 @@ RECORD_KEY = web.RequestKey("kvpush_request_record", RequestRecord)
 
 
 class TokenClock:
-    """One stream's tokens as they go to the client: time to first token at the first, then one inter-token sample
-    per later token (an event's tokens share the time since the previous event evenly)."""
+    """One request's tokens as they go to the client, and where its first came from (`mode`). Streamed: time to first
+    token at the first, then one inter-token sample per later token (an event's tokens share the time since the
+    previous event evenly); not streamed: nothing (the first token is the whole answer)."""
 
-    def __init__(self, metrics: GatewayMetrics, route: str, started: float) -> None:
+    def __init__(self, metrics: GatewayMetrics, route: str, started: float, streamed: bool) -> None:
         self._metrics = metrics
         self._route = route
         self._started = started
+        self._streamed = streamed
         self.mode = "decode"
         self.token_count = 0
         self._last = 0.0
 
     def sent(self, token_count: int) -> None:
         """`token_count` tokens were just written to the client."""
-        if token_count <= 0:
+        if token_count <= 0 or not self._streamed:
             return
         now = time.monotonic()
         if self.token_count == 0:

@@ -40,7 +40,7 @@ def _metric(gateway_url: str, name: str, **labels: str) -> float:
 class TwoDecodes:
     """A directory, a stand-in prefill and two stand-in decode engines (a is planned first while both are up)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, gateway_args: tuple[str, ...] = ()) -> None:
         self.log_dir = log_dir
         self.directory = start_directory(log_dir)
         self.client = SyncDirectoryClient(ChannelConfig(address=self.directory.address, timeout_s=5.0))
@@ -51,7 +51,7 @@ class TwoDecodes:
             self.start_engine(engine_id, role)
         self.gateway = start_gateway(log_dir, directory_address=self.directory.address, extra_args=[
             "--prefill-timeout", "3", "--decode-timeout", "3", "--no-first-token-from-prefill",
-            "--max-failovers", "2"])
+            "--max-failovers", "2", *gateway_args])
 
     def start_engine(self, engine_id: str, role: int, port: int = 0) -> None:
         """Serve a stand-in (on `port` when given) and register it, keeping its lease alive."""
@@ -216,6 +216,37 @@ def test_push_mode_decode_leg_timeout_is_a_504(tmp_path):
         gateway.process.stop(grace_s=5.0)
         prefill.stop()
         decode.stop()
+
+
+def test_a_decode_engine_that_sends_no_headers_is_failed_over_within_its_bound(tmp_path):
+    """Decode a takes the streamed leg's connection and sends nothing for 5 s (frozen): past the 1 s first-byte bound
+    a is reported (its reason says why) and the request planned again on b, whose whole stream the client gets; the
+    first attempt's transfer is cancelled."""
+    stack = TwoDecodes(tmp_path, ("--decode-first-byte-timeout", "1"))
+    try:
+        stack.engines[DECODE_A].behaviour = lambda leg: (200, {}, 5.0)
+        result = _complete(stack, {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "stream": True},
+                           stream=True)
+        assert result.status == 200 and not result.error, result.error
+        assert result.text == "ab"
+        assert result.total_s < 5.0  # b answered before a would have
+        assert len(stack.engines[DECODE_A].legs) == 1 and len(stack.engines[DECODE_B].legs) == 1
+        frozen = stack.engine(DECODE_A)
+        assert frozen.HasField("unreachable_time") and "no response headers within 1 s" in frozen.unreachable_reason
+        assert _metric(stack.gateway.url, "kvpush_gateway_first_byte_timeouts_total", leg="decode") == 1
+        assert _metric(stack.gateway.url, "kvpush_gateway_failovers_total", leg="decode") == 1
+        assert [t.state for t in stack.client.list_transfers(engine_id=DECODE_A)] == [tpb.TRANSFER_STATE_CANCELLED]
+    finally:
+        stack.stop()
+
+
+def test_first_byte_bounds_are_validated():
+    """A negative first-byte bound is refused at start-up; 0 turns it off."""
+    from kvpush.services.gateway.config import GatewayConfig
+
+    with pytest.raises(ValueError, match="decode_first_byte_timeout_s"):
+        GatewayConfig(directory_address="x:1", decode_first_byte_timeout_s=-1).validate()
+    GatewayConfig(directory_address="x:1", prefill_first_byte_timeout_s=0, decode_first_byte_timeout_s=0).validate()
 
 
 def test_max_failovers_is_validated():
