@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from kvpush.services.gateway.config import GatewayConfig
+
 from tests.fixtures.prometheus import (
     ALERT_RULES,
     ALERT_TESTS,
@@ -38,12 +38,12 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
 
 def _doc_commands() -> list[str]:
     """The promtool commands of docs/observability.md's code blocks, as written."""
-    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.DOTALL)
     return [line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("promtool ")]
 
 
 def _promtool(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(["promtool", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(["promtool", *args], check=False, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 @needs_promtool
@@ -53,7 +53,7 @@ def test_the_documented_promtool_commands_pass():
     assert {c.split()[-1] for c in commands} >= {str(p.relative_to(ROOT)) for p in (SCRAPE_CONFIG, ALERT_RULES,
                                                                                     ALERT_TESTS)}, commands
     for command in commands:
-        done = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(shlex.split(command), check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
         assert "SUCCESS" in done.stdout + done.stderr
 
@@ -82,7 +82,7 @@ def test_every_alert_has_for_severity_annotations_and_a_runbook_section():
     """Every alert waits (`for`), has a severity, a summary and a description, and its runbook anchor is a heading
     of docs/observability.md."""
     anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
-               for h in re.findall(r"^#+ (.+)$", DOC.read_text(), re.M)}
+               for h in re.findall(r"^#+ (.+)$", DOC.read_text(), re.MULTILINE)}
     rules = alert_rules()
     assert len({r["alert"] for r in rules}) == len(rules)
     for rule in rules:
@@ -116,7 +116,8 @@ def test_dashboard_structure():
     for panel in panels:
         grid = panel["gridPos"]
         assert grid["x"] >= 0 and grid["w"] > 0 and grid["x"] + grid["w"] <= 24, panel["title"]
-        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
+                for y in range(grid["y"], grid["y"] + grid["h"])}
         assert not area & cells, f"panel {panel['title']!r} overlaps another"
         cells |= area
         if panel["type"] == "row":
@@ -138,7 +139,8 @@ def test_dashboard_covers_what_operators_watch():
     transfers, exposed tail, bytes pushed, leases, directory RPC latency and engine KV blocks."""
     names = set().union(*(metric_names(q.expr) for q in dashboard_queries()))
     for wanted in ("kvpush_gateway_requests_total", "kvpush_gateway_time_to_first_token_seconds_bucket",
-                   "kvpush_gateway_inter_token_latency_seconds_bucket", "kvpush_gateway_request_duration_seconds_bucket",
+                   "kvpush_gateway_inter_token_latency_seconds_bucket",
+                   "kvpush_gateway_request_duration_seconds_bucket",
                    "kvpush_directory_transfers_planned_total", "kvpush_directory_transfers_ended_total",
                    "kvpush_directory_live_transfers", "kvpush_connector_exposed_tail_seconds_bucket",
                    "kvpush_connector_written_bytes_total", "kvpush_directory_lease_expiries_total",
