@@ -7,7 +7,10 @@ tests/integration/reliability/test_failover.py.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -237,6 +240,70 @@ def test_a_decode_engine_that_sends_no_headers_is_failed_over_within_its_bound(t
         assert _metric(stack.gateway.url, "kvpush_gateway_failovers_total", leg="decode") == 1
         assert [t.state for t in stack.client.list_transfers(engine_id=DECODE_A)] == [tpb.TRANSFER_STATE_CANCELLED]
     finally:
+        stack.stop()
+
+
+def _fail_prefill_while_the_directory_is_stopped(stack, stopped_s: float, timers: list[threading.Timer]):
+    """Prefill's behaviour: SIGSTOP the directory (its whole group) for `stopped_s` (the SIGCONT's timer goes in
+    `timers`), then fail the leg, so the gateway's CancelTransfer meets a directory that does not answer."""
+    def behaviour(leg):
+        os.killpg(stack.directory.process.pid, signal.SIGSTOP)
+        timers.append(threading.Timer(stopped_s, os.killpg, (stack.directory.process.pid, signal.SIGCONT)))
+        timers[-1].start()
+        return 500, {"error": {"message": "prefill broke"}}, 0.0
+    return behaviour
+
+
+def _resume_directory(stack, timers: list[threading.Timer]) -> None:
+    for timer in timers:
+        timer.cancel()
+    os.killpg(stack.directory.process.pid, signal.SIGCONT)
+
+
+def test_a_cancel_the_directory_missed_is_retried_until_it_lands(tmp_path):
+    """The directory is stopped for 1.5 s when the gateway cancels a failed request's transfer (0.5 s deadlines): the
+    client gets its 502 at once, the gateway tries again in the background, and the transfer ends CANCELLED, not
+    PLANNED; nothing is counted as a failed cancellation."""
+    stack, timers = TwoDecodes(tmp_path, ("--plan-timeout", "0.5")), []
+    try:
+        stack.engines[PREFILL_ID].behaviour = _fail_prefill_while_the_directory_is_stopped(stack, 1.5, timers)
+        result = call("POST", stack.gateway.url + "/v1/completions", {"model": "tiny", "prompt": [1, 2],
+                                                                      "max_tokens": 2}, timeout_s=30)
+        assert result.status == 502, result.text
+        transfer_id = result.headers["x-kvpush-transfer-id"]
+        state = None
+        for _ in range(100):  # the retries end within about 3 s of the directory's return
+            state = stack.client.get_transfer(transfer_id).state
+            if state == tpb.TRANSFER_STATE_CANCELLED:
+                break
+            time.sleep(0.1)
+        assert state == tpb.TRANSFER_STATE_CANCELLED, tpb.TransferState.Name(state)
+        assert _metric(stack.gateway.url, "kvpush_gateway_cancel_failures_total") == 0
+    finally:
+        _resume_directory(stack, timers)
+        stack.stop()
+
+
+def test_a_cancel_that_never_lands_is_counted_and_logged(tmp_path):
+    """The directory stopped for longer than every retry (8 s): the cancellation is counted and logged once, by
+    transfer id."""
+    stack, timers = TwoDecodes(tmp_path, ("--plan-timeout", "0.5")), []
+    try:
+        stack.engines[PREFILL_ID].behaviour = _fail_prefill_while_the_directory_is_stopped(stack, 8.0, timers)
+        result = call("POST", stack.gateway.url + "/v1/completions", {"model": "tiny", "prompt": [1, 2],
+                                                                      "max_tokens": 2}, timeout_s=30)
+        assert result.status == 502, result.text
+        transfer_id = result.headers["x-kvpush-transfer-id"]
+        for _ in range(150):
+            if _metric(stack.gateway.url, "kvpush_gateway_cancel_failures_total"):
+                break
+            time.sleep(0.1)
+        assert _metric(stack.gateway.url, "kvpush_gateway_cancel_failures_total") == 1
+        lines = [line for line in tail(stack.gateway.process.log_path, 400).splitlines()
+                 if "transfer not cancelled" in line]
+        assert len(lines) == 1 and transfer_id in lines[0]
+    finally:
+        _resume_directory(stack, timers)
         stack.stop()
 
 
