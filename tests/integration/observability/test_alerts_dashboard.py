@@ -14,18 +14,24 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
+import shlex
+import subprocess
+import sys
 import time
 import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from kvpush.services.client import ChannelConfig, DirectoryClient
 
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.model import TinyModelSpec
-from kvpush.localstack.stack import LocalStack
+from kvpush.localstack.stack import DECODE_ENGINE_ID, LocalStack
 from tests.fixtures.directory import DECODE, make_layout, register_request
 from tests.fixtures.prometheus import (
+    ROOT,
     PrometheusServer,
     PromQLError,
     Query,
@@ -36,6 +42,8 @@ from tests.fixtures.prometheus import (
 )
 
 pytestmark = pytest.mark.engines
+
+RUNBOOK = ROOT / "docs" / "observability.md"
 
 STANDIN_ENGINE_ID = "lapse-standin"
 STANDIN_MODEL = "lapse-standin"
@@ -117,6 +125,7 @@ class Traffic:
     plain_statuses: list[int]
     streamed: list
     refused_statuses: list[int]
+    transfer_id: str  # one completion's transfer (X-KVPush-Transfer-Id)
 
 
 def _refused_request(stack: LocalStack) -> int:
@@ -129,13 +138,13 @@ def _has_series(prometheus: PrometheusServer, expr: str) -> bool:
     return bool(prometheus.query(expr))
 
 
-def _completions(stack: LocalStack, seed: int) -> tuple[list[int], list]:
-    """Plain and streamed completions and chat completions: the plain answers' statuses, the streamed results."""
+def _completions(stack: LocalStack, seed: int) -> tuple[list, list]:
+    """Plain and streamed completions and chat completions: the plain answers, the streamed results."""
     body = {"model": "tiny", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     chat = {**body, "messages": [{"role": "user", "content": f"hello there, number {seed}"}]}
     plain = [call("POST", stack.gateway_url + "/v1/completions", {**body, "prompt": _prompt(n, seed + n)},
-                  timeout_s=180).status for n in (20, 150)]
-    plain.append(call("POST", stack.gateway_url + "/v1/chat/completions", chat, timeout_s=180).status)
+                  timeout_s=180) for n in (20, 150)]
+    plain.append(call("POST", stack.gateway_url + "/v1/chat/completions", chat, timeout_s=180))
     streamed = [stream_completion(stack.gateway_url + "/v1/completions", {**body, "prompt": _prompt(n, seed + n + 1)},
                                   timeout_s=180) for n in (30, 200)]
     streamed.append(stream_completion(stack.gateway_url + "/v1/chat/completions", chat, timeout_s=180))
@@ -167,7 +176,8 @@ def traffic(stack, prometheus) -> Traffic:
     for name in ("time_to_first_token", "inter_token_latency", "request_duration"):
         _wait_for(f"the second round's {name} scraped", lambda name=name: _has_series(
             prometheus, f"sum(rate(kvpush_gateway_{name}_seconds_count[5m])) > 0"))
-    return Traffic(plain_statuses=plain, streamed=streamed, refused_statuses=refused)
+    return Traffic(plain_statuses=[a.status for a in plain], streamed=streamed, refused_statuses=refused,
+                   transfer_id=plain[0].headers.get("x-kvpush-transfer-id", ""))
 
 
 def _names_by_query(queries: list[Query]) -> dict[str, set[str]]:
@@ -257,6 +267,25 @@ def test_alerts_follow_what_happened(traffic, prometheus):
     for alert in alerts:
         assert alert["state"] in ("pending", "firing")
         assert alert["labels"]["alertname"] not in NEVER_ON_A_HEALTHY_STACK, alert
+
+
+def test_the_runbook_commands_run(traffic, stack):
+    """Each `kvpush ...` command of the runbook (docs/observability.md) runs as written against this stack's directory
+    (DIR:50051: its address; TRANSFER_ID: a transfer of the traffic) and exits 0; `engines` lists the decode engine
+    and `trace` shows the transfer COMPLETE."""
+    commands = sorted(set(re.findall(r"`(kvpush [^`]+)`", RUNBOOK.read_text())))
+    assert {c.split()[1] for c in commands} >= {"health", "engines", "transfers", "trace"}, commands
+    assert traffic.transfer_id
+    kvpush = Path(sys.executable).with_name("kvpush")
+    for command in commands:
+        argv = shlex.split(command.replace("DIR:50051", stack.directory.address)
+                           .replace("TRANSFER_ID", traffic.transfer_id))
+        done = subprocess.run([str(kvpush), *argv[1:]], capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, f"{command}: {done.returncode}\n{done.stdout}\n{done.stderr}"
+        if argv[1] == "engines":
+            assert DECODE_ENGINE_ID in done.stdout, done.stdout
+        if argv[1] == "trace":
+            assert traffic.transfer_id in done.stdout and "COMPLETE" in done.stdout, done.stdout
 
 
 def test_a_directory_restart_is_alerted(traffic, prometheus, stack):
