@@ -551,26 +551,32 @@ class Dispatcher:
             failure = error
         finally:
             response.release()
-        if rewriter.error is not None:  # the engine's error event went out: the stream ends with it
-            self._stream_failed(outcome, "engine_error", event_error_status(rewriter.error),
-                                f"decode engine streamed an error: {str(rewriter.error)[:500]}")
+        await self._end_stream(out, route, outcome, rewriter.error, failure)
+        return out
+
+    async def _end_stream(self, out: web.StreamResponse, route: Route, outcome: Outcome, engine_error: Any,
+                          failure: BaseException | None) -> None:
+        """End a begun stream. After an engine's error event (`engine_error`, already passed on) or a `failure` of the
+        decode stream, it is a broken stream (`_stream_failed`): a failure is said with an SSE error event, the only way
+        left once headers are gone, and no [DONE] follows either."""
+        if engine_error is not None:
+            self._stream_failed(outcome, "engine_error", event_error_status(engine_error),
+                                f"decode engine streamed an error: {str(engine_error)[:500]}")
         elif failure is not None:
-            # Headers and the first token are gone: the only way left to say it is an SSE error event.
             message = failure.message if isinstance(failure, GatewayError) else f"decode stream broke: {failure}"
             code = failure.status if isinstance(failure, GatewayError) else 502
             if isinstance(failure, EngineUnreachable):  # too late to plan again, but later requests avoid it
                 await self._fail_over(route, failure, outcome, self._config.max_failovers)
             elif isinstance(failure, LegTimeout):
                 self._metrics.leg_timeouts.labels("decode").inc()
-            _log.warning("decode leg failed after the first token", transfer_id=route.transfer_id, error=message)
+            _log.warning("decode stream broke", transfer_id=route.transfer_id, error=message)
             self._stream_failed(outcome, _stream_error_reason(failure), code, message)
-            if not outcome.kv_delivered:
+            if not outcome.kv_delivered:  # decode never streamed a token: prefill may still be writing
                 outcome.cancelled = True
                 await asyncio.shield(self._cancel(route, message))
                 outcome.kv_delivered = True
             await send(out, error_event(message, code))
         await end(out)
-        return out
 
     async def _send_rewritten(self, out: web.StreamResponse, rewriter: first_token.DecodeStreamRewriter,
                               chunk: bytes | None, outcome: Outcome) -> None:
@@ -728,17 +734,7 @@ class Dispatcher:
             failure = error
         finally:
             response.release()
-        if watch.error is not None:  # the engine's error event went out: the stream ends with it
-            self._stream_failed(outcome, "engine_error", event_error_status(watch.error),
-                                f"decode engine streamed an error: {str(watch.error)[:500]}")
-        elif failure is not None:
-            # Headers are gone: the only way left to say it is an SSE error event.
-            if isinstance(failure, LegTimeout):
-                self._metrics.leg_timeouts.labels("decode").inc()
-            _log.warning("decode stream broke", transfer_id=route.transfer_id, error=failure.message)
-            self._stream_failed(outcome, _stream_error_reason(failure), failure.status, failure.message)
-            await send(out, error_event(failure.message, failure.status))
-        await end(out)
+        await self._end_stream(out, route, outcome, watch.error, failure)
         if prefill_task is not None:
             # Bounded by the leg's own timeout; the client already has its answer.
             done, _ = await asyncio.wait({prefill_task}, timeout=self._config.prefill_timeout_s)

@@ -7,6 +7,7 @@ tests/integration/reliability/test_failover.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -243,34 +244,38 @@ def test_a_decode_engine_that_sends_no_headers_is_failed_over_within_its_bound(t
         stack.stop()
 
 
-def _fail_prefill_while_the_directory_is_stopped(stack, stopped_s: float, timers: list[threading.Timer]):
-    """Prefill's behaviour: SIGSTOP the directory (its whole group) for `stopped_s` (the SIGCONT's timer goes in
-    `timers`), then fail the leg, so the gateway's CancelTransfer meets a directory that does not answer."""
+@contextlib.contextmanager
+def _cancel_meets_a_stopped_directory(tmp_path, stopped_s: float):
+    """A two-decode deployment (0.5 s directory deadlines) and one request whose prefill leg fails after SIGSTOPping
+    the directory for `stopped_s`, so the gateway's CancelTransfer meets a directory that does not answer; yields
+    the deployment and the request's transfer id once its 502 came."""
+    stack, timers = TwoDecodes(tmp_path, ("--plan-timeout", "0.5")), []
+    group = stack.directory.process.pid
+
     def behaviour(leg):
-        os.killpg(stack.directory.process.pid, signal.SIGSTOP)
-        timers.append(threading.Timer(stopped_s, os.killpg, (stack.directory.process.pid, signal.SIGCONT)))
+        os.killpg(group, signal.SIGSTOP)
+        timers.append(threading.Timer(stopped_s, os.killpg, (group, signal.SIGCONT)))
         timers[-1].start()
         return 500, {"error": {"message": "prefill broke"}}, 0.0
-    return behaviour
 
-
-def _resume_directory(stack, timers: list[threading.Timer]) -> None:
-    for timer in timers:
-        timer.cancel()
-    os.killpg(stack.directory.process.pid, signal.SIGCONT)
-
-
-def test_a_cancel_the_directory_missed_is_retried_until_it_lands(tmp_path):
-    """The directory is stopped for 1.5 s when the gateway cancels a failed request's transfer (0.5 s deadlines): the
-    client gets its 502 at once, the gateway tries again in the background, and the transfer ends CANCELLED, not
-    PLANNED; nothing is counted as a failed cancellation."""
-    stack, timers = TwoDecodes(tmp_path, ("--plan-timeout", "0.5")), []
     try:
-        stack.engines[PREFILL_ID].behaviour = _fail_prefill_while_the_directory_is_stopped(stack, 1.5, timers)
+        stack.engines[PREFILL_ID].behaviour = behaviour
         result = call("POST", stack.gateway.url + "/v1/completions", {"model": "tiny", "prompt": [1, 2],
                                                                       "max_tokens": 2}, timeout_s=30)
         assert result.status == 502, result.text
-        transfer_id = result.headers["x-kvpush-transfer-id"]
+        yield stack, result.headers["x-kvpush-transfer-id"]
+    finally:
+        for timer in timers:
+            timer.cancel()
+        os.killpg(group, signal.SIGCONT)
+        stack.stop()
+
+
+def test_a_cancel_the_directory_missed_is_retried_until_it_lands(tmp_path):
+    """The directory is stopped for 1.5 s when the gateway cancels a failed request's transfer: the client has its
+    502 already, the gateway tries again in the background, and the transfer ends CANCELLED, not PLANNED; nothing
+    is counted as a failed cancellation."""
+    with _cancel_meets_a_stopped_directory(tmp_path, 1.5) as (stack, transfer_id):
         state = None
         for _ in range(100):  # the retries end within about 3 s of the directory's return
             state = stack.client.get_transfer(transfer_id).state
@@ -279,21 +284,12 @@ def test_a_cancel_the_directory_missed_is_retried_until_it_lands(tmp_path):
             time.sleep(0.1)
         assert state == tpb.TRANSFER_STATE_CANCELLED, tpb.TransferState.Name(state)
         assert _metric(stack.gateway.url, "kvpush_gateway_cancel_failures_total") == 0
-    finally:
-        _resume_directory(stack, timers)
-        stack.stop()
 
 
 def test_a_cancel_that_never_lands_is_counted_and_logged(tmp_path):
     """The directory stopped for longer than every retry (8 s): the cancellation is counted and logged once, by
     transfer id."""
-    stack, timers = TwoDecodes(tmp_path, ("--plan-timeout", "0.5")), []
-    try:
-        stack.engines[PREFILL_ID].behaviour = _fail_prefill_while_the_directory_is_stopped(stack, 8.0, timers)
-        result = call("POST", stack.gateway.url + "/v1/completions", {"model": "tiny", "prompt": [1, 2],
-                                                                      "max_tokens": 2}, timeout_s=30)
-        assert result.status == 502, result.text
-        transfer_id = result.headers["x-kvpush-transfer-id"]
+    with _cancel_meets_a_stopped_directory(tmp_path, 8.0) as (stack, transfer_id):
         for _ in range(150):
             if _metric(stack.gateway.url, "kvpush_gateway_cancel_failures_total"):
                 break
@@ -302,9 +298,6 @@ def test_a_cancel_that_never_lands_is_counted_and_logged(tmp_path):
         lines = [line for line in tail(stack.gateway.process.log_path, 400).splitlines()
                  if "transfer not cancelled" in line]
         assert len(lines) == 1 and transfer_id in lines[0]
-    finally:
-        _resume_directory(stack, timers)
-        stack.stop()
 
 
 def test_first_byte_bounds_are_validated():
