@@ -209,14 +209,49 @@ def _copied_files(text: str) -> dict[str, Path]:
 
 def test_engine_image_builds_on_a_vllm_release_the_connector_loads_in() -> None:
     """The engine image's default base is inside the connector's supported range (it refuses others at load), and
-    the image installs what kvpush needs beyond the base (kvpush itself goes in with --no-deps): the gateway hosted in
-    the engine's API server decodes JSON with orjson."""
+    the image installs the kvpush wheel and its dependencies from the hashed lock only (no package named by hand);
+    tests/unit/test_wheel.py runs its install steps in a clean venv."""
     text = _dockerfile("Dockerfile.engine")
     tag = re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\S+)$", text, re.M)
     assert tag, "Dockerfile.engine names no default vllm-openai image"
     assert SUPPORTED_MIN <= parse_release(tag.group(1)) <= SUPPORTED_MAX, tag.group(1)
-    installed = set(re.findall(r"pip install --no-cache-dir (.*)", text)[-1].replace('"', "").split())
-    assert {"structlog", "opentelemetry-exporter-otlp-proto-grpc", "orjson"} <= installed, installed
+    assert re.search(r"^COPY dist/kvpush-\*\.whl ", text, re.M)
+    assert "install-kvpush.sh deps /tmp/kvpush/runtime.lock --keep-installed" in text
+    assert "pip install" not in _instructions(text)
+
+
+@pytest.mark.parametrize("name", ["directory", "gateway", "engine-cpu"])
+def test_images_install_the_wheel_from_a_lock_on_a_named_base(name: str) -> None:
+    """The images `make images` builds take their base from BASE_IMAGE (public python:3.11-slim by default) and
+    install the wheel with every dependency from a lock that exists, at dev.lock's versions."""
+    text = _dockerfile(f"Dockerfile.{name}")
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M) and "FROM ${BASE_IMAGE}" in text
+    lock = re.search(r"install-kvpush\.sh deps /tmp/kvpush/(\S+\.lock)$", text, re.M)
+    assert lock and (ROOT / "requirements" / lock.group(1)).is_file(), lock
+    assert re.search(r"^COPY dist/kvpush-\*\.whl /tmp/kvpush/$", text, re.M)
+    assert "install-kvpush.sh wheel /tmp/kvpush/kvpush-*.whl" in text
+    assert "pip install" not in _instructions(text)
+    dev = _pins(ROOT / "requirements" / "dev.lock")
+    assert {n: v for n, v in _pins(ROOT / "requirements" / lock.group(1)).items() if dev.get(n) != v} == {}
+
+
+def _instructions(dockerfile: str) -> str:
+    """A Dockerfile without its comment lines."""
+    return re.sub(r"(?m)^#.*$", "", dockerfile)
+
+
+def _pins(lock: Path) -> dict[str, str]:
+    return dict(re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)", lock.read_text(), re.M))
+
+
+def test_install_docs_build_the_images_the_manifests_run() -> None:
+    """docs/install.md's image builds use the Dockerfiles here and tag what deploy/k8s runs."""
+    builds = re.findall(r"^docker build -f (\S+) -t (\S+) \.$", (ROOT / "docs" / "install.md").read_text(), re.M)
+    assert {Path(f).name for f, _ in builds} == {"Dockerfile.directory", "Dockerfile.gateway", "Dockerfile.engine"}
+    assert all((ROOT / f).is_file() for f, _ in builds)
+    manifests = {c["image"] for d in _k8s_docs() if d["kind"] == "Deployment"
+                 for c in d["spec"]["template"]["spec"]["containers"] if c["image"].startswith("kvpush/")}
+    assert manifests == {tag for _, tag in builds}
 
 
 def test_images_pass_flags_their_entry_points_accept() -> None:
