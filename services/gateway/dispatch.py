@@ -558,7 +558,10 @@ class Dispatcher:
                           failure: BaseException | None) -> None:
         """End a begun stream. After an engine's error event (`engine_error`, already passed on) or a `failure` of the
         decode stream, it is a broken stream (`_stream_failed`): a failure is said with an SSE error event, the only way
-        left once headers are gone, and no [DONE] follows either."""
+        left once headers are gone, and no [DONE] follows either. A decode stream that just stopped before its [DONE]
+        is such a failure too."""
+        if engine_error is None and failure is None and not outcome.answered:
+            failure = bad_gateway(f"decode engine at {route.decode_url}: its stream ended before [DONE]")
         if engine_error is not None:
             self._stream_failed(outcome, "engine_error", event_error_status(engine_error),
                                 f"decode engine streamed an error: {str(engine_error)[:500]}")

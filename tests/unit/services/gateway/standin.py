@@ -7,7 +7,7 @@ vLLM engines in tests/integration/localstack. Each instance runs its own event l
 `behaviour(leg)` is called for every POST with the recorded leg and returns (status, body, delay_s);
 a `stream: true` request is answered with SSE events: `stream_events` (whole events) or `stream_tokens` (paced by
 `token_delay_s`, the first after `first_event_delay_s`) and an optional leading `stream_error`; `done_linger_s` keeps
-the stream open that long after its [DONE]. A body with
+the stream open that long after its [DONE]; `no_done` leaves the [DONE] out. A body with
 `drop_connection` closes the connection without answering (a killed engine), after `delay_s`.
 """
 
@@ -134,7 +134,8 @@ class StandInEngine:
                 if index and body.get("token_delay_s"):
                     await asyncio.sleep(body["token_delay_s"])
                 await response.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': token}]})}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
+            if not body.get("no_done"):  # a stream that just stops, as an engine dying between events may
+                await response.write(b"data: [DONE]\n\n")
             if body.get("done_linger_s"):  # the stream stays open a while after its last event
                 await asyncio.sleep(body["done_linger_s"])
             await response.write_eof()

@@ -121,6 +121,20 @@ def test_a_stream_broken_by_an_engine_error_ends_with_it_and_counts_as_a_failure
     assert "unhandled error" not in tail(gw.gateway.process.log_path, 400)
 
 
+def test_a_stream_that_stops_before_its_done_is_a_failure(gw):
+    """Decode's stream ends after its tokens without [DONE]: the client's stream ends with an error event saying so,
+    and the request counts 502 and once as a broken connection."""
+    _script(gw, {"stream_events": _decode_events(*TOKENS), "no_done": True})
+    before = _samples(gw)
+    result = stream_completion(gw.gateway.url + ROUTE, {"model": "tiny", "prompt": "x", "max_tokens": 4},
+                               timeout_s=30)
+    after = _samples(gw)
+    assert result.status == 200 and "ended before [DONE]" in result.error, result.error
+    assert "error" in result.events[-1] and result.text == " sea waves!"
+    assert _delta(before, after, "kvpush_gateway_requests_total", route=ROUTE, status="502") == 1
+    assert _delta(before, after, "kvpush_gateway_stream_errors_total", reason="connection") == 1
+
+
 def test_a_client_closing_after_its_last_byte_is_a_success(gw):
     """The decode stream stays open 1.5 s after its [DONE]; the client closes as soon as it read [DONE]: the request
     counts 200 with its duration, never 499 or 500, and the gateway logs no error for it."""
