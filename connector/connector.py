@@ -319,3 +319,61 @@ class KVPushConnector(KVConnectorBase_V1):
         did until the H200 run) took decode's TPOT from ~7 to ~14 ms on Llama-3.1-8B.
         """
         return False
+
+    # ================================================================ hooks of newer releases (compat.py)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: vLLM 0.33+ then refuses `--enable-sleep-mode` for this connector at start-up.
+
+        Sleep unmaps the KV cache and wake maps fresh pages, so the NIXL registration would have to be dropped and
+        redone. Re-registering changes the agent metadata that peers loaded (at first contact, or from the
+        directory's announcements) and that push plans were built against; every peer would have to reload it
+        before writing again, and the directory has no way to tell them. Until it has, a sleeping engine is refused
+        rather than left open to WRITEs into memory it gave back.
+        """
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Refuse to give up the registered KV cache (vLLM 0.33+ calls this before releasing its memory).
+
+        Sleep mode never gets here (`supports_sleep_mode`), but vLLM 0.34 also calls it before lending an emptied
+        extensible KV cache to a weight update. Raising stops that before any memory is released; doing nothing
+        would let vLLM free pages that NIXL still has registered and prefill engines may still write into.
+        """
+        if self._parts is None:  # nothing registered in this process
+            return
+        raise RuntimeError("KVPushConnector cannot release its KV cache: it is registered with NIXL and its peers "
+                           "write into it (supports_sleep_mode is False for the same reason); update weights "
+                           "without releasing the KV cache, or restart the engine")
+
+    def restore_kv_caches(self) -> None:
+        """Nothing to restore: `unregister_kv_caches` never lets the registration go."""
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """`KVCacheAccess.REGISTERS` (vLLM 0.34+): each worker registers its KV cache with NIXL for RDMA, which
+        needs every segment backed by one physical allocation."""
+        # Imported here: vLLM 0.34 added it, and only 0.34+ calls this hook.
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.REGISTERS
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """True (vLLM 0.34+): block hashes that also cover the tokens after each block change nothing here. The
+        connector never reads, sends or compares vLLM's block hashes; decode's own prefix hit reaches it as a token
+        count (`num_computed_tokens`) and goes to the directory as one."""
+        return True
+
+    def may_load_async(self, request: "Request") -> bool:
+        """Whether `get_num_new_matched_tokens` may answer `load_kv_async=True` for this request (vLLM 0.34+).
+
+        Decode: a request carrying a kvpush decode leg that is not allocated yet (pushed KV arrives asynchronously);
+        asked before vLLM knows the local prefix hit, so a full local hit is a harmless false positive. Prefill:
+        never. Cheap and without side effects, as vLLM asks each time the request enters a waiting queue.
+        """
+        if self._scheduler is None or self.config.is_prefill:
+            return False
+        _, load_async = self._scheduler.get_num_new_matched_tokens(request, 0)
+        return bool(load_async)

@@ -139,7 +139,8 @@ class PrefillScheduler:
             if tracked is not None:
                 tracked.block_ids = list(new_request.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
+        # vLLM 0.25-0.33 name resumed requests here; 0.34 sends them in scheduled_new_reqs, whole table (above).
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for request_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
             tracked = self._tracked.get(request_id)
             if tracked is None or new_block_ids is None:
