@@ -198,11 +198,14 @@ def test_kvpush_command_runs_from_the_installed_wheel(engine_layer):
 
 
 def test_install_docs_pip_lines_install_a_working_kvpush(wheel, tmp_path):
-    """docs/install.md's pip commands, run as written in a fresh venv beside the wheel file (pip resolving the
-    wheel's own requirements, NIXL without its dependencies), give a kvpush whose client and gateway import."""
+    """docs/install.md's pip commands (the EC2 run-book's are the same), run as written in a fresh venv beside the
+    wheel file (pip resolving the wheel's own requirements, NIXL without its dependencies), give a kvpush whose client
+    and gateway import."""
     text = (ROOT / "docs" / "install.md").read_text()
     commands = re.findall(r"^(pip install .*)$", "\n".join(re.findall(r"```bash\n(.*?)```", text, re.S)), re.M)
     assert len(commands) == 2 and wheel.name in commands[0], commands
+    runbook = re.findall(r"^(pip install .*)$", (ROOT / "deploy" / "ec2-efa" / "README.md").read_text(), re.M)
+    assert [c.split("#")[0].strip() for c in runbook] == [c.split("#")[0].strip() for c in commands]
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     shutil.copy2(wheel, tmp_path / wheel.name)
