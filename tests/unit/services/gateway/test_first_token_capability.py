@@ -7,8 +7,8 @@ import pytest
 
 from kvpush.localstack.client import call, stream_completion
 from kvpush.v1 import types_pb2 as tpb
-from tests.unit.services.gateway.test_first_token_gateway import _decode_events
-from tests.unit.services.gateway.test_gateway import Deployment
+from tests.unit.services.gateway.test_first_token_gateway import _decode_events, _prefill_answer
+from tests.unit.services.gateway.test_gateway import Deployment, register_standin
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,32 @@ def test_one_token_requests_go_to_decode_too(gw):
     assert result.status == 200, result.text
     assert result.body["choices"][0]["token_ids"] == [42]
     assert len(gw.decode.legs) == 1
+
+
+def test_an_early_prefill_leg_for_a_decode_engine_that_stopped_forcing(tmp_path, otlp_receiver):
+    """The gateway's engine list (cached) still says the decode engine forces, so the prefill leg leaves before the
+    plan in first-token mode; the plan says the engine, registered again, no longer does: the request is decode's
+    whole answer, with no error event, although its prefill leg asked for the token."""
+    deployment = Deployment(tmp_path, otlp_receiver.env("kvpush-gateway-nf2"), first_token_from_prefill=True)
+    try:
+        deployment.prefill.behaviour = lambda leg: (200, _prefill_answer(), 0.0)
+        deployment.decode.behaviour = lambda leg: (200, {"stream_events": _decode_events((17, " sea"), (18, " wave"))},
+                                                   0.0)
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "return_token_ids": True}
+        warm = stream_completion(deployment.gateway.url + "/v1/completions", body, timeout_s=30)
+        assert warm.status == 200 and _token_ids(warm) == [17, 18], warm.error  # first token from prefill
+        deployment.client.run(deployment.registrations["decode"].stop())
+        register_standin(deployment.client, "decode", tpb.ENGINE_ROLE_DECODE, deployment.decode.url,
+                         forces_first_token=False)
+        deployment.reset()
+        deployment.prefill.behaviour = lambda leg: (200, _prefill_answer(), 0.0)
+        deployment.decode.behaviour = lambda leg: (200, {"stream_events": _decode_events((42, " land"), (18, " wave"))},
+                                                   0.0)
+        result = stream_completion(deployment.gateway.url + "/v1/completions", body, timeout_s=30)
+        assert result.status == 200 and not result.error, result.error
+        assert _token_ids(result) == [42, 18] and result.text == " land wave"
+        (p_leg,), (d_leg,) = deployment.prefill.legs, deployment.decode.legs
+        assert p_leg.body["kv_transfer_params"]["first_token_from_prefill"] is True  # sent before the plan
+        assert "first_token_from_prefill" not in d_leg.body["kv_transfer_params"]
+    finally:
+        deployment.stop()

@@ -49,9 +49,11 @@ class Deployment:
         self.decode = StandInEngine("decode").start()
         self.directory = start_directory(log_dir)
         self.client = SyncDirectoryClient(ChannelConfig(address=self.directory.address, timeout_s=5.0))
-        for engine, role in ((self.prefill, tpb.ENGINE_ROLE_PREFILL), (self.decode, tpb.ENGINE_ROLE_DECODE)):
-            register_standin(self.client, engine.name, role, engine.url,
-                             forces_first_token=role == tpb.ENGINE_ROLE_DECODE and decode_forces_first_token)
+        self.registrations = {
+            engine.name: register_standin(self.client, engine.name, role, engine.url,
+                                          forces_first_token=role == tpb.ENGINE_ROLE_DECODE
+                                          and decode_forces_first_token)
+            for engine, role in ((self.prefill, tpb.ENGINE_ROLE_PREFILL), (self.decode, tpb.ENGINE_ROLE_DECODE))}
         self.gateway = start_gateway(log_dir, directory_address=self.directory.address, env=otlp_env,
                                      extra_args=["--prefill-timeout", "4", "--decode-timeout", "4",
                                                  # the concurrent path; first token from prefill (the default):
