@@ -23,7 +23,10 @@ per-group block lists in the directory API first.
 Operations hooks here (not in the halves): each worker registers its served model and a compatibility hash
 (`metadata.compatibility_hash`), renews its lease with the engine's load (the scheduler reads free blocks from the
 block pool each step and passes them in the step's metadata), and feeds `connector.metrics` from WRITE
-settlements, push timelines and finished receives (served on `metrics_port + tp_rank`).
+settlements, push timelines and finished receives (served on `metrics_port + tp_rank`). A decode worker also
+registers whether its engine forces prefill's first token (`forces_first_token`): vLLM built the first-token logits
+processor (connector/first_token.py, loaded through kvpush's entry point) with the model runner, before this
+connector existed, so the worker reports what got installed rather than installing anything.
 
 Unlike vLLM's NIXL connectors this never pins CPU cores, and its NIXL agent runs with the progress
 thread off and every NIXL call on the data plane's one I/O thread.
@@ -140,6 +143,16 @@ class KVPushConnector(KVConnectorBase_V1):
         _log.info("kvpush connector worker ready", engine_id=self.config.engine_id, role=self.config.role,
                   tp_rank=tp_rank, tp_size=tp_size, agent=agent.agent_name, layers=len(kv_caches),
                   layout=agent.layout.layout_name, blocks=agent.layout.block_count)
+
+    def _forces_first_token(self) -> bool:
+        """Decode: whether this process's sampler got a forcing first-token processor (vLLM built it with the model
+        runner, before this connector existed; connector/first_token.py says when it cannot)."""
+        from kvpush.connector.first_token import forcing_installed
+
+        forces = self.config.is_decode and forcing_installed()
+        if self.config.is_decode:
+            _log.info("first token from prefill", engine_id=self.config.engine_id, forces_first_token=forces)
+        return forces
 
     def _forces_first_token(self) -> bool:
         """Decode: whether this process's sampler got a forcing first-token processor (vLLM built it with the model
