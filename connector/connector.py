@@ -154,16 +154,6 @@ class KVPushConnector(KVConnectorBase_V1):
             _log.info("first token from prefill", engine_id=self.config.engine_id, forces_first_token=forces)
         return forces
 
-    def _forces_first_token(self) -> bool:
-        """Decode: whether this process's sampler got a forcing first-token processor (vLLM built it with the model
-        runner, before this connector existed; connector/first_token.py says when it cannot)."""
-        from kvpush.connector.first_token import forcing_installed
-
-        forces = self.config.is_decode and forcing_installed()
-        if self.config.is_decode:
-            _log.info("first token from prefill", engine_id=self.config.engine_id, forces_first_token=forces)
-        return forces
-
     def _compatibility_hash(self, agent: Any, num_kv_heads: int, head_size: int, layer_count: int) -> str:
         import vllm
 
