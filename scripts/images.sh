@@ -46,14 +46,20 @@ build() {
   for conf in /etc/apt/apt.conf.d/99artifact-registry; do  # apt settings this machine's mirror needs
     [ -f "$conf" ] && mounts+=(-v "$conf:/etc/apt/apt.conf.d/$(basename "$conf"):ro")
   done
-  local name started
+  local name tag started previous
   for name in directory gateway engine-cpu; do
+    tag=localhost/kvpush/$name:$version
     started=$SECONDS
+    previous=$(podman_ image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
     # The torch CPU wheel comes from the wheelhouse here: no PyTorch index.
     podman_ build --quiet --pull=never --isolation chroot --network host "${mounts[@]}" \
       --build-arg "BASE_IMAGE=$base" --build-arg PIP_EXTRA_INDEX_URL= \
-      -f "deploy/docker/Dockerfile.$name" -t "localhost/kvpush/$name:$version" . >/dev/null
-    echo "[images] localhost/kvpush/$name:$version built in $((SECONDS - started)) s" >&2
+      -f "deploy/docker/Dockerfile.$name" -t "$tag" . >/dev/null
+    echo "[images] $tag built in $((SECONDS - started)) s" >&2
+    # The image this tag named before, now untagged: its own top layers go (the shared ones stay in use).
+    if [ -n "$previous" ] && [ "$previous" != "$(podman_ image inspect --format '{{.Id}}' "$tag")" ]; then
+      podman_ rmi "$previous" >/dev/null 2>&1 || true
+    fi
   done
 }
 
