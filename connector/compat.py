@@ -78,6 +78,8 @@ def _reads(cls: str, *members: str, **options: object) -> tuple[VLLMRead, ...]:
 # What the connector package reads of vLLM's objects. tests/unit/connector/test_vllm_api.py checks each one
 # against every release's snapshot, and that every read of an annotated vLLM parameter in connector/ is listed.
 VLLM_READS: tuple[VLLMRead, ...] = (
+    *_reads("KVConnectorBase_V1", "_vllm_config"),  # set by the base class's __init__, read by the facade
+    *_reads("KVConnectorRole", "SCHEDULER", "WORKER"),
     *_reads("SchedulerOutput", "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
             "total_num_scheduled_tokens", "preempted_req_ids"),
     *_reads("NewRequestData", "req_id", "block_ids"),

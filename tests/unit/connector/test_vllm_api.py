@@ -316,6 +316,13 @@ def test_no_use_of_members_whose_meaning_or_existence_changed():
     assert yields[(0, 32)] != yields[(0, 33)], "the snapshots no longer show the change this test guards"
 
 
+@pytest.mark.parametrize("release", RELEASES, ids=lambda r: f"{r[0]}.{r[1]}")
+def test_the_connector_overwrites_no_state_of_the_base_class(release):
+    """An attribute the connector assigns that vLLM's base class also uses would replace vLLM's state."""
+    base = load_snapshot(release)["classes"]["KVConnectorBase_V1"]
+    assert set(connector_class()["attributes"]) & _members(base) == set()
+
+
 def test_oldest_release_hooks_derive_from_its_snapshot():
     """The connector's overrides that are not release-specific are all hooks of the oldest supported release."""
     oldest = set(load_snapshot(compat.SUPPORTED_MIN)["classes"]["KVConnectorBase_V1"]["methods"])
