@@ -121,7 +121,7 @@ class RenewLeaseResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class PlanTransferRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_count", "prefill_engine_id", "decode_engine_id", "trace_context", "ttl", "model", "transfer_id")
+    __slots__ = ("request_id", "prompt_token_count", "prefill_engine_id", "decode_engine_id", "trace_context", "ttl", "model", "transfer_id", "client_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class PlanTransferRequest(_message.Message):
     TTL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_count: int
     prefill_engine_id: str
@@ -138,7 +139,8 @@ class PlanTransferRequest(_message.Message):
     ttl: _duration_pb2.Duration
     model: str
     transfer_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., trace_context: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    client_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., trace_context: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ..., transfer_id: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class PlanTransferResponse(_message.Message):
     __slots__ = ("transfer", "prefill_endpoint", "decode_endpoint", "decode_forces_first_token", "directory_incarnation_id")

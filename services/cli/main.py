@@ -59,6 +59,11 @@ _SERVE_FLAGS: dict[str, tuple[str, object, type]] = {
     "max_pending_rejections": ("KVPUSH_DIRECTORY_MAX_PENDING_REJECTIONS", 16_384, int),
     "renew_stream_idle_s": ("KVPUSH_DIRECTORY_RENEW_STREAM_IDLE_S", 30.0, float),
     "max_open_streams": ("KVPUSH_DIRECTORY_MAX_OPEN_STREAMS", 20_000, int),
+    "max_streams_per_identity": ("KVPUSH_DIRECTORY_MAX_STREAMS_PER_IDENTITY", 256, int),
+    "max_calls_in_flight_per_caller": ("KVPUSH_DIRECTORY_MAX_CALLS_IN_FLIGHT_PER_CALLER", 8, int),
+    "max_bytes_in_flight_per_caller": ("KVPUSH_DIRECTORY_MAX_BYTES_IN_FLIGHT_PER_CALLER", 64 * 1024 * 1024, int),
+    "max_client_share": ("KVPUSH_DIRECTORY_MAX_CLIENT_SHARE", 1.0, float),
+    "late_renewal_fraction": ("KVPUSH_DIRECTORY_LATE_RENEWAL_FRACTION", 0.5, float),
     "metrics_port": ("KVPUSH_DIRECTORY_METRICS_PORT", 0, int),
     # Replicas on etcd (docs/directory-replicas.md): empty endpoints = one process, everything in memory.
     "etcd_endpoints": ("KVPUSH_DIRECTORY_ETCD_ENDPOINTS", "", str),
@@ -313,7 +318,10 @@ def _serve(args: argparse.Namespace) -> int:
             reap_stall_threshold_s=args.reap_stall_threshold_s,
             max_pending_rejections_per_session=args.max_pending_rejections_per_session,
             max_pending_rejections=args.max_pending_rejections, renew_stream_idle_s=args.renew_stream_idle_s,
-            max_open_streams=args.max_open_streams)
+            max_open_streams=args.max_open_streams, max_streams_per_identity=args.max_streams_per_identity,
+            max_calls_in_flight_per_caller=args.max_calls_in_flight_per_caller,
+            max_bytes_in_flight_per_caller=args.max_bytes_in_flight_per_caller,
+            max_client_share=args.max_client_share, late_renewal_fraction=args.late_renewal_fraction)
         config = DirectoryConfig(
             host=args.host, port=args.port, token=args.token, tokens_file=args.tokens_file, tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca, limits=limits,

@@ -9,9 +9,10 @@
   routed by shard; `SyncDirectoryClient` and `watch_transfers` pick them when the directory is replicated).
 - `SyncDirectoryClient`: all of the above from threads, on a private event-loop thread.
 - `DirectoryCallError`: the exception every refused call raises (`.code`, `.details`).
+- `client_id_of`, `PLAN_CLIENT_ID`: the client a plan serves (the directory bounds each client's share of an engine).
 """
 
-from kvpush.services.client.client import DirectoryClient
+from kvpush.services.client.client import PLAN_CLIENT_ID, DirectoryClient, client_id_of
 from kvpush.services.client.config import ChannelConfig
 from kvpush.services.client.errors import DirectoryCallError
 from kvpush.services.client.lease import EngineRegistration
@@ -21,6 +22,7 @@ from kvpush.services.client.sync import SyncDirectoryClient
 from kvpush.services.client.watch import watch_transfers
 
 __all__ = [
+    "PLAN_CLIENT_ID",
     "ChannelConfig",
     "DirectoryCallError",
     "DirectoryClient",
@@ -28,6 +30,7 @@ __all__ = [
     "PrefillSession",
     "ReplicatedPrefillSession",
     "SyncDirectoryClient",
+    "client_id_of",
     "watch_replicas",
     "watch_transfers",
 ]

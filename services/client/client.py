@@ -19,6 +19,9 @@ from threads use `SyncDirectoryClient`, which owns a private loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import hashlib
+import re
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -31,6 +34,22 @@ from kvpush.services.directory.shards import SHARD_NOT_OWNED, ShardRedirect, sha
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb
+
+
+# The client a plan serves (PlanTransferRequest.client_id) when `plan_transfer` is not given one: a gateway sets it
+# once per incoming request, in the request's task, so every plan made for that request names its client.
+PLAN_CLIENT_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvpush_plan_client_id", default="")
+_NOT_ID = re.compile("[^A-Za-z0-9._:@+=~-]")
+
+
+def client_id_of(api_key: str = "", peer: str = "") -> str:
+    """A stable, non-secret client id for PlanTransferRequest.client_id: "key-" and 16 hex digits of the API key's
+    SHA-256 when a key is given (the key itself never leaves), else "addr-" and the peer's address ("" for neither)."""
+    if api_key:
+        return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+    if peer:
+        return "addr-" + _NOT_ID.sub("_", peer)[:120]
+    return ""
 
 
 class DirectoryClient:
@@ -178,13 +197,15 @@ class DirectoryClient:
     async def plan_transfer(self, request_id: str = "", prompt_token_count: int = 0, prefill_engine_id: str = "",
                             decode_engine_id: str = "", trace_context: str = "", ttl_s: float | None = None,
                             timeout_s: float | None = None, model: str = "",
-                            transfer_id: str = "") -> dpb.PlanTransferResponse:
+                            transfer_id: str = "", client_id: str | None = None) -> dpb.PlanTransferResponse:
         """Pick engines (serving `model` when given) and mint a transfer (state PLANNED). `transfer_id`: the
         caller's id for it (the prefill leg may already be on its way; `prefill_engine_id` is then required),
-        sent to the replica that owns its shard."""
+        sent to the replica that owns its shard. `client_id`: the client the transfer serves (the directory bounds
+        each client's share of an engine; `client_id_of`); None: `PLAN_CLIENT_ID` of the calling context."""
         request = dpb.PlanTransferRequest(
             request_id=request_id, prompt_token_count=prompt_token_count, prefill_engine_id=prefill_engine_id,
-            decode_engine_id=decode_engine_id, trace_context=trace_context, model=model, transfer_id=transfer_id)
+            decode_engine_id=decode_engine_id, trace_context=trace_context, model=model, transfer_id=transfer_id,
+            client_id=PLAN_CLIENT_ID.get() if client_id is None else client_id)
         if ttl_s is not None:
             request.ttl.CopyFrom(_duration(ttl_s))
         return await self._unary("PlanTransfer", request, timeout_s, transfer_id=transfer_id)

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 
 class DirectoryError(Exception):
-    """Base class: a request the directory refuses, with a message fit for the caller."""
+    """Base class: a request the directory refuses, with a message fit for the caller.
+
+    `limit`: for a refusal because a configured limit was reached, its name (a metric label, bounded).
+    """
+
+    def __init__(self, message: str = "", limit: str = "") -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class InvalidArgument(DirectoryError):

@@ -89,6 +89,10 @@ class DirectoryMetrics(TransferObserver):
         self.early_readiness = Counter("kvpush_directory_early_readiness",
                                        "Unplanned transfers whose readiness (plan_in_flight) was held for their plan, "
                                        "by how the hold ended: planned, expired, dropped.", ["outcome"], registry=r)
+        self.engines_skipped = Counter("kvpush_directory_plan_skipped_engines",
+                                       "Candidate engines a plan left out, by reason: late_renewal (its lease "
+                                       "renewal is late: a frozen or starved engine), client_share (the client "
+                                       "holds its share of the engine's transfer cap).", ["reason"], registry=r)
         self.lease_expiries = Counter("kvpush_directory_lease_expiries",
                                       "Worker leases that lapsed without renewal, by role.", ["role"], registry=r)
         self.stalls = Counter("kvpush_directory_stalls", "Reaper gaps over the stall threshold (leases extended).",
@@ -109,6 +113,10 @@ class DirectoryMetrics(TransferObserver):
     def on_planned(self, transfer: TransferRecord) -> None:
         """Count the plan."""
         self.transfers_planned.inc()
+
+    def on_engine_skipped(self, reason: str) -> None:
+        """Count an engine a plan left out."""
+        self.engines_skipped.labels(reason).inc()
 
     def on_early_readiness(self, outcome: str) -> None:
         """Count how a hold of early readiness ended."""
@@ -213,6 +221,14 @@ class _LiveCollector:
             for kind, count in sorted(servicer.refusals.counts.items()):
                 refusals.add_metric([kind], count)
             yield refusals
+            limits = CounterMetricFamily("kvpush_directory_limit_refusals",
+                                         "Calls refused because a configured limit was reached, by limit: "
+                                         "client_share, engine_transfer_cap, late_renewal (plans), "
+                                         "identity_streams, open_streams (streams), caller_calls, caller_bytes "
+                                         "(requests in flight per caller).", labels=["limit"])
+            for limit, count in sorted(servicer.limit_refusals.items()):
+                limits.add_metric([limit], count)
+            yield limits
             yield GaugeMetricFamily("kvpush_directory_queued_rejections",
                                     "Event rejections queued for StreamPrefill sessions, not yet written "
                                     "(capped per session and in all).", value=servicer.pending_rejection_count)
@@ -326,6 +342,11 @@ class TransferObservers(TransferObserver):
         """Fan out."""
         for observer in self._observers:
             observer.on_early_readiness(outcome)
+
+    def on_engine_skipped(self, reason: str) -> None:
+        """Fan out."""
+        for observer in self._observers:
+            observer.on_engine_skipped(reason)
 
     def on_allocated(self, transfer: TransferRecord) -> None:
         """Fan out."""

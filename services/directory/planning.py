@@ -31,7 +31,7 @@ def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_
     prefills = [g for g in prefills if len(g.active_transfers) < max_active_transfers]
     decodes = [g for g in decodes if len(g.active_transfers) < max_active_transfers]
     if not prefills or not decodes:
-        raise ResourceExhausted("every candidate engine is at its transfer cap")
+        raise ResourceExhausted("every candidate engine is at its transfer cap", limit="engine_transfer_cap")
     if prompt_token_count > 0:
         # Admitted by capacity, not by the last reported free blocks: an idle decode engine reports the blocks it
         # freed only at its next step or renewal, and such a stale report refused requests it could hold. An

@@ -82,6 +82,24 @@ class Limits:
     # the plan with the prefill leg, so the plan normally comes first or within milliseconds.
     early_readiness_hold_s: float = 2.0
     max_early_transfers_per_engine: int = 256
+    # The most one client (PlanTransferRequest.client_id) may hold of any engine's transfer cap, as a fraction of
+    # max_active_transfers_per_engine (at least one transfer); 1.0: no per-client bound.
+    max_client_share: float = 1.0
+    # Planning skips an engine with a worker whose last lease renewal is older than lease_ttl_s times this
+    # (clients renew every TTL/3: 0.5 is one and a half renewal intervals, well before the lease lapses).
+    late_renewal_fraction: float = 0.5
+    # Open streams one caller (an engine, the operator; without identities a peer host) may hold, counted apart
+    # for renewals and for other streams (services/directory/admission.py).
+    max_streams_per_identity: int = 256
+    # The share of max_open_streams only RenewLease may use: a renewal is never refused because watches or
+    # sessions filled the slots.
+    renewal_reserved_share: float = 0.25
+    # Unary calls of one caller read or handled at once; more wait unread (at most max_queued_calls_per_caller,
+    # then RESOURCE_EXHAUSTED). With requests of at most max_message_bytes, this bounds what a caller has buffered.
+    max_calls_in_flight_per_caller: int = 8
+    max_queued_calls_per_caller: int = 1024
+    # Request bytes of one caller's calls being handled at once; a request past it is RESOURCE_EXHAUSTED.
+    max_bytes_in_flight_per_caller: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -89,6 +107,14 @@ class Limits:
                 raise ValueError(f"limit {name} must be positive, got {value}")
         if self.transfer_ttl_s > self.max_transfer_ttl_s:
             raise ValueError("transfer_ttl_s must not exceed max_transfer_ttl_s")
+        if self.max_client_share > 1:
+            raise ValueError(f"max_client_share is a fraction in (0, 1], got {self.max_client_share}")
+        if self.renewal_reserved_share >= 1:
+            raise ValueError(f"renewal_reserved_share is a fraction in (0, 1), got {self.renewal_reserved_share}")
+
+    def client_transfer_cap(self) -> int:
+        """Live transfers one client may hold on one engine (max_client_share of the engine cap, at least 1)."""
+        return max(1, math.floor(self.max_client_share * self.max_active_transfers_per_engine))
 
 
 @dataclass
@@ -140,6 +166,10 @@ class TransferObserver:
         plan came), "expired" (no plan within the hold), "dropped" (its session or engine ended first, or the
         plan named another engine)."""
 
+    def on_engine_skipped(self, reason: str) -> None:
+        """Called for each candidate engine a plan left out: "late_renewal" (its lease renewal is late: frozen or
+        starved) or "client_share" (the plan's client holds its share of the engine's cap)."""
+
     def on_planned(self, transfer: TransferRecord) -> None:
         """Called once when the transfer is minted."""
 
@@ -180,6 +210,9 @@ class Worker:
     outbox: deque = field(default_factory=deque)
     # The current StreamPrefill session (0: none); a stale session's end changes nothing.
     session_id: int = 0
+    # Monotonic time of the last registration or renewal (planning skips an engine whose renewal is late);
+    # inf for a registration mirrored from etcd, whose renewals any replica may take (never late here).
+    renewed_at: float = 0.0
 
 
 @dataclass
@@ -208,6 +241,10 @@ class EngineGroup:
     def model(self) -> str:
         """The model the engine serves, as its lowest rank registered it."""
         return self.workers[min(self.workers)].model
+
+    def last_renewal(self) -> float:
+        """Monotonic time of the stalest worker's last registration or renewal."""
+        return min(w.renewed_at for w in self.workers.values())
 
     def queued_requests(self) -> int:
         """Running plus waiting requests from the last reported load (the busiest rank; 0 before one)."""
@@ -297,6 +334,8 @@ class TransferRecord:
     first_token_id: int | None = None
     # True while decode's blocks are known but not yet stored where a successor replica finds them.
     dispatch_held: bool = False
+    # The client the transfer serves (PlanTransferRequest.client_id; "": none), for the per-client share.
+    client_id: str = ""
 
     @property
     def terminal(self) -> bool:

@@ -7,6 +7,7 @@ ran out (the reaper removes them); `extend_all()` moves every lease on after a d
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 
@@ -82,7 +83,7 @@ class EngineRegistry:
             forces_first_token=request.forces_first_token,
             lease_id=uuid.uuid4().hex,
             lease_deadline=now + self.limits.lease_ttl_s, register_wall=wall,
-            lease_deadline_wall=wall + self.limits.lease_ttl_s,
+            lease_deadline_wall=wall + self.limits.lease_ttl_s, renewed_at=now,
         )
         group.workers[request.tp_rank] = worker
         self.leases[worker.lease_id] = worker
@@ -109,12 +110,16 @@ class EngineRegistry:
         """Give a worker's lease a whole TTL from now."""
         worker.lease_deadline = now + self.limits.lease_ttl_s
         worker.lease_deadline_wall = self.clock.wall() + self.limits.lease_ttl_s
+        if math.isfinite(worker.renewed_at):  # a mirrored registration stays never-late (Worker.renewed_at)
+            worker.renewed_at = now
 
     def extend_all(self, seconds: float) -> None:
-        """Move every lease deadline on by `seconds` (the directory itself could not take renewals)."""
+        """Move every lease deadline (and last renewal) on by `seconds` (the directory itself could not take
+        renewals)."""
         for worker in self.leases.values():
             worker.lease_deadline += seconds
             worker.lease_deadline_wall += seconds
+            worker.renewed_at += seconds
 
     def renew(self, lease_id: str, load: tpb.EngineLoad | None) -> Worker:
         """Renew a live lease and record the load; NotFound for an unknown or lapsed lease.
@@ -205,3 +210,9 @@ class EngineRegistry:
         # mistaken (a stale pooled connection), and planning a marked engine beats planning none.
         reachable = [g for g in groups if g.unreachable is None]
         return reachable or groups
+
+    def late_since(self, group: EngineGroup, now: float) -> float | None:
+        """How long ago the engine's stalest worker last renewed, when that is past the late bound
+        (`Limits.late_renewal_fraction` of the lease TTL: a frozen or starved engine); None when on time."""
+        since = now - group.last_renewal()
+        return since if since > self.limits.lease_ttl_s * self.limits.late_renewal_fraction else None

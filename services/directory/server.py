@@ -10,10 +10,10 @@ Life cycle (`serve(config)`, entered through `asyncio.run`):
 3. `DirectoryServer.stop(grace_s)`: health goes NOT_SERVING, every stream is asked to flush
    and end (UNAVAILABLE, so clients reconnect), then `server.stop(grace)` lets unary calls finish.
 
-Oversized messages: a request over `max_message_bytes` is refused with INVALID_ARGUMENT (a unary or
-server-streaming request by `GuardInterceptor`, a StreamPrefill message by the servicer) and
-changes nothing. gRPC's own transport limit sits at `TRANSPORT_LIMIT_FACTOR` times that, so only a
-request far past the cap meets gRPC's RESOURCE_EXHAUSTED, also before any handler runs.
+Oversized messages: gRPC's receive limit is `max_message_bytes`, so a message over it is refused by the
+transport (RESOURCE_EXHAUSTED) from its length prefix, before it is buffered, and changes nothing.
+Per caller (`admission.py`): unary calls in flight and request bytes held (`GuardInterceptor`), open
+streams (the servicer).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import dataclasses
 import os
 import signal
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,7 +32,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
 from kvpush.services.directory import validation as check
+from kvpush.services.directory.admission import CallGate, MemoryReturn, caller_of
 from kvpush.services.directory.auth import Authenticator
+from kvpush.services.directory.errors import DirectoryError, ResourceExhausted
 from kvpush.services.directory.metrics import DirectoryMetrics, RpcMetricsInterceptor, TransferObservers
 from kvpush.services.directory.replica import Replica, ReplicaConfig
 from kvpush.services.directory.servicer import DirectoryServicer
@@ -79,29 +82,39 @@ class DirectoryConfig:
         return f"{host}:{self.port}"
 
 
-# gRPC's own receive limit, as a multiple of max_message_bytes: past it the transport refuses the bytes
-# (RESOURCE_EXHAUSTED) without decoding them; between the two the directory answers INVALID_ARGUMENT.
-TRANSPORT_LIMIT_FACTOR = 4
-
-
 class GuardInterceptor(grpc.aio.ServerInterceptor):
-    """What every call passes before a handler runs: the token, body decoding, the size cap.
+    """What every call passes before a handler runs: the token, the caller's share, body decoding, the size cap.
 
     - A call without an admitted bearer token (when one is required) is answered UNAUTHENTICATED by a
       handler that never reads the request: an unauthenticated caller's bytes are not buffered or parsed.
+    - A request over `max_bytes` never reaches the directory: gRPC's receive limit is set to it, so the
+      transport refuses it (RESOURCE_EXHAUSTED) from its length prefix, before buffering it.
+    - A unary call (and a server stream's request) is read only within its caller's share (`admission.CallGate`:
+      calls in flight, calls waiting unread, request bytes in flight); past it RESOURCE_EXHAUSTED.
     - A body that does not decode is INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN/INTERNAL): the
-      deserializer yields `validation.Undecodable`, which unary handlers refuse here and the servicer's
-      stream readers refuse per message.
-    - A unary or server-streaming request over `max_bytes` is INVALID_ARGUMENT (streams check per message).
+      deserializer yields `validation.Undecodable`, which the request reader here and the servicer's stream
+      readers refuse.
     Health checks pass untouched so orchestrator probes (which send no metadata) work.
     """
 
-    def __init__(self, authenticator: Authenticator, max_bytes: int) -> None:
+    def __init__(self, authenticator: Authenticator, max_bytes: int, gate: CallGate,
+                 limit_refusals: Counter[str], memory: MemoryReturn) -> None:
         self._auth = authenticator
         self._max_bytes = max_bytes
+        self._gate = gate
+        self._limit_refusals = limit_refusals
+        self._memory = memory
+
+    def caller(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller key of a call (`admission.caller_of`): its principal, else its peer's host."""
+        try:
+            principal = str(self._auth.principal(context.invocation_metadata(), context.auth_context()))
+        except DirectoryError:  # no identity proved: the handler refuses it; until then it is its address
+            principal = ""
+        return caller_of(principal, context.peer() or "")
 
     async def intercept_service(self, continuation, handler_call_details):
-        """Refuse unauthenticated calls unread; wrap the rest with decoding and size checks."""
+        """Refuse unauthenticated calls unread; read unary requests within the caller's share, checked."""
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(_AUTH_EXEMPT_PREFIX):
             return handler
@@ -113,31 +126,38 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_stream_rpc_method_handler(handler.stream_stream, **kwargs)
         if handler.request_streaming:
             return grpc.stream_unary_rpc_method_handler(handler.stream_unary, **kwargs)
-        max_bytes = self._max_bytes
+        streaming = handler.response_streaming
+        inner = handler.unary_stream if streaming else handler.unary_unary
 
-        async def refuse_body(request, context) -> None:
-            if isinstance(request, check.Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request body does not decode: {request}")
-            if request.ByteSize() > max_bytes:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"request is {request.ByteSize()} bytes; the limit is {max_bytes}")
+        # Served as a bidi handler whatever the method's shape: gRPC then reads the request only when asked.
+        async def gated(request_iterator, context):
+            caller = self.caller(context)
+            try:
+                async with self._gate.slot(caller) as charge:
+                    request = await self._read_request(context, charge)
+                    if not streaming:
+                        yield await inner(request, context)
+                        return
+            except ResourceExhausted as error:
+                self._limit_refusals[error.limit] += 1
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            async for response in inner(request, context):  # a stream's life is not a call in flight
+                yield response
 
-        if handler.response_streaming:
-            inner_stream = handler.unary_stream
+        return grpc.stream_stream_rpc_method_handler(gated, **kwargs)
 
-            async def checked_stream(request, context):
-                await refuse_body(request, context)
-                async for response in inner_stream(request, context):
-                    yield response
-
-            return grpc.unary_stream_rpc_method_handler(checked_stream, **kwargs)
-        inner = handler.unary_unary
-
-        async def checked(request, context):
-            await refuse_body(request, context)
-            return await inner(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(checked, **kwargs)
+    async def _read_request(self, context: grpc.aio.ServicerContext, charge):
+        request = await context.read()
+        if request is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+        if isinstance(request, check.Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request body does not decode: {request}")
+        size = request.ByteSize()
+        self._memory.note(size)
+        if size > self._max_bytes:  # gRPC's receive limit refuses these first; kept as a guard
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request is {size} bytes; the limit is {self._max_bytes}")
+        charge(size)
+        return request
 
 
 async def _refuse_unread(request_iterator, context):
@@ -203,7 +223,7 @@ class DirectoryServer:
 
     def __init__(self, config: DirectoryConfig, server: grpc.aio.Server, state: DirectoryState,
                  servicer: DirectoryServicer, health_servicer: health.aio.HealthServicer,
-                 metrics: DirectoryMetrics | None = None) -> None:
+                 metrics: DirectoryMetrics | None = None, memory: MemoryReturn | None = None) -> None:
         self.config = config
         self.metrics = metrics or DirectoryMetrics()
         self._metrics_http = None
@@ -212,6 +232,8 @@ class DirectoryServer:
         self.servicer = servicer
         self.health = health_servicer
         self._reaper: asyncio.Task | None = None
+        # Gives large requests' memory back after they are gone (the reaper ticks it).
+        self.memory = memory or MemoryReturn()
 
     async def start(self) -> None:
         """Start serving and reaping (a replica joins etcd first: it serves no shard before its session)."""
@@ -228,6 +250,7 @@ class DirectoryServer:
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
             try:
+                await self.memory.tick()
                 effects = self.state.reap()
                 self.metrics.on_reap(effects)
                 if effects.stall_s:
@@ -265,10 +288,11 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
     servicer = DirectoryServicer(state, max_message_bytes=config.max_message_bytes, authenticator=authenticator,
                                  incarnation_id=incarnation_id)
     metrics.bind(state, servicer)
-    transport_limit = config.max_message_bytes * TRANSPORT_LIMIT_FACTOR
     options = [
-        ("grpc.max_receive_message_length", transport_limit),
-        ("grpc.max_send_message_length", transport_limit),
+        # What the directory accepts, and no more: gRPC refuses a longer message from its length prefix, unread.
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        # Answers are bounded by MAX_PAGE_BYTES (listings) and the layout caps; 4x leaves room for both.
+        ("grpc.max_send_message_length", 4 * config.max_message_bytes),
         ("grpc.keepalive_time_ms", config.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -285,8 +309,11 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
         options.append(("grpc.max_connection_age_ms", config.max_connection_age_ms))
         options.append(("grpc.max_connection_age_grace_ms", config.max_connection_age_grace_ms))
     # Metrics outermost: refused calls are observed with their codes too.
+    memory = MemoryReturn()
     server = grpc.aio.server(options=options, interceptors=[
-        RpcMetricsInterceptor(metrics), GuardInterceptor(authenticator, config.max_message_bytes)])
+        RpcMetricsInterceptor(metrics),
+        GuardInterceptor(authenticator, config.max_message_bytes, CallGate(config.limits), servicer.limit_refusals,
+                         memory)])
     directory_pb2_grpc.add_KVDirectoryServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -311,7 +338,7 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
                                  "clients reach it at: redirects name it)")
             replica_config = dataclasses.replace(replica_config, advertise_address=f"{config.host}:{port}")
         servicer.replica = Replica(replica_config, state, servicer.deliver)
-    return DirectoryServer(config, server, state, servicer, health_servicer, metrics), port
+    return DirectoryServer(config, server, state, servicer, health_servicer, metrics, memory), port
 
 
 async def run(config: DirectoryConfig) -> None:

@@ -37,6 +37,7 @@ from structlog.contextvars import bound_contextvars
 
 from kvpush.observability import get_logger
 from kvpush.services.directory import validation as check
+from kvpush.services.directory.admission import StreamSlots, caller_of
 from kvpush.services.directory.auth import Authenticator, Principal, Unauthenticated
 from kvpush.services.directory.errors import (
     AlreadyExists,
@@ -184,10 +185,12 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         self.incarnation_id = incarnation_id or "unnamed"
         self.limits = state.limits
         self.refusals = ThrottledLog()
+        # Calls refused because a configured limit was reached, by limit (DirectoryError.limit; metrics).
+        self.limit_refusals: Counter[str] = Counter()
         # Rejections queued over every open session (bounded by limits.max_pending_rejections).
         self.pending_rejection_count = 0
-        # Open RenewLease, WatchTransfers and StreamPrefill calls (bounded by limits.max_open_streams).
-        self.open_stream_count = 0
+        # Open RenewLease, WatchTransfers and StreamPrefill calls, per caller and in all (admission.py).
+        self.stream_slots = StreamSlots(self.limits)
         self._sessions: dict[tuple[str, int], _PrefillSession] = {}
         self._watchers: dict[str, set[asyncio.Event]] = {}
         self._shutting_down = False
@@ -295,16 +298,29 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
 
     @contextlib.asynccontextmanager
     async def _stream_slot(self, context: grpc.aio.ServicerContext, kind: str):
-        """One of `limits.max_open_streams` open streams (RenewLease, WatchTransfers, StreamPrefill together)."""
-        if self.open_stream_count >= self.limits.max_open_streams:
-            self.refusals.info("stream", "stream refused", method=kind, open_stream_count=self.open_stream_count)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self.open_stream_count} streams are open; the cap is {self.limits.max_open_streams}")
-        self.open_stream_count += 1
+        """One stream slot of the caller (`admission.StreamSlots`: per caller, globally, renewals kept apart)."""
+        try:
+            principal = str(self._principal(context))
+        except DirectoryError:  # no identity: the handler refuses it; its slot is its address's
+            principal = ""
+        caller = caller_of(principal, context.peer() or "")
+        renewal = kind == "RenewLease"
+        try:
+            self.stream_slots.take(caller, renewal)
+        except ResourceExhausted as error:
+            self.limit_refusals[error.limit] += 1
+            self.refusals.info("stream", "stream refused", method=kind, caller=caller,
+                               open_stream_count=self.stream_slots.open_count, error=str(error))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         try:
             yield
         finally:
-            self.open_stream_count -= 1
+            self.stream_slots.give_back(caller, renewal)
+
+    @property
+    def open_stream_count(self) -> int:
+        """Open RenewLease, WatchTransfers and StreamPrefill calls."""
+        return self.stream_slots.open_count
 
     async def RenewLease(self, request_iterator, context):
         """Renew leases as requests arrive; NOT_FOUND ends the stream for an unknown or lapsed lease.
@@ -459,6 +475,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             if self.replica is not None:
                 await self._store(record)
         except DirectoryError as error:
+            if error.limit:
+                self.limit_refusals[error.limit] += 1
             self.refusals.info("plan", "plan refused", code=status_of(error).name, error=str(error),
                                request_id=request.request_id)
             await self._abort(context, error)
@@ -493,13 +511,15 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         with bound_contextvars(transfer_id=request.transfer_id):
             try:
                 check.require_id(request.transfer_id, "transfer_id", self.limits)
-                check.require_text(request.reason, "reason")
+                # Whatever the reason holds (an engine's multi-line error), the cancel applies: refusing it would
+                # leave the transfer holding its engines' slots until its deadline.
+                reason = check.sanitize_text(request.reason)
                 self._require_party(context, request.transfer_id)
-                record, effects = self.state.cancel(request.transfer_id, request.reason)
+                record, effects = self.state.cancel(request.transfer_id, reason)
             except DirectoryError as error:
                 await self._abort(context, error)
             self.deliver(effects)
-            log.info("transfer cancel requested", state=tpb.TransferState.Name(record.state), reason=request.reason)
+            log.info("transfer cancel requested", state=tpb.TransferState.Name(record.state), reason=reason)
             return dpb.CancelTransferResponse(transfer=record.to_proto(), directory_incarnation_id=self.incarnation_id)
 
     async def GetTransfer(self, request, context):

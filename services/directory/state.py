@@ -47,7 +47,7 @@ import itertools
 import math
 import re
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 
 from kvpush.services.directory.errors import (
@@ -118,6 +118,8 @@ class DirectoryState:
         # Readiness for transfers not planned yet, by transfer id (see `plan()`).
         self._early: dict[str, EarlyReadiness] = {}
         self._terminal_order: deque[str] = deque()
+        # (client id, engine id) -> live transfers of that client on that engine (Limits.max_client_share).
+        self._client_transfers: Counter[tuple[str, str]] = Counter()
         # decode engine id -> block id -> transfer id owning it (non-terminal transfers only).
         self._owned_blocks: dict[str, dict[int, str]] = {}
         self._watch_logs: dict[str, WatchLog] = {}
@@ -143,11 +145,19 @@ class DirectoryState:
         if existing is not None:  # lapsed but not reaped yet: end it first
             self._remove_worker(existing, "lease expired", fx)
         worker = self.engines.add(request, now)
+        self._relink_live(worker.engine_id)
         if request.role == DECODE:
             self._watch_logs.setdefault(
                 request.engine_id, WatchLog(self.limits.retained_watch_events_per_engine)).gone_since = None
             self._announce_decode(worker, fx)
         return worker, fx
+
+    def _relink_live(self, engine_id: str) -> None:
+        """List an engine's still-live transfers on its (re-)registered group: a transfer whose end waits for a
+        fence of the engine's previous registration still counts towards the engine's cap and its active count."""
+        group = self.engines.groups[engine_id]
+        group.active_transfers.update(t for t, r in self._live.items()
+                                      if engine_id in (r.prefill_engine_id, r.decode_engine_id))
 
     def lease_holder(self, lease_id: str) -> Worker:
         """The worker holding a live lease; NotFound for an unknown or lapsed lease."""
@@ -252,8 +262,9 @@ class DirectoryState:
                     "for its plan; its prefill engine was told to stop")
         if len(self._live) >= self.limits.max_live_transfers:
             raise ResourceExhausted(f"{len(self._live)} live transfers; the cap is {self.limits.max_live_transfers}")
-        prefill, decode = choose_pair(self.engines.candidates(PREFILL, request.prefill_engine_id),
-                                      self.engines.candidates(DECODE, request.decode_engine_id),
+        now = self.clock.monotonic()
+        prefill, decode = choose_pair(self._plannable(PREFILL, request.prefill_engine_id, request.client_id, now),
+                                      self._plannable(DECODE, request.decode_engine_id, request.client_id, now),
                                       request.prompt_token_count, self.limits.max_active_transfers_per_engine,
                                       model=request.model)
         record = self._mint(request, prefill, decode, ttl)
@@ -261,6 +272,34 @@ class DirectoryState:
         if early is not None:
             self._apply_early(record, early, fx)
         return record, fx
+
+    def _plannable(self, role: int, pinned: str, client_id: str, now: float) -> list[EngineGroup]:
+        """Candidate engines of a role a plan may use: not late renewing (a frozen or starved engine would hold
+        the request), and, for a client at its share of an engine's cap (`Limits.max_client_share`), not that
+        engine. ResourceExhausted, naming the bound, when none is left."""
+        name = "prefill" if role == PREFILL else "decode"
+        groups = self.engines.candidates(role, pinned)
+        late = {g.engine_id: since for g in groups if (since := self.engines.late_since(g, now)) is not None}
+        for _ in late:
+            self.observer.on_engine_skipped("late_renewal")
+        groups = [g for g in groups if g.engine_id not in late]
+        if not groups:
+            engine_id, since = next(iter(late.items()))
+            raise ResourceExhausted(
+                f"every candidate {name} engine renews its lease late: {engine_id!r} last renewed {since:.1f}s ago, "
+                f"over the {self.limits.lease_ttl_s * self.limits.late_renewal_fraction:g}s bound", limit="late_renewal")
+        if not client_id or self.limits.max_client_share >= 1:
+            return groups
+        cap = self.limits.client_transfer_cap()
+        full = [g for g in groups if self._client_transfers[(client_id, g.engine_id)] >= cap]
+        for _ in full:
+            self.observer.on_engine_skipped("client_share")
+        if len(full) == len(groups):
+            raise ResourceExhausted(
+                f"client {client_id!r} holds {cap} live transfers on every candidate {name} engine ({full[0].engine_id!r} "
+                f"included): its share is {self.limits.max_client_share:g} of the "
+                f"{self.limits.max_active_transfers_per_engine}-transfer cap per engine", limit="client_share")
+        return [g for g in groups if g not in full]
 
     def _apply_early(self, record: TransferRecord, early: EarlyReadiness, fx: Effects) -> None:
         """Apply readiness held for a transfer that is now planned, as if it had come after the plan."""
@@ -339,14 +378,25 @@ class DirectoryState:
             prefill_engine_id=prefill.engine_id, decode_engine_id=decode.engine_id, tp_size=prefill.tp_size,
             layer_count=prefill.layout().layer_count, trace_context=request.trace_context, create_wall=wall,
             deadline=self.clock.monotonic() + ttl, deadline_wall=wall + ttl,
-            plan_prompt_token_count=request.prompt_token_count,
+            plan_prompt_token_count=request.prompt_token_count, client_id=request.client_id,
         )
         self._transfers[record.transfer_id] = record
         self._live[record.transfer_id] = record
         prefill.active_transfers.add(record.transfer_id)
         decode.active_transfers.add(record.transfer_id)
+        self._count_client(record, 1)
         self.observer.on_planned(record)
         return record
+
+    def _count_client(self, record: TransferRecord, delta: int) -> None:
+        """Move the live-transfer count of the record's client on both its engines (no client: nothing)."""
+        if not record.client_id:
+            return
+        for engine_id in (record.prefill_engine_id, record.decode_engine_id):
+            key = (record.client_id, engine_id)
+            self._client_transfers[key] += delta
+            if self._client_transfers[key] <= 0:
+                del self._client_transfers[key]
 
     # ---------------------------------------------------------------- decode allocation
 
@@ -675,6 +725,7 @@ class DirectoryState:
         record.end_wall = self.clock.wall()
         record.ending = None
         del self._live[record.transfer_id]
+        self._count_client(record, -1)
         for engine_id in (record.prefill_engine_id, record.decode_engine_id):
             group = self.engines.groups.get(engine_id)
             if group is not None:
@@ -784,12 +835,14 @@ class DirectoryState:
             if holder is not None:
                 self._remove_worker(holder, f"agent {request.agent_name} re-registered elsewhere", fx)
             worker = self.engines.add(request, now)
+            self._relink_live(worker.engine_id)
             if request.role == DECODE:
                 self._announce_decode(worker, fx)
         self.engines.leases.pop(worker.lease_id, None)
         worker.lease_id = lease_key
         self.engines.leases[lease_key] = worker
         worker.lease_deadline = math.inf  # etcd's lease ends it (`mirror_remove`), not the reaper
+        worker.renewed_at = math.inf  # any replica may take its renewals: never late here
         worker.lease_deadline_wall = self.clock.wall() + self.limits.lease_ttl_s  # for display: etcd knows
         if request.role == DECODE:
             self._watch_logs.setdefault(
@@ -858,6 +911,7 @@ class DirectoryState:
             if record is None:
                 continue
             self._transfers.pop(transfer_id, None)
+            self._count_client(record, -1)
             for engine_id in (record.prefill_engine_id, record.decode_engine_id):
                 group = self.engines.groups.get(engine_id)
                 if group is not None:
@@ -971,6 +1025,17 @@ class DirectoryState:
             for transfer_id in group.active_transfers:
                 if transfer_id not in self._live:
                     problems.append(f"engine {group.engine_id} lists ended transfer {transfer_id}")
+        for record in self._live.values():
+            for engine_id in (record.prefill_engine_id, record.decode_engine_id):
+                group = self.engines.groups.get(engine_id)
+                if group is not None and record.transfer_id not in group.active_transfers:
+                    problems.append(f"engine {engine_id} does not list its live transfer {record.transfer_id}")
+        clients: Counter[tuple[str, str]] = Counter()
+        for record in self._live.values():
+            if record.client_id:
+                clients.update(((record.client_id, record.prefill_engine_id), (record.client_id, record.decode_engine_id)))
+        if clients != self._client_transfers:
+            problems.append("per-client transfer counts disagree with live transfers")
         for transfer_id, early in self._early.items():
             if transfer_id in self._transfers:
                 problems.append(f"{transfer_id}: planned and still holding early readiness")

@@ -39,6 +39,7 @@ _ID = re.compile(f"[{ID_CHARACTERS}]+")
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
 _DTYPE = re.compile("[a-z0-9_]+")
 INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
 # Duration.seconds' documented range (about 10,000 years).
 _MAX_DURATION_SECONDS = 315_576_000_000
 
@@ -61,6 +62,14 @@ def require_text(value: str, name: str, max_length: int = MAX_TEXT_LENGTH) -> No
         raise InvalidArgument(f"{name} is {len(value)} characters; at most {max_length}")
     if _CONTROL.search(value):
         raise InvalidArgument(f"{name} contains a control character")
+
+
+def sanitize_text(value: str, max_length: int = MAX_TEXT_LENGTH) -> str:
+    """Free text made safe to keep and log, for fields whose content must never refuse the call (a cancel's
+    reason: a malformed one must not leave a transfer live): control characters become spaces, and text over
+    `max_length` characters is cut to it, ending in "..."."""
+    value = _CONTROL.sub(" ", value)
+    return value if len(value) <= max_length else value[:max_length - 3] + "..."
 
 
 def _positive(value: int, name: str, maximum: int | None = None) -> None:
@@ -132,6 +141,14 @@ def check_layout(layout: tpb.KVLayout) -> None:
         raise InvalidArgument(
             f"layout.layer_base_addresses has {len(layout.layer_base_addresses)} entries; "
             f"layer_count is {layout.layer_count}")
+    # An address is unsigned 64 bits carried in an int64: a region must neither start below 0 nor end past 2^64.
+    for index, address in enumerate(layout.layer_base_addresses):
+        if address < 0:
+            raise InvalidArgument(f"layout.layer_base_addresses[{index}] is negative ({address})")
+        if address + layout.layer_region_bytes > UINT64_MAX + 1:
+            raise InvalidArgument(
+                f"layout.layer_base_addresses[{index}] + layout.layer_region_bytes ({address} + "
+                f"{layout.layer_region_bytes}) is past the 64-bit address space")
     if layout.layer_names and len(layout.layer_names) != layout.layer_count:
         raise InvalidArgument(
             f"layout.layer_names has {len(layout.layer_names)} entries; layer_count is {layout.layer_count}")
@@ -165,6 +182,7 @@ def check_plan(request: dpb.PlanTransferRequest, limits: Limits) -> float | None
     require_text(request.trace_context, "trace_context")
     require_text(request.model, "model")
     require_id(request.transfer_id, "transfer_id", limits, required=False)
+    require_id(request.client_id, "client_id", limits, required=False)
     if request.transfer_id and not request.prefill_engine_id:
         raise InvalidArgument("transfer_id is set without prefill_engine_id: the caller that names the transfer "
                               "has already chosen its prefill engine")

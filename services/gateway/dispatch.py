@@ -47,6 +47,7 @@ from structlog.contextvars import bound_contextvars
 
 from kvpush.observability import get_logger, get_tracer
 from kvpush.observability.logs import remember_transfer
+from kvpush.services.client import PLAN_CLIENT_ID, client_id_of
 from kvpush.services.gateway import first_token, legs
 from kvpush.services.gateway.config import GatewayConfig
 from kvpush.services.gateway.errors import EngineUnreachable, EngineUnresponsive, GatewayError, LegTimeout, bad_gateway
@@ -134,6 +135,7 @@ class Dispatcher:
     async def handle(self, http_request: web.Request, request: ClientRequest, request_id: str) -> web.StreamResponse:
         """Serve one validated request; raise GatewayError for a clean error response."""
         outcome = Outcome(request_id=request_id)
+        PLAN_CLIENT_ID.set(client_id_of(peer=http_request.remote or ""))  # the directory bounds each client's share
         started = time.monotonic()
         record: RequestRecord = http_request.get(RECORD_KEY) or RequestRecord(started=started)
         record.route = "chat" if request.path == CHAT_COMPLETIONS else "completions"

@@ -179,25 +179,30 @@ def test_cancelled_renew_streams_leave_no_task_and_idle_ones_time_out():
 
 
 def test_open_streams_are_capped_and_slots_come_back():
-    """Past max_open_streams a new stream is RESOURCE_EXHAUSTED; a cancelled one frees its slot."""
+    """Past its share of max_open_streams a watch is RESOURCE_EXHAUSTED while a renewal still opens (its reserved
+    slot); past the ceiling everything is; a cancelled stream frees its slot."""
     async def body():
-        async with running_directory(Limits(max_open_streams=3)) as directory:
+        async with running_directory(Limits(max_open_streams=4, renewal_reserved_share=0.25)) as directory:
             channel, s = stub(directory.address)
-            await s.RegisterEngine(register_request("d1", DECODE))
+            lease = (await s.RegisterEngine(register_request("d1", DECODE))).lease_id
             watches = [s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1")) for _ in range(3)]
             for watch in watches:
                 assert (await watch.read()).directory_incarnation_id  # the greeting: the stream is open
-            assert await code_of(s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1")).read()) == \
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert await code_of(read(s.RenewLease())) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            refused = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
+            assert await code_of(refused.read()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "kept for lease renewals" in await refused.details()
+            renewal = s.RenewLease()
+            await renewal.write(dpb.RenewLeaseRequest(lease_id=lease))
+            assert (await read(renewal)).lease_id == lease
+            assert await code_of(read(s.RenewLease())) == grpc.StatusCode.RESOURCE_EXHAUSTED  # 4 of 4
             watches[0].cancel()
             for _ in range(100):
-                if directory.server.servicer.open_stream_count == 2:
+                if directory.server.servicer.open_stream_count == 3:
                     break
                 await asyncio.sleep(0.02)
             again = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
             assert (await again.read()).directory_incarnation_id
-            for call in (*watches, again):
+            for call in (*watches, again, renewal):
                 call.cancel()
             await channel.close()
     run(body())
