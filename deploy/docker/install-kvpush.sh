@@ -14,7 +14,8 @@ case "${1:-}" in
     lock=$2
     case "${3:-}" in
       # Names as pip canonicalises them: lower case, runs of - _ . as one -.
-      --keep-installed) names=$(python3 -m pip list --format=freeze | cut -d= -f1 | tr 'A-Z_.' 'a-z--' | tr -s -) keep=0 ;;
+      --keep-installed)
+        names=$(python3 -m pip list --format=freeze | cut -d= -f1 | tr 'A-Z_.' 'a-z--' | tr -s -) keep=0 ;;
       --only) names=$(echo "$4" | tr ',' '\n') keep=1 ;;
       *) names="" keep=0 ;;
     esac

@@ -33,7 +33,7 @@ USER_PROVIDED = {"vllm", "torch", "numpy", "nixl", "transformers", "tokenizers"}
 @pytest.fixture(scope="module")
 def wheel() -> Path:
     """`make wheel`, as a user or the image build runs it."""
-    done = subprocess.run(["make", "wheel"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(["make", "wheel"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return ROOT / done.stdout.strip().splitlines()[-1]
 
@@ -146,7 +146,7 @@ def engine_layer(wheel, tmp_path_factory) -> Path:
                 shutil.copy2(path, stage / path.name)
     env = {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "HOME": str(work)}
     for command in runs:
-        done = subprocess.run(["sh", "-c", command.replace("/tmp/kvpush", str(stage))], cwd=work, env=env,
+        done = subprocess.run(["sh", "-c", command.replace("/tmp/kvpush", str(stage))], check=False, cwd=work, env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"RUN {command}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
     return venv
@@ -154,8 +154,8 @@ def engine_layer(wheel, tmp_path_factory) -> Path:
 
 def _run_installed(venv: Path, argv: list[str]) -> subprocess.CompletedProcess:
     """A command of the venv from a folder outside the checkout, no PYTHONPATH: only the installed wheel is seen."""
-    return subprocess.run(argv, cwd=venv.parent, env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(venv.parent)},
-                          capture_output=True, text=True, timeout=120)
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(venv.parent)}
+    return subprocess.run(argv, check=False, cwd=venv.parent, env=env, capture_output=True, text=True, timeout=120)
 
 
 _IMPORT_ALL = """
@@ -202,16 +202,17 @@ def test_install_docs_pip_lines_install_a_working_kvpush(wheel, tmp_path):
     wheel file (pip resolving the wheel's own requirements, NIXL without its dependencies), give a kvpush whose client
     and gateway import."""
     text = (ROOT / "docs" / "install.md").read_text()
-    commands = re.findall(r"^(pip install .*)$", "\n".join(re.findall(r"```bash\n(.*?)```", text, re.S)), re.M)
+    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", text, re.DOTALL))
+    commands = re.findall(r"^(pip install .*)$", blocks, re.MULTILINE)
     assert len(commands) == 2 and wheel.name in commands[0], commands
-    runbook = re.findall(r"^(pip install .*)$", (ROOT / "deploy" / "ec2-efa" / "README.md").read_text(), re.M)
+    runbook = re.findall(r"^(pip install .*)$", (ROOT / "deploy" / "ec2-efa" / "README.md").read_text(), re.MULTILINE)
     assert [c.split("#")[0].strip() for c in runbook] == [c.split("#")[0].strip() for c in commands]
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     shutil.copy2(wheel, tmp_path / wheel.name)
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PATH": f"{venv / 'bin'}:/usr/bin:/bin"}
     for command in commands:
-        done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+        done = subprocess.run(["sh", "-c", command], check=False, cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
     # NIXL imports only beside vLLM (it needs numpy and torch); here: its one runtime and no torch came in.

@@ -16,12 +16,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from kvpush.services.client import ChannelConfig, SyncDirectoryClient
 
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
-from kvpush.localstack.processes import EngineSpec, ManagedProcess, free_port, http_ok, model_dtype
-from kvpush.localstack.stack import DECODE_ENGINE_ARGS, DIRECTORY_ARGS, kv_transfer_config
-from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+from kvpush.localstack.processes import (
+    EngineSpec,
+    ManagedProcess,
+    free_port,
+    http_ok,
+    model_dtype,
+)
+from kvpush.localstack.stack import (
+    DECODE_ENGINE_ARGS,
+    DIRECTORY_ARGS,
+    kv_transfer_config,
+)
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import settled_transfer
 
@@ -71,14 +81,15 @@ class Container:
     def stop(self) -> None:
         # podman stop reaches the container even where the foreground `podman run` is already gone.
         subprocess.run([IMAGES_SH, "podman", "rm", "--force", "--time", "10", self.container_name],
-                       capture_output=True, timeout=60)
+                       check=False, capture_output=True, timeout=60)
         if self.process is not None:
             self.process.stop(grace_s=10.0)
 
 
 def _built_images() -> dict[str, str]:
     """`make images` (cached layers) and the tag of each image it built."""
-    done = subprocess.run(["make", "images"], cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    done = subprocess.run(["make", "images"], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=BUILD_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     version = Path(done.stdout.strip().splitlines()[-1]).name.split("-")[1]
     return {name: f"localhost/kvpush/{name}:{version}" for name in ("directory", "gateway", "engine-cpu")}
