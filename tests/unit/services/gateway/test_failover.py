@@ -249,7 +249,8 @@ def _cancel_meets_a_stopped_directory(tmp_path, stopped_s: float):
     """A two-decode deployment (0.5 s directory deadlines) and one request whose prefill leg fails after SIGSTOPping
     the directory for `stopped_s`, so the gateway's CancelTransfer meets a directory that does not answer; yields
     the deployment and the request's transfer id once its 502 came."""
-    stack, timers = TwoDecodes(tmp_path, ("--plan-timeout", "0.5")), []
+    # The prefill leg after the plan: the leg stops the directory, which must have answered the plan by then.
+    stack, timers = TwoDecodes(tmp_path, ("--plan-timeout", "0.5", "--no-prefill-before-plan")), []
     group = stack.directory.process.pid
 
     def behaviour(leg):
