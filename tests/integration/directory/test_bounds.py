@@ -12,7 +12,6 @@ import json
 import time
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpush.services.directory.state import Limits
@@ -20,7 +19,6 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from tests.fixtures.directory import DECODE, PREFILL, ready, register_request, running_directory
 from tests.integration.directory.helpers import code_of, read, run, stub
-from tests.integration.directory.test_cli import DirectoryProcess
 
 MB = 1024 * 1024
 
@@ -40,21 +38,6 @@ async def _health_latency_s(channel: grpc.aio.Channel) -> float:
     response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert response.status == health_pb2.HealthCheckResponse.SERVING
     return loop.time() - started
-
-
-@pytest.fixture
-def directory_process():
-    """A `kvpush directory` subprocess (no tracing), stopped afterwards."""
-    processes: list[DirectoryProcess] = []
-
-    def start(*flags: str) -> DirectoryProcess:
-        process = DirectoryProcess({"OTEL_SDK_DISABLED": "true"}, *flags)
-        processes.append(process)
-        return process
-
-    yield start
-    for process in processes:
-        process.stop()
 
 
 def test_invalid_readiness_flood_ends_the_session_and_memory_stays_bounded(directory_process):

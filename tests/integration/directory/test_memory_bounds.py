@@ -16,7 +16,7 @@ import grpc
 
 from tests.fixtures.directory import DECODE, register_request
 from tests.integration.directory.helpers import run
-from tests.integration.directory.test_bounds import _health_latency_s, directory_process, rss_bytes  # noqa: F401
+from tests.integration.directory.test_bounds import _health_latency_s, rss_bytes
 
 MB = 1024 * 1024
 CALLERS = 4
