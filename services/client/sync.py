@@ -78,7 +78,8 @@ class SyncDirectoryClient:
         self.run(self.client.deregister_engine(engine_id, tp_rank, lease_id))
 
     def plan_transfer(self, **kwargs) -> dpb.PlanTransferResponse:
-        """Blocking `DirectoryClient.plan_transfer` (same keyword arguments)."""
+        """Blocking `DirectoryClient.plan_transfer` (same keyword arguments; pass `client_id`: the calling thread's
+        `PLAN_CLIENT_ID` does not reach the client's loop thread)."""
         return self.run(self.client.plan_transfer(**kwargs))
 
     def report_allocation(self, transfer_id: str, engine_id: str, block_ids: Sequence[int],
