@@ -11,6 +11,18 @@ at seeded random moments (`--fault-interval-s` apart on average, counted from th
   prefill-kill    the same for the prefill engine
   directory-kill  SIGKILL the directory; a new one starts on the same port (engines and gateway find it)
   lease-expiry    SIGSTOP a decode engine past its lease TTL, then SIGCONT (its lease lapses while it lives)
+  decode-freeze   SIGSTOP the decode engine the directory would plan first for `--freeze-s` (under its lease TTL,
+                  over the gateway's decode first-byte bound), then SIGCONT: requests planned on it meanwhile must
+                  be failed over, not wait; records the time from the freeze to the gateway's first decode failover
+                  and what the directory planned where during it
+  oversized       an "engine" (a gRPC client with a real decode engine's identity: its mutual-TLS certificate)
+                  sends 20-60 MiB messages to the directory, `OVERSIZED_CONCURRENCY` at once, for `--flood-s`;
+                  records the directory's RSS (before, peak, after), its health checks' latency and their statuses
+  invalid-flood   a client on another loopback address (127.0.0.2, so the gateway gives it its own client id)
+                  sends invalid requests (`"temperature": "hot"`, which vLLM refuses with a multi-line message,
+                  streamed and not, and malformed JSON) at `INVALID_FLOOD_RATE` per second for `--flood-s`, beside
+                  the normal clients; afterwards no transfer planned before its end may be left PLANNED and no engine
+                  near its transfer cap
   abort           (per request, `--abort-share`) the client closes a stream after its first event
 Write failures through the data plane's fault knob are listed as not injected while the connector has no such
 knob (`write_failure` in the JSON says so).
@@ -21,7 +33,9 @@ Every request ends one way: completed (200, tokens checked against the colocated
 the gateway and each engine (its whole process group), sampled every `--sample-s`, with the slope of each process
 life's least-squares line once it settled (from its first sample at 90 % of its peak: start-up is no growth),
 MiB/min. Leaks at the end, once quiet: vLLM's `kv_cache_usage_perc` of every kvpush engine in blocks, and the
-directory's live transfers and per-engine active transfers.
+directory's live transfers and per-engine active transfers. Per fault the JSON has the outcomes of the requests
+sent during it, and the well-behaved clients' served rate (completed requests per second) during each fault next
+to the rate outside every fault (`served_rate`).
 JSON to bench/results/soak-<time>.json (or --out) and a PNG beside it (memory over time with fault marks,
 outcomes over time).
 
@@ -32,6 +46,7 @@ outcomes over time).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -46,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import psutil
 
 from kvpush.localstack.client import call
@@ -53,15 +69,33 @@ from kvpush.localstack.model import TinyModelSpec
 from kvpush.localstack.pki import HAVE_OPENSSL
 from kvpush.localstack.stack import LocalStack
 from kvpush.localstack.vllm_bench import kv_cache_usage
-from kvpush.services.client import DirectoryCallError, SyncDirectoryClient
+from kvpush.services.client import ChannelConfig, DirectoryCallError, SyncDirectoryClient
+from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-FAULTS = ("decode-kill", "prefill-kill", "directory-kill", "lease-expiry")
+FAULTS = ("decode-kill", "prefill-kill", "directory-kill", "lease-expiry", "decode-freeze", "oversized",
+          "invalid-flood")
 LEASE_TTL_S = 30.0  # the stack's directory (kvpush.localstack.stack.DIRECTORY_ARGS)
 PROMPT_LENGTHS = (5, 17, 40, 130, 300)
 MAX_TOKENS = 8
-GATEWAY_ARGS = ("--prefill-timeout", "60", "--decode-timeout", "60", "--max-failovers", "2")
+FIRST_BYTE_TIMEOUT_S = 10.0  # the gateway's bound on a streamed leg's response headers (a frozen engine)
+MAX_FAILOVERS = 2
+GATEWAY_ARGS = ("--prefill-timeout", "60", "--decode-timeout", "60", "--max-failovers", str(MAX_FAILOVERS),
+                "--prefill-first-byte-timeout", f"{FIRST_BYTE_TIMEOUT_S:g}",
+                "--decode-first-byte-timeout", f"{FIRST_BYTE_TIMEOUT_S:g}")
+# The directory's transfer cap per engine and each client's share of it (docs/directory.md), low enough that a
+# flooding client meets its share long before the engine's cap; the well-behaved clients stay far under both.
+TRANSFER_CAP_PER_ENGINE = 64
+CLIENT_SHARE = 0.25
+DIRECTORY_ENV = {"KVPUSH_DIRECTORY_MAX_ACTIVE_TRANSFERS_PER_ENGINE": str(TRANSFER_CAP_PER_ENGINE),
+                 "KVPUSH_DIRECTORY_MAX_CLIENT_SHARE": f"{CLIENT_SHARE:g}"}
+FREEZE_S = 20.0  # decode-freeze: under LEASE_TTL_S, over FIRST_BYTE_TIMEOUT_S
+FLOOD_S = 10.0  # oversized and invalid-flood
+OVERSIZED_MIB = (20, 40, 60)  # over the directory's 16 MiB message cap; under the client's own 64 MiB send cap
+OVERSIZED_CONCURRENCY = 4
+INVALID_FLOOD_RATE = 40.0  # invalid requests per second, over two connections
+FLOOD_SOURCE_ADDRESS = "127.0.0.2"  # the flooding client's address: loopback, but not the soak clients' one
 # A client's pause after a 503 (no engine of a role reachable: e.g. the only prefill engine restarting).
 RETRY_AFTER_S = 5.0
 LIVE_STATES = (tpb.TRANSFER_STATE_PLANNED, tpb.TRANSFER_STATE_ALLOCATED, tpb.TRANSFER_STATE_STREAMING)
@@ -184,16 +218,42 @@ def one_request(gateway_url: str, index: int, prompt_index: int, prompt: list[in
 # ---------------------------------------------------------------- memory
 
 
+class Sampling:
+    """Calls `sample()` at `start()` and every `interval_s` after, in a background thread, until `stop()`."""
+
+    interval_s: float
+    _stop: threading.Event | None = None
+    _thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        stop = self._stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(self.interval_s):
+                self.sample()
+        self.sample()
+        self._thread = threading.Thread(target=loop, name=f"soak-{type(self).__name__}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+
 @dataclass
-class MemorySampler:
+class MemorySampler(Sampling):
     """RSS of named process groups over time, in a background thread."""
 
     stack: LocalStack
     interval_s: float
     t0: float
     samples: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)  # name -> (t, MiB, pid)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
 
     def groups(self) -> dict[str, int]:
         """Process name -> its group leader's pid (the directory, the gateway, every engine but the colocated)."""
@@ -222,20 +282,6 @@ class MemorySampler:
         for name, pid in groups.items():
             if rss[pid]:
                 self.samples.setdefault(name, []).append((round(now, 1), round(rss[pid] / 2**20, 1), pid))
-
-    def start(self) -> MemorySampler:
-        def loop() -> None:
-            while not self._stop.wait(self.interval_s):
-                self.sample()
-        self.sample()
-        self._thread = threading.Thread(target=loop, name="soak-memory", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
 
 
 def slope_mib_per_min(points: list[tuple[float, float]]) -> float | None:
@@ -286,8 +332,10 @@ class FaultInjector:
     """Applies one fault at a time at seeded random moments, in a background thread (module docstring)."""
 
     def __init__(self, stack: LocalStack, faults: list[str], interval_s: float, seed: int, t0: float,
-                 relaunch_timeout_s: float = 420.0) -> None:
+                 relaunch_timeout_s: float = 420.0, freeze_s: float = FREEZE_S, flood_s: float = FLOOD_S) -> None:
         self.stack = stack
+        self.freeze_s = freeze_s
+        self.flood_s = flood_s
         self.faults = faults
         self.interval_s = interval_s
         self.rng = random.Random(seed + 1)
@@ -352,11 +400,146 @@ class FaultInjector:
             finally:
                 engine.process._signal_group(signal.SIGCONT)
             event["reregistered"] = self._wait(lambda: engine_id in self.registered(), 60)
+        elif fault == "decode-freeze":
+            event.update(self._freeze())
+        elif fault == "oversized":
+            event.update(self._oversized())
+        elif fault == "invalid-flood":
+            event.update(self._invalid_flood())
         else:
             raise ValueError(f"unknown fault {fault!r}")
         event["recovered_at_s"] = round(time.monotonic() - self.t0, 1)
         say(f"fault {event}")
         return event
+
+    def _first_choice(self) -> str:
+        """The decode engine id the directory would plan next (a probe plan, cancelled at once); a seeded choice
+        when the probe fails."""
+        client = self._client()
+        try:
+            probe = client.plan_transfer(model="tiny").transfer
+            client.cancel_transfer(probe.transfer_id, "soak probe")
+            return probe.decode_engine_id
+        except DirectoryCallError:
+            return self._engine_id(self.rng.choice(self.stack.decodes))
+        finally:
+            client.close()
+
+    def _freeze(self) -> dict[str, Any]:
+        """decode-freeze (module docstring): SIGSTOP for `freeze_s`, watching the gateway's decode failover counters."""
+        engine_id = self._first_choice()
+        engine = next(e for e in self.stack.decodes if self._engine_id(e) == engine_id)
+        before = gateway_metrics(self.stack)
+        frozen_wall = time.time()
+        frozen = time.monotonic()
+        engine.process._signal_group(signal.SIGSTOP)
+        first_failover_s = None
+        try:
+            while time.monotonic() - frozen < self.freeze_s:
+                if first_failover_s is None and _decode_failovers(gateway_metrics(self.stack)) > \
+                        _decode_failovers(before):
+                    first_failover_s = round(time.monotonic() - frozen, 2)
+                time.sleep(0.25)
+        finally:
+            engine.process._signal_group(signal.SIGCONT)
+        thawed_wall = time.time()
+        after = gateway_metrics(self.stack)
+        out: dict[str, Any] = {"engine_id": engine_id, "frozen_s": round(time.monotonic() - frozen, 1),
+                               "first_decode_failover_s": first_failover_s,
+                               "gateway_counters_during": {k: after.get(k, 0.0) - before.get(k, 0.0)
+                                                           for k in after if after.get(k, 0.0) != before.get(k, 0.0)}}
+        out.update(self._planned_during(engine_id, frozen_wall, thawed_wall))
+        out["reregistered"] = self._wait(lambda: engine_id in self.registered(), 60)
+        return out
+
+    def _planned_during(self, engine_id: str, since: float, until: float) -> dict[str, Any]:
+        """Where the directory planned transfers between two wall times (seconds after `since`)."""
+        client = self._client()
+        try:
+            transfers = client.list_transfers(limit=1000)
+        except DirectoryCallError as error:
+            return {"planned_during": f"not listed: {error}"[:300]}
+        finally:
+            client.close()
+        decode_ids = {self._engine_id(e) for e in self.stack.decodes}
+        on_frozen, elsewhere = [], []
+        for transfer in transfers:
+            created = transfer.create_time.ToNanoseconds() / 1e9
+            if since <= created <= until and transfer.decode_engine_id in decode_ids:
+                (on_frozen if transfer.decode_engine_id == engine_id else elsewhere).append(created - since)
+        return {"planned_on_frozen_count": len(on_frozen),
+                "last_planned_on_frozen_s": round(max(on_frozen), 2) if on_frozen else None,
+                "planned_elsewhere_count": len(elsewhere),
+                "first_planned_elsewhere_s": round(min(elsewhere), 2) if elsewhere else None}
+
+    def _oversized(self) -> dict[str, Any]:
+        """oversized (module docstring): the flood in one thread, the directory's RSS and health probed beside it."""
+        stack = self.stack
+        engine_id = self._engine_id(stack.decodes[-1])
+        channel = ChannelConfig(address=stack.directory.address, timeout_s=10.0, max_attempts=1)
+        if stack.pki is not None:  # the engine's own certificate: the directory sees that engine calling
+            channel = ChannelConfig(address=stack.directory.address, root_cert_file=str(stack.pki.ca),
+                                    client_cert_file=str(stack.pki.root / f"{engine_id}.pem"),
+                                    client_key_file=str(stack.pki.root / f"{engine_id}.key"),
+                                    timeout_s=10.0, max_attempts=1)
+        pid = stack.directory.process.pid
+        rss_before = _rss_mib(pid)
+        health_before = directory_health(stack)
+        rss = RssWatch(pid).start()
+        flood = OversizedFlood(channel, engine_id, self.flood_s, self.rng.randrange(2**31))
+        thread = threading.Thread(target=flood.run, name="soak-oversized", daemon=True)
+        thread.start()
+        health_during = []
+        while thread.is_alive():
+            health_during.append(directory_health(stack))
+            thread.join(0.5)
+        thread.join(self.flood_s + 30)
+        rss.stop()
+        time.sleep(5.0)  # gRPC gives buffers back once their calls ended
+        health_after = [directory_health(stack) for _ in range(5)]
+        return {"engine_identity": engine_id if stack.pki is not None else "none (plaintext stack)",
+                "flood_s": self.flood_s, "sent": flood.sent, "sent_mib": flood.sent_mib,
+                "status_counts": dict(flood.statuses), "slowest_answer_s": round(flood.slowest_s, 3),
+                "directory_rss_mib": {"before": rss_before, "peak": rss.peak_mib, "after_5s": _rss_mib(pid)},
+                "health_before": health_before, "health_during": _health_summary(health_during),
+                "health_after": _health_summary(health_after)}
+
+    def _invalid_flood(self) -> dict[str, Any]:
+        """invalid-flood (module docstring): the flood, then a bounded wait for its transfers to end."""
+        stack = self.stack
+        flood = InvalidFlood(stack.gateway_url, self.flood_s, INVALID_FLOOD_RATE)
+        threads = [threading.Thread(target=flood.run, args=(i, 2), name=f"soak-invalid-{i}", daemon=True)
+                   for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(self.flood_s + 60)
+        ended_wall = time.time()
+        left = self._wait(lambda: not self._planned_before(ended_wall), 30)
+        client = self._client()
+        try:
+            engines = {w.engine_id: w.active_transfer_count for w in client.list_engines()}
+        except DirectoryCallError:
+            engines = {}
+        finally:
+            client.close()
+        return {"flood_s": self.flood_s, "sent": flood.sent, "rate_per_s": round(flood.sent / self.flood_s, 1),
+                "status_counts": dict(flood.statuses), "errors": dict(flood.errors.most_common(5)),
+                "left_planned": len(self._planned_before(ended_wall)), "planned_cleared": left,
+                "active_transfers": engines, "transfer_cap_per_engine": TRANSFER_CAP_PER_ENGINE,
+                "client_share_cap": max(1, int(CLIENT_SHARE * TRANSFER_CAP_PER_ENGINE)),
+                "most_active_share_of_cap": round(max(engines.values(), default=0) / TRANSFER_CAP_PER_ENGINE, 3)}
+
+    def _planned_before(self, wall: float) -> list[str]:
+        """Ids of transfers still PLANNED that were planned before `wall` (the directory's clock)."""
+        client = self._client()
+        try:
+            planned = client.list_transfers(state=tpb.TRANSFER_STATE_PLANNED, limit=1000)
+        except DirectoryCallError:
+            return ["(directory unreachable)"]
+        finally:
+            client.close()
+        return [t.transfer_id for t in planned if t.create_time.ToNanoseconds() / 1e9 < wall]
 
     def start(self) -> FaultInjector:
         # Each kind in turn (a seeded order, repeated), so a short soak still sees every kind once.
@@ -389,6 +572,167 @@ class FaultInjector:
             pass
         if self._thread is not None:
             self._thread.join(30)
+
+
+def _decode_failovers(metrics: dict[str, float]) -> float:
+    """The gateway's decode-leg failovers and first-byte timeouts, summed (either one means a leg moved on)."""
+    return sum(v for k, v in metrics.items() if 'leg="decode"' in k and k.startswith(
+        ("kvpush_gateway_failovers_total", "kvpush_gateway_first_byte_timeouts_total")))
+
+
+def _rss_mib(pid: int | None) -> float | None:
+    """RSS of one process in MiB (None when it is gone)."""
+    try:
+        return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+    except (psutil.Error, ValueError, TypeError):
+        return None
+
+
+@dataclass
+class RssWatch(Sampling):
+    """The largest RSS of one process, sampled every 0.1 s (a flood's peak is short)."""
+
+    pid: int | None
+    interval_s: float = 0.1
+    peak_mib: float = 0.0
+
+    def sample(self) -> None:
+        self.peak_mib = max(self.peak_mib, _rss_mib(self.pid) or 0.0)
+
+
+def directory_health(stack: LocalStack) -> tuple[str, float]:
+    """The directory's gRPC health status as the operator sees it, and how long the check took (s)."""
+    started = time.monotonic()
+    client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=1))
+    try:
+        status = client.health()
+    except DirectoryCallError as error:
+        status = f"error {error}"[:120]
+    finally:
+        client.close()
+    return status, round(time.monotonic() - started, 4)
+
+
+def _health_summary(checks: list[tuple[str, float]]) -> dict[str, Any]:
+    latencies = sorted(t for _, t in checks)
+    return {"count": len(checks), "statuses": dict(Counter(status for status, _ in checks)),
+            "latency_p50_s": latencies[len(latencies) // 2] if latencies else None,
+            "latency_max_s": latencies[-1] if latencies else None}
+
+
+def _with_padding(message: bytes, size: int, field_number: int = 1000) -> bytes:
+    """`message` plus one unknown length-delimited field of `size` zero bytes: the same request to the directory,
+    `size` bytes longer (protobuf keeps unknown fields)."""
+    def varint(value: int) -> bytes:
+        out = bytearray()
+        while True:
+            byte, value = value & 0x7F, value >> 7
+            out.append(byte | (0x80 if value else 0))
+            if not value:
+                return bytes(out)
+    return message + varint(field_number << 3 | 2) + varint(size) + bytes(size)
+
+
+@dataclass
+class OversizedFlood:
+    """GetEngine requests of OVERSIZED_MIB sizes, OVERSIZED_CONCURRENCY at once, for `flood_s` (bounded count)."""
+
+    channel: ChannelConfig
+    engine_id: str
+    flood_s: float
+    seed: int
+    sent: int = 0
+    sent_mib: int = 0
+    slowest_s: float = 0.0
+    statuses: Counter[str] = field(default_factory=Counter)
+
+    def run(self) -> None:
+        asyncio.run(self._flood())
+
+    async def _flood(self) -> None:
+        rng = random.Random(self.seed)
+        request = dpb.GetEngineRequest(engine_id=self.engine_id).SerializeToString()
+        payloads = {mib: _with_padding(request, mib * 2**20) for mib in OVERSIZED_MIB}
+        channel = self.channel.create_channel()
+        # Raw bytes out (the padded payload), raw bytes back: nothing here parses what it did not send.
+        get_engine = channel.unary_unary("/kvpush.v1.KVDirectoryService/GetEngine")
+        deadline = time.monotonic() + self.flood_s
+        budget = [int(self.flood_s * 20)]  # at most 20 messages a second in all, whatever the answers' speed
+
+        async def sender() -> None:
+            while time.monotonic() < deadline and budget[0] > 0:
+                budget[0] -= 1
+                mib = rng.choice(OVERSIZED_MIB)
+                started = time.monotonic()
+                try:
+                    await get_engine(payloads[mib], timeout=10.0, metadata=self.channel.metadata)
+                    self.statuses["OK"] += 1
+                except grpc.aio.AioRpcError as error:
+                    self.statuses[error.code().name] += 1
+                self.slowest_s = max(self.slowest_s, time.monotonic() - started)
+                self.sent += 1
+                self.sent_mib += mib
+
+        try:
+            await asyncio.gather(*(sender() for _ in range(OVERSIZED_CONCURRENCY)))
+        finally:
+            await channel.close()
+
+
+@dataclass
+class InvalidFlood:
+    """Invalid completions to the gateway from FLOOD_SOURCE_ADDRESS at `rate` per second for `flood_s`."""
+
+    gateway_url: str
+    flood_s: float
+    rate: float
+    sent: int = 0
+    statuses: Counter[int] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    BODIES = (
+        json.dumps({"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": "hot"}).encode(),
+        json.dumps({"model": "tiny", "prompt": [9, 10, 11], "max_tokens": 4, "temperature": "hot",
+                    "stream": True}).encode(),
+        b'{"model": "tiny", "prompt": [5, 6, 7',
+    )
+
+    def run(self, index: int, of: int) -> None:
+        """One connection's share (`of` connections in all), paced; a closed connection is opened again."""
+        host, _, port = self.gateway_url.split("//", 1)[1].partition(":")
+        per_connection = self.rate / of
+        count = int(self.flood_s * per_connection)
+        started = time.monotonic()
+        conn = None
+        for i in range(count):
+            delay = started + i / per_connection - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            if time.monotonic() - started > self.flood_s:
+                break
+            body = self.BODIES[(i * of + index) % len(self.BODIES)]
+            try:
+                if conn is None:
+                    conn = http.client.HTTPConnection(host, int(port), timeout=30,
+                                                      source_address=(FLOOD_SOURCE_ADDRESS, 0))
+                conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                text = response.read().decode(errors="replace")
+                status = response.status
+                error = "" if status == 200 else text[:160]
+            except (OSError, http.client.HTTPException) as failure:
+                if conn is not None:
+                    conn.close()
+                conn = None
+                status, error = 0, f"client: {failure!r}"[:160]
+            with self._lock:
+                self.sent += 1
+                self.statuses[status] += 1
+                if error:
+                    self.errors[error] += 1
+        if conn is not None:
+            conn.close()
 
 
 # ---------------------------------------------------------------- leaks
@@ -429,7 +773,8 @@ def gateway_metrics(stack: LocalStack) -> dict[str, float]:
     result = call("GET", stack.gateway_url + "/metrics", timeout_s=10)
     wanted = ("kvpush_gateway_failovers_total", "kvpush_gateway_failovers_exhausted_total",
               "kvpush_gateway_unreachable_reports_total", "kvpush_gateway_leg_timeouts_total",
-              "kvpush_gateway_cancelled_transfers_total")
+              "kvpush_gateway_cancelled_transfers_total", "kvpush_gateway_first_byte_timeouts_total",
+              "kvpush_gateway_cancel_failures_total")
     out = {}
     for line in result.text.splitlines():
         if line.startswith(wanted):
@@ -441,7 +786,8 @@ def gateway_metrics(stack: LocalStack) -> dict[str, float]:
 def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: int = 4, seed: int = 0,
              faults: list[str] | None = None,
              fault_interval_s: float = 60.0, abort_share: float = 0.05, request_bound_s: float = 180.0,
-             sample_s: float = 2.0, prompt_count: int = 20) -> dict[str, Any]:
+             sample_s: float = 2.0, prompt_count: int = 20, freeze_s: float = FREEZE_S,
+             flood_s: float = FLOOD_S) -> dict[str, Any]:
     """The soak on a running stack (module docstring); returns the result document."""
     faults = list(FAULTS if faults is None else faults)
     prompts = prompt_pool(prompt_count, seed)
@@ -452,7 +798,7 @@ def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: i
     plan = [(i, p, s, s and rng.random() < abort_share / 0.5) for i, p, s in plan]
     t0 = time.monotonic()
     memory = MemorySampler(stack, sample_s, t0).start()
-    injector = FaultInjector(stack, faults, fault_interval_s, seed, t0).start()
+    injector = FaultInjector(stack, faults, fault_interval_s, seed, t0, freeze_s=freeze_s, flood_s=flood_s).start()
     outcomes: list[Outcome] = []
     done = Counter()
     say(f"{count} requests at {rate}/s, concurrency {concurrency}, faults {faults or 'none'} "
@@ -477,13 +823,18 @@ def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: i
     kinds = Counter(o.kind for o in outcomes)
     failures = Counter(f"{o.status} {o.error[:120]}" for o in outcomes if o.kind == "failed")
     completed = [o for o in outcomes if o.kind == "completed"]
+    for event in injector.events:
+        event["outcomes"] = fault_outcomes(outcomes, event)
     result = {
         "benchmark": "soak",
         "settings": {"count": count, "rate_per_s": rate, "concurrency": concurrency, "seed": seed, "faults": faults,
                      "fault_interval_s": fault_interval_s, "abort_share": abort_share,
                      "request_bound_s": request_bound_s, "prompt_lengths": list(PROMPT_LENGTHS),
                      "max_tokens": MAX_TOKENS, "lease_ttl_s": LEASE_TTL_S, "gateway_args": list(GATEWAY_ARGS),
-                     "decode_engine_count": len(stack.decodes)},
+                     "decode_engine_count": len(stack.decodes), "freeze_s": freeze_s, "flood_s": flood_s,
+                     "first_byte_timeout_s": FIRST_BYTE_TIMEOUT_S, "directory_env": DIRECTORY_ENV,
+                     "oversized_mib": list(OVERSIZED_MIB), "oversized_concurrency": OVERSIZED_CONCURRENCY,
+                     "invalid_flood_rate_per_s": INVALID_FLOOD_RATE},
         "duration_s": round(load_s, 1),
         "outcomes": {kind: kinds.get(kind, 0) for kind in ("completed", "failed", "aborted", "hung")},
         "corrupt": sum(o.corrupt for o in completed),
@@ -492,6 +843,7 @@ def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: i
         "latency_s": _latency(completed),
         "faults_injected": injector.events,
         "fault_counts": dict(Counter(e["fault"] for e in injector.events)),
+        "served_rate": served_rate(outcomes, injector.events, load_s),
         "write_failure": "not injected: the connector has no write-failure fault knob yet",
         "gateway_metrics": gateway_metrics(stack),
         "leaks": leaks,
@@ -499,9 +851,63 @@ def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: i
         "leaked": leaks["leaked"],
         "memory": memory_summary(memory.samples),
         "memory_samples": {name: [[t, m, pid] for t, m, pid in series] for name, series in memory.samples.items()},
-        "timeline": [[round(o.started_s + o.elapsed_s, 1), o.kind] for o in outcomes],
+        # [ended at s, kind, took s]
+        "timeline": [[round(o.started_s + o.elapsed_s, 1), o.kind, round(o.elapsed_s, 2)] for o in outcomes],
     }
     return result
+
+
+# After a fault recovered, requests it delayed still end: its window for the served rate runs this much longer.
+FAULT_TAIL_S = 5.0
+
+
+def fault_outcomes(outcomes: list[Outcome], event: dict[str, Any]) -> dict[str, Any]:
+    """How the requests sent during one fault (from its start to its recovery) ended, their slowest, and how many
+    took longer than the gateway's failover bound ((1 + max failovers) x the first-byte bound: they waited on an
+    engine instead of being moved off it)."""
+    sent = [o for o in outcomes if event["at_s"] <= o.started_s <= event.get("recovered_at_s", event["at_s"])]
+    kinds = Counter(o.kind for o in sent)
+    failover_bound_s = (1 + MAX_FAILOVERS) * FIRST_BYTE_TIMEOUT_S
+    return {**{kind: kinds.get(kind, 0) for kind in ("completed", "failed", "aborted", "hung")},
+            "corrupt": sum(o.corrupt for o in sent),
+            "slowest_s": round(max((o.elapsed_s for o in sent), default=0.0), 2),
+            "over_failover_bound": sum(o.elapsed_s > failover_bound_s for o in sent),
+            "failed_by_status": dict(Counter(o.status for o in sent if o.kind == "failed"))}
+
+
+def served_rate(outcomes: list[Outcome], events: list[dict[str, Any]], load_s: float,
+                warm_up_s: float = 10.0) -> dict[str, Any]:
+    """The well-behaved clients' completed requests per second (by when they ended) outside every fault (from
+    `warm_up_s` to the end of the load, less each fault's window and FAULT_TAIL_S after it), and during each fault,
+    with its ratio to the rate outside. Beside each, the requests sent per second: the clients send on a schedule
+    but at most `concurrency` at once, so a rate under the schedule's means requests that waited held every slot."""
+    windows = [(e["at_s"], e.get("recovered_at_s", e["at_s"]) + FAULT_TAIL_S) for e in events]
+    ended = [o.started_s + o.elapsed_s for o in outcomes if o.kind == "completed"]
+    started = [o.started_s for o in outcomes]
+
+    def inside(t: float) -> bool:
+        return any(start <= t <= end for start, end in windows)
+
+    # Time outside every window, on a 0.1 s grid (windows may overlap the load's end or each other).
+    grid = [warm_up_s + i / 10 for i in range(int(max(0.0, load_s - warm_up_s) * 10))]
+    outside_s = sum(0.1 for t in grid if not inside(t))
+    outside = sum(1 for t in ended if warm_up_s <= t <= load_s and not inside(t))
+    rate_outside = outside / outside_s if outside_s else None
+    sent_outside = sum(1 for t in started if warm_up_s <= t <= load_s and not inside(t))
+    per_fault = []
+    for event, (start, end) in zip(events, windows):
+        end = min(end, load_s)
+        if end <= start:
+            continue
+        rate = sum(1 for t in ended if start <= t <= end) / (end - start)
+        per_fault.append({"fault": event["fault"], "from_s": start, "to_s": round(end, 1),
+                          "completed_per_s": round(rate, 3),
+                          "sent_per_s": round(sum(1 for t in started if start <= t <= end) / (end - start), 3),
+                          "ratio_to_outside": round(rate / rate_outside, 3) if rate_outside else None})
+    return {"completed_per_s_outside_faults": round(rate_outside, 3) if rate_outside else None,
+            "sent_per_s_outside_faults": round(sent_outside / outside_s, 3) if outside_s else None,
+            "outside_faults_s": round(outside_s, 1), "completed_per_s_overall": round(len(ended) / load_s, 3),
+            "during_faults": per_fault}
 
 
 def _latency(completed: list[Outcome]) -> dict[str, float]:
@@ -531,7 +937,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     mem.legend(fontsize=7, loc="center right")
     totals = Counter()
     series: dict[str, list[tuple[float, int]]] = {}
-    for t, kind in sorted(result["timeline"]):
+    for t, kind, *_ in sorted(result["timeline"]):
         totals[kind] += 1
         series.setdefault(kind, []).append((t, totals[kind]))
     for kind, points in series.items():
@@ -551,11 +957,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def soak_stack(log_dir: Path, progress=say) -> LocalStack:
     """The soak's stack (module docstring), not started."""
     return LocalStack(spec=TinyModelSpec(), log_dir=log_dir, progress=progress, engine_timeout_s=600.0,
-                      decode_engine_count=2, gateway_args=GATEWAY_ARGS, mutual_tls=HAVE_OPENSSL)
+                      decode_engine_count=2, gateway_args=GATEWAY_ARGS, mutual_tls=HAVE_OPENSSL,
+                      service_env=dict(DIRECTORY_ENV))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Start the stack, soak, write JSON and PNG, print the JSON; exit 1 when a request hung, was corrupt or leaked."""
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line's settings and its fault kinds (the parser exits on an unknown one)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--rate", type=float, default=2.0, help="requests sent per second (open loop)")
@@ -566,6 +973,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--abort-share", type=float, default=0.05)
     parser.add_argument("--request-bound-s", type=float, default=180.0)
     parser.add_argument("--sample-s", type=float, default=2.0)
+    parser.add_argument("--freeze-s", type=float, default=FREEZE_S, help="decode-freeze: how long the engine is stopped")
+    parser.add_argument("--flood-s", type=float, default=FLOOD_S, help="oversized, invalid-flood: how long each lasts")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -573,6 +982,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(faults) - set(FAULTS)
     if unknown:
         parser.error(f"unknown faults {sorted(unknown)}; choose from {FAULTS}")
+    return args, faults
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the stack, soak, write JSON and PNG, print the JSON; exit 1 when a request hung, was corrupt or leaked."""
+    args, faults = parse_args(argv)
     out = args.out or RESULTS_DIR / f"soak-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     log_dir = args.log_dir or Path(f"/tmp/kvpush-soak-{os.getpid()}")
     stack = soak_stack(log_dir)
@@ -580,7 +995,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_soak(stack, count=args.count, rate=args.rate, concurrency=args.concurrency, seed=args.seed,
                           faults=faults, fault_interval_s=args.fault_interval_s, abort_share=args.abort_share,
-                          request_bound_s=args.request_bound_s, sample_s=args.sample_s)
+                          request_bound_s=args.request_bound_s, sample_s=args.sample_s, freeze_s=args.freeze_s,
+                          flood_s=args.flood_s)
     finally:
         stack.stop()
     result["command"] = "python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -588,8 +1004,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
-    summary = {k: result[k] for k in ("outcomes", "corrupt", "hung", "leaked", "fault_counts", "duration_s")}
+    summary = {k: result[k] for k in ("outcomes", "corrupt", "hung", "leaked", "fault_counts", "duration_s",
+                                      "served_rate")}
     print(json.dumps(summary, indent=1))
+    say(f"{result['hung']} hung, {result['corrupt']} corrupt, {result['leaked']} leaked")
     say(f"wrote {out} and {out.with_suffix('.png')}")
     return 0 if result["hung"] == 0 and result["corrupt"] == 0 and result["leaked"] == 0 else 1
 
