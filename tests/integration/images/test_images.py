@@ -26,6 +26,7 @@ from kvpush.localstack.processes import (
     free_port,
     http_ok,
     model_dtype,
+    tcp_open,
 )
 from kvpush.localstack.stack import (
     DECODE_ENGINE_ARGS,
@@ -152,6 +153,8 @@ def image_stack(tmp_path_factory) -> Iterator[ImageStack]:
                               ["--host", "127.0.0.1", "--port", str(directory_port), "--token", TOKEN,
                                *DIRECTORY_ARGS], log_dir).start()
         containers.append(directory)
+        assert directory.process is not None  # a directory that dies at start shows its log here, not as a gateway's
+        directory.process.wait_ready(lambda: tcp_open("127.0.0.1", directory_port), 60.0)
         # As SageMaker runs it: `docker run IMAGE serve`, settings in the container's environment.
         gateway = Container("gateway", images["gateway"], ["serve"], log_dir, env={
             "SAGEMAKER_BIND_TO_PORT": str(gateway_port), "KVPUSH_DIRECTORY_ADDRESS": directory_address,
