@@ -151,8 +151,9 @@ async def _register_with_load(client: DirectoryClient, engine_id: str, role: int
 
 
 def test_planning_avoids_the_decode_engine_with_fewer_free_blocks(directory):
-    """Two decode engines report 50 and 10 free blocks on renewal: plans go to the one with 50, and a 400-token
-    prompt (25 blocks of 16) fits only there even when it is pinned away from."""
+    """Two decode engines report 50 and 10 free blocks on renewal: plans go to the one with 50; a 400-token prompt
+    (25 blocks of 16) pinned to the other is still planned there (free blocks order engines, capacity admits: a
+    report can be stale), and a prompt larger than its 64 blocks is refused."""
     async def scenario() -> None:
         async with DirectoryClient(ChannelConfig(address=directory.address)) as client:
             registrations = [await _register_with_load(client, "load-p", PREFILL, 64, model="load"),
@@ -169,9 +170,12 @@ def test_planning_avoids_the_decode_engine_with_fewer_free_blocks(directory):
                 plan = await client.plan_transfer(model="load", prompt_token_count=100)
                 assert plan.transfer.decode_engine_id == "load-d-idle"
                 await client.cancel_transfer(plan.transfer.transfer_id, "test")
+            pinned = await client.plan_transfer(model="load", prompt_token_count=400, decode_engine_id="load-d-busy")
+            assert pinned.transfer.decode_engine_id == "load-d-busy"
+            await client.cancel_transfer(pinned.transfer.transfer_id, "test")
             with pytest.raises(DirectoryCallError) as refused:
-                await client.plan_transfer(model="load", prompt_token_count=400, decode_engine_id="load-d-busy")
-            assert refused.value.code.name == "RESOURCE_EXHAUSTED" and "free blocks" in refused.value.details
+                await client.plan_transfer(model="load", prompt_token_count=1100, decode_engine_id="load-d-busy")
+            assert refused.value.code.name == "RESOURCE_EXHAUSTED" and "room for 1100 tokens" in refused.value.details
             for registration in registrations:
                 await registration.stop()
     run(scenario())
