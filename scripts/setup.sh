@@ -32,7 +32,8 @@ apt_packages=()
 command -v etcd >/dev/null 2>&1 || apt_packages+=(etcd-server)
 command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
 # podman (runc runtime), buildah and mmdebstrap: `make images` and tests/integration/images.
-for tool in podman buildah runc mmdebstrap; do command -v $tool >/dev/null 2>&1 || apt_packages+=($tool); done
+# curl: the README's request is a curl command, and its recipe test runs it as written.
+for tool in podman buildah runc mmdebstrap curl; do command -v $tool >/dev/null 2>&1 || apt_packages+=($tool); done
 if [ ${#apt_packages[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${apt_packages[@]}" >/dev/null 2>&1 \
