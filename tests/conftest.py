@@ -61,7 +61,8 @@ class PDStack:
 # Suites whose engines live only as long as their folder (localstack's `local_stack`); they run first, before
 # session-long engines of other suites are up (the machine holds about seven ~3 GiB engines at most).
 _RUN_FIRST = ("tests/integration/localstack/", "tests/integration/reliability/", "tests/integration/tp/",
-              "tests/integration/gateway_reliability/", "tests/faults/", "tests/integration/readme_recipe/")
+              "tests/integration/gateway_reliability/", "tests/faults/", "tests/integration/readme_recipe/",
+              "tests/integration/images/")
 
 
 def pytest_configure(config):
