@@ -449,6 +449,7 @@ class _Live:
     # Set with the instruction: None to post a write, else why not (the lease it came under is gone).
     post_guard: Callable[[], str | None] | None = None
     sends_first_token: bool = False          # DONE waits for the hold, which carries the token (module docstring)
+    instructed_agent: str = ""               # the decode agent of the instruction received (applied or refused)
     plan_in_flight: bool = False             # readiness may precede the plan (LayerReady.plan_in_flight)
     first_token_id: int | None = None        # the token the request sampled after its prompt (from the hold)
     quiet_since: float | None = None         # monotonic time the push ended with nothing in flight
@@ -631,6 +632,7 @@ class PushOwner:
                 self._send_result(instruction.transfer_id, live.push.outcome, live.push.reason)
                 live.result_sent = True
             return  # otherwise its result went (or goes, once quiet) to the directory in _settle
+        live.instructed_agent = instruction.decode_agent_name  # a refused instruction is answered too (_settle)
         try:
             self._transport.ensure_peer(instruction.decode_agent_name, instruction.decode_agent_metadata,
                                         instruction.decode_layout if instruction.HasField("decode_layout") else None)
@@ -827,12 +829,16 @@ class PushOwner:
         live.settled = True
         push = live.push
         timeline = push.finalize_timeline()
-        if push.has_instruction or live.cancel_requested:
+        if live.instructed_agent or live.cancel_requested:
             live.result_sent = True
             done = push.outcome is PushOutcome.DONE
+            # A failure that left this worker without the decode agent (a write to it aborted, or an instruction
+            # without the metadata it lacked) says so: the directory resends the metadata with the next instruction.
+            dropped = (live.instructed_agent if not done and live.instructed_agent
+                       and not self._transport.has_peer(live.instructed_agent) else "")
             self._send_result(push.transfer_id, push.outcome, push.reason if not done else "",
                               timeline if done else None, push.layers_written(), timeline.bytes_written,
-                              live.first_token_id if done and live.sends_first_token else None)
+                              live.first_token_id if done and live.sends_first_token else None, dropped)
         values = {k: v for k, v in timeline.as_dict().items() if v is not None}
         live.span.set_attributes({**{f"kvpush.{k}": v for k, v in values.items() if k not in ("state", "reason")},
                                   "kvpush.state": push.outcome.value})
@@ -858,12 +864,12 @@ class PushOwner:
 
     def _send_result(self, transfer_id: str, outcome: PushOutcome, error: str = "",
                      timeline: PushTimeline | None = None, layers_written: int = 0, bytes_written: int = 0,
-                     first_token_id: int | None = None) -> None:
+                     first_token_id: int | None = None, dropped_agent: str = "") -> None:
         if self._directory.session is None:
             return
         result = dpb.WriteResult(transfer_id=transfer_id, status=outcome.write_result_status,
                                  error_message=error[:1000], layers_written_count=layers_written,
-                                 bytes_written=bytes_written)
+                                 bytes_written=bytes_written, dropped_decode_agent_name=dropped_agent)
         if first_token_id is not None:
             result.first_token_id = first_token_id
         if timeline is not None:

@@ -84,14 +84,19 @@ class PushTransport:
         self._on_writer_quiet = on_writer_quiet
         self._writer = PushWriter(agent, on_request_done=self._request_done, on_transfer_done=self._transfer_done)
 
+    def has_peer(self, agent_name: str) -> bool:
+        """True while the data plane holds the decode worker's agent (loaded or loading, not leaving)."""
+        try:
+            self._agent.peer_layout(agent_name)
+        except KeyError:
+            return False
+        return True
+
     def ensure_peer(self, agent_name: str, metadata: bytes, layout_proto: Any) -> None:
         """Load a decode worker's agent once (queued on the I/O thread ahead of any write to it); a known agent
         (loaded or loading) is skipped, and a load that fails is logged."""
-        try:
-            self._agent.peer_layout(agent_name)
+        if self.has_peer(agent_name):
             return
-        except KeyError:
-            pass
         if not metadata or layout_proto is None:
             raise ValueError(f"decode agent {agent_name!r} is unknown here and the instruction carries no metadata")
         loading = self._agent.add_peer(agent_name, bytes(metadata), KVLayoutSpec.from_proto(layout_proto))

@@ -205,7 +205,7 @@ class LayerReadyBatch(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[LayerReady, _Mapping]]] = ...) -> None: ...
 
 class WriteResult(_message.Message):
-    __slots__ = ("transfer_id", "status", "layers_written_count", "bytes_written", "error_message", "timing", "first_token_id")
+    __slots__ = ("transfer_id", "status", "layers_written_count", "bytes_written", "error_message", "timing", "first_token_id", "dropped_decode_agent_name")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_WRITTEN_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class WriteResult(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     status: WriteResultStatus
     layers_written_count: int
@@ -220,7 +221,8 @@ class WriteResult(_message.Message):
     error_message: str
     timing: _types_pb2.TransferTiming
     first_token_id: int
-    def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[WriteResultStatus, str]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., error_message: _Optional[str] = ..., timing: _Optional[_Union[_types_pb2.TransferTiming, _Mapping]] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    dropped_decode_agent_name: str
+    def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[WriteResultStatus, str]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., error_message: _Optional[str] = ..., timing: _Optional[_Union[_types_pb2.TransferTiming, _Mapping]] = ..., first_token_id: _Optional[int] = ..., dropped_decode_agent_name: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "lease_id", "directory_incarnation_id")

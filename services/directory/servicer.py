@@ -158,6 +158,32 @@ def worker_to_proto(worker: Worker, active_transfer_count: int,
     return engine
 
 
+class DeliveredAgents:
+    """The decode agents whose NIXL metadata one prefill stream delivered and its worker still holds.
+
+    An instruction to such an agent goes without metadata and layout. Keyed by the metadata too: a decode worker
+    re-registered under the same agent name (a restarted process) has new memory registrations that prefill must
+    load. An agent the worker reports dropped (WriteResult.dropped_decode_agent_name) is forgotten, so the next
+    instruction to it carries the metadata again.
+    """
+
+    def __init__(self) -> None:
+        self._agents: set[tuple[str, int]] = set()  # (agent name, hash of its metadata)
+
+    def strip_delivered(self, instruction: dpb.PushInstruction) -> None:
+        """Clear the metadata and layout of an instruction whose agent holds them already; else record them sent."""
+        agent = (instruction.decode_agent_name, hash(instruction.decode_agent_metadata))
+        if agent in self._agents:
+            instruction.ClearField("decode_agent_metadata")
+            instruction.ClearField("decode_layout")
+        else:
+            self._agents.add(agent)
+
+    def forget(self, agent_name: str) -> None:
+        """The worker no longer holds `agent_name` (any metadata of it)."""
+        self._agents = {agent for agent in self._agents if agent[0] != agent_name}
+
+
 class _PrefillSession:
     """Per-stream bookkeeping of one StreamPrefill call."""
 
@@ -167,7 +193,7 @@ class _PrefillSession:
         self.session_id = session_id
         self.wake = asyncio.Event()
         self.rejections: deque[dpb.StreamPrefillResponse] = deque()
-        self.sent_agents: set[tuple[str, int]] = set()
+        self.sent_agents = DeliveredAgents()
         self.reader_done = False
         self.end_status: tuple[grpc.StatusCode, str] | None = None
         self.end_reason = "prefill stream closed"
@@ -702,15 +728,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 await context.write(rejection)
             for message in self.state.drain_outbox(session.engine_id, session.tp_rank, session.session_id):
                 if message.WhichOneof("message") == "instruction":
-                    instruction = message.instruction
-                    # Keyed by the metadata too: a decode worker re-registered under the same agent name
-                    # (a restarted process) has new memory registrations that prefill must load.
-                    agent = (instruction.decode_agent_name, hash(instruction.decode_agent_metadata))
-                    if agent in session.sent_agents:
-                        instruction.ClearField("decode_agent_metadata")
-                        instruction.ClearField("decode_layout")
-                    else:
-                        session.sent_agents.add(agent)
+                    session.sent_agents.strip_delivered(message.instruction)
                 message.directory_incarnation_id = self.incarnation_id
                 await context.write(message)
             if session.end_status is not None:
@@ -785,6 +803,9 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
     def _apply_result(self, session: _PrefillSession, result: dpb.WriteResult) -> None:
         try:
             check.check_result(result, self.limits)
+            if result.dropped_decode_agent_name:
+                # Whatever becomes of the transfer, the worker lacks that agent now.
+                session.sent_agents.forget(result.dropped_decode_agent_name)
             self._check_shard(result.transfer_id)
             effects = self.state.report_result(session.engine_id, session.tp_rank, result)
         except DirectoryError as error:

@@ -246,6 +246,7 @@ def check_result(result: dpb.WriteResult, limits: Limits) -> None:
     _non_negative(result.layers_written_count, "layers_written_count")
     _non_negative(result.bytes_written, "bytes_written")
     require_text(result.error_message, "error_message")
+    require_id(result.dropped_decode_agent_name, "dropped_decode_agent_name", limits, required=False)
     if result.HasField("first_token_id"):
         _non_negative(result.first_token_id, "first_token_id")
     if result.HasField("timing"):

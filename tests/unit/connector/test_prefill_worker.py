@@ -60,6 +60,9 @@ class _Transport:
             raise ValueError("layouts cannot exchange KV")
         self.peers.append((agent_name, bytes(metadata)))
 
+    def has_peer(self, agent_name) -> bool:
+        return any(name == agent_name for name, _ in self.peers)
+
     def submit(self, transfer_id, peer_agent, write, notification, ready_event, trace_context, post_guard=None) -> None:
         self.writes.append((write.layer, write.token_start, write.token_end, ready_event,
                             threading.current_thread().name))
@@ -224,6 +227,48 @@ def test_a_held_push_past_its_bound_is_cancelled_failed_and_released():
     loop.run()
     (result,) = directory.session.results
     assert result.status == dpb.WRITE_RESULT_STATUS_FAILED and "push_timeout_s" in result.error_message
+    assert worker.get_finished_sending({"r1"}) == {"r1"}
+
+
+def test_a_failed_push_says_whether_the_data_plane_still_holds_its_decode_agent():
+    """A write aborted, after which the data plane dropped the decode agent: the FAILED result names the agent, so
+    the directory resends its metadata. A write failure that left the agent loaded names none."""
+    for dropped in (True, False):
+        worker, transport, directory, loop = _worker()
+        worker.begin_step(_step(40))
+        for layer in LAYERS:
+            worker.save_kv_layer(layer)
+        worker.wait_for_save()
+        worker.on_instruction(_instruction(40))
+        loop.run()
+        if dropped:
+            transport.peers.clear()  # what the data plane does to a peer a write to it was aborted on
+        error = "transfer not done within 10.0s"
+        for layer, *_ in transport.writes:
+            worker.on_write_done(WriteDone("t1", PushOutcome.FAILED, error, layer, None, 12.0, 0.0, 0, 0))
+        worker.on_writer_quiet(WriterQuiet("t1", PushOutcome.FAILED, error))
+        loop.run()
+        (result,) = directory.session.results
+        assert result.status == dpb.WRITE_RESULT_STATUS_FAILED and error in result.error_message
+        assert result.dropped_decode_agent_name == ("decode-agent" if dropped else "")
+
+
+def test_an_instruction_the_worker_cannot_apply_fails_its_transfer_at_once_naming_the_agent():
+    """Refused before any write (here: the peer cannot be loaded): the FAILED result goes at once, naming the agent
+    the worker does not hold, and the held request is released."""
+    worker, transport, directory, loop = _worker()
+    transport.refuse_peers = True
+    worker.begin_step(_step(40))
+    for layer in LAYERS:
+        worker.save_kv_layer(layer)
+    worker.wait_for_save()
+    worker.on_instruction(_instruction(40))
+    worker.begin_step(KVPushMetadata(held_prefills=["r1"]))
+    loop.run()
+    (result,) = directory.session.results
+    assert result.status == dpb.WRITE_RESULT_STATUS_FAILED
+    assert result.error_message == "instruction refused: layouts cannot exchange KV"
+    assert result.dropped_decode_agent_name == "decode-agent" and transport.writes == []
     assert worker.get_finished_sending({"r1"}) == {"r1"}
 
 

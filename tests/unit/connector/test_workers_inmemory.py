@@ -325,3 +325,58 @@ def test_decode_workers_are_loaded_before_any_instruction_whichever_registers_fi
             client.close()
             for parts in (prefill, early, late):
                 parts.shutdown()
+
+
+def test_a_dropped_decode_peer_fails_one_transfer_at_once_and_the_next_gets_its_metadata_again():
+    """Prefill's data plane drops decode's agent (what it does when a write to it is aborted) while the directory's
+    stream still counts the metadata delivered. The next instruction comes without it: prefill fails that transfer
+    at once with its reason, reporting the agent dropped, so decode finishes the request with load errors and prefill
+    releases the blocks; the directory sends the metadata with the instruction after, and that push lands."""
+    fabric_name, _ = new_fabric()
+    with directory_on_loopback() as address:
+        p_caches, d_caches = _caches(True), _caches(False)
+        prefill = build_worker_half(connector_config(address, "prefill", "p", preload_peers=False), p_caches, BS, HEADS,
+                                    HEAD, 0, 1, "p-agent", create_agent=_in_memory_agent(fabric_name))
+        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
+                                   create_agent=_in_memory_agent(fabric_name))
+        client = SyncDirectoryClient(ChannelConfig(address=address))
+        try:
+            prompt, dst = 40, (11, 3, 7)
+
+            def push(request: str, src: tuple[int, ...]) -> tuple[str, set[int]]:
+                transfer_id = client.plan_transfer(prompt_token_count=prompt).transfer.transfer_id
+                _prefill_one_step(prefill, decode, p_caches, transfer_id, prompt, src, dst, lambda reason: None)
+                prefill.half.begin_step(KVPushMetadata(held_prefills=["rp"]))
+                outcome: dict = {}
+
+                def step() -> bool:
+                    finished, errors = decode.half.collect()
+                    if "rd" in finished:
+                        outcome["errors"] = errors
+                    if prefill.half.get_finished_sending({"rp"}):
+                        outcome["released"] = True
+                    return len(outcome) == 2
+
+                _until(step, f"push {request} to end on both sides")
+                return transfer_id, outcome["errors"]
+
+            first, errors = push("first", (4, 9, 2))
+            assert errors == set() and client.get_transfer(first).state == tpb.TRANSFER_STATE_COMPLETE
+            prefill.agent.remove_peer("d-agent", "a write to it was aborted").result(BOUND_S)
+            assert not _peer_loaded(prefill, "d-agent")
+
+            refused, errors = push("refused", (5, 8, 13))
+            transfer = client.get_transfer(refused)
+            assert errors == set(dst) and transfer.state == tpb.TRANSFER_STATE_FAILED
+            assert "'d-agent' is unknown here and the instruction carries no metadata" in transfer.failure_reason
+            assert "push_timeout_s" not in transfer.failure_reason
+
+            third, errors = push("after", (6, 10, 14))
+            assert errors == set() and client.get_transfer(third).state == tpb.TRANSFER_STATE_COMPLETE
+            for name in p_caches:
+                for s, d in zip((6, 10, 14), dst):
+                    assert torch.equal(d_caches[name][d], p_caches[name][s]), (name, s, d)
+        finally:
+            client.close()
+            prefill.shutdown()
+            decode.shutdown()
