@@ -825,6 +825,10 @@ def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: i
     completed = [o for o in outcomes if o.kind == "completed"]
     for event in injector.events:
         event["outcomes"] = fault_outcomes(outcomes, event)
+        if event["fault"] == "decode-freeze" and "recovered_at_s" in event:
+            # The thawed engine is planned again: a transfer to it must not wait on what the freeze left behind.
+            thawed = event["recovered_at_s"]
+            event["outcomes_after"] = fault_outcomes(outcomes, {"at_s": thawed, "recovered_at_s": thawed + AFTER_FREEZE_S})
     result = {
         "benchmark": "soak",
         "settings": {"count": count, "rate_per_s": rate, "concurrency": concurrency, "seed": seed, "faults": faults,
@@ -859,6 +863,8 @@ def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: i
 
 # After a fault recovered, requests it delayed still end: its window for the served rate runs this much longer.
 FAULT_TAIL_S = 5.0
+# decode-freeze: the requests sent this long after the thaw are summed apart (the event's outcomes_after).
+AFTER_FREEZE_S = 30.0
 
 
 def fault_outcomes(outcomes: list[Outcome], event: dict[str, Any]) -> dict[str, Any]:

@@ -16,8 +16,8 @@ def test_freeze_oversized_and_invalid_flood_end_every_request_and_leak_nothing(s
     request hung, none was corrupt, nothing leaked; a streamed leg on the frozen engine was failed over once past
     the gateway's first-byte bound, and later requests were planned on the other engine; the transport refused
     every oversized message and the directory stayed SERVING; every invalid request got a 4xx and none left a
-    transfer PLANNED. (A non-streamed request planned on the frozen engine may wait: its legs have no first-byte
-    bound, docs/reliability.md.)"""
+    transfer PLANNED; every request sent after the thaw completed within the failover bound. (A non-streamed request
+    planned on the frozen engine may wait: its legs have no first-byte bound, docs/reliability.md.)"""
     result = soak.run_soak(soak_stack, count=150, rate=4.0, concurrency=4, seed=11,
                            faults=["decode-freeze", "oversized", "invalid-flood"], fault_interval_s=3.0,
                            abort_share=0.0, request_bound_s=120.0, sample_s=1.0, freeze_s=16.0, flood_s=3.0)
@@ -35,6 +35,11 @@ def test_freeze_oversized_and_invalid_flood_end_every_request_and_leak_nothing(s
     assert soak.FIRST_BYTE_TIMEOUT_S <= freeze["first_decode_failover_s"] < 16.0, freeze
     assert freeze["planned_elsewhere_count"] > 0, freeze
     assert freeze["outcomes"]["hung"] == 0, freeze
+    # After the thaw, transfers to the engine that was frozen (whose peer a timed-out write may have made prefill
+    # drop) land again: every request sent in the 30 s after it completed, none past the gateway's failover bound.
+    after = freeze["outcomes_after"]
+    assert after["completed"] > 0 and after["failed"] == after["hung"] == 0, freeze
+    assert after["over_failover_bound"] == 0, freeze
 
     oversized = events["oversized"]
     assert oversized["sent"] > 0 and set(oversized["status_counts"]) == {"RESOURCE_EXHAUSTED"}, oversized
