@@ -230,16 +230,21 @@ def test_a_held_push_past_its_bound_is_cancelled_failed_and_released():
     assert worker.get_finished_sending({"r1"}) == {"r1"}
 
 
+def _computed_and_instructed(worker, prompt: int = 40) -> None:
+    """Hooks of one step computing every layer of `prompt` tokens of t1, then t1's instruction (posted, not run)."""
+    worker.begin_step(_step(prompt))
+    for layer in LAYERS:
+        worker.save_kv_layer(layer)
+    worker.wait_for_save()
+    worker.on_instruction(_instruction(prompt))
+
+
 def test_a_failed_push_says_whether_the_data_plane_still_holds_its_decode_agent():
     """A write aborted, after which the data plane dropped the decode agent: the FAILED result names the agent, so
     the directory resends its metadata. A write failure that left the agent loaded names none."""
     for dropped in (True, False):
         worker, transport, directory, loop = _worker()
-        worker.begin_step(_step(40))
-        for layer in LAYERS:
-            worker.save_kv_layer(layer)
-        worker.wait_for_save()
-        worker.on_instruction(_instruction(40))
+        _computed_and_instructed(worker)
         loop.run()
         if dropped:
             transport.peers.clear()  # what the data plane does to a peer a write to it was aborted on
@@ -258,11 +263,7 @@ def test_an_instruction_the_worker_cannot_apply_fails_its_transfer_at_once_namin
     the worker does not hold, and the held request is released."""
     worker, transport, directory, loop = _worker()
     transport.refuse_peers = True
-    worker.begin_step(_step(40))
-    for layer in LAYERS:
-        worker.save_kv_layer(layer)
-    worker.wait_for_save()
-    worker.on_instruction(_instruction(40))
+    _computed_and_instructed(worker)
     worker.begin_step(KVPushMetadata(held_prefills=["r1"]))
     loop.run()
     (result,) = directory.session.results
