@@ -136,11 +136,13 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for the whole prefill leg")
     parser.add_argument("--decode-timeout", type=float, default=600.0, help="seconds for the whole decode leg")
     parser.add_argument("--prefill-first-byte-timeout", type=float, default=10.0,
-                        help="seconds from sending a streamed prefill leg to its response headers; an engine over it "
-                             "is reported unreachable and the request planned again (0: no bound)")
+                        help="seconds from sending a streamed prefill leg to its response headers (a non-streamed "
+                             "one: to its answer, then to the engine's /health answer); an engine over it is reported "
+                             "unreachable and the request planned again (0: no bound)")
     parser.add_argument("--decode-first-byte-timeout", type=float, default=10.0,
-                        help="seconds from sending a streamed decode leg to its response headers; an engine over it "
-                             "is reported unreachable and the request planned again (0: no bound)")
+                        help="seconds from sending a streamed decode leg to its response headers (a non-streamed "
+                             "one: to its answer, then to the engine's /health answer); an engine over it is reported "
+                             "unreachable and the request planned again (0: no bound)")
     parser.add_argument("--upstream-keepalive", type=float, default=4.0,
                         help="seconds an idle connection to an engine is kept for reuse (below the engines' own "
                              "keep-alive timeout: vLLM's is 5 s)")

@@ -387,8 +387,12 @@ class Dispatcher:
                     if streamed:
                         answer = await self._streamed_prefill_answer(session, request, url, body, headers, outcome)
                     else:
+                        # A frozen remote engine is failed over (legs.post_json); an in-process one would be this
+                        # process, frozen too.
                         answer = await legs.post_json(session, "prefill", url, body, _leg_headers(headers),
-                                                      self._config.prefill_timeout_s, self._config.connect_timeout_s)
+                                                      self._config.prefill_timeout_s, self._config.connect_timeout_s,
+                                                      self._config.prefill_first_byte_timeout_s,
+                                                      "" if local else route.prefill_url + legs.HEALTH_PATH)
                 finally:
                     outcome.prefill_leg_accepted.set()
             outcome.prefill_ms = (time.monotonic() - started) * 1000
@@ -456,7 +460,8 @@ class Dispatcher:
         decode_url = route.decode_url + request.path
         try:
             if not request.stream:
-                decode_task = asyncio.create_task(self._decode_json(decode_url, request, route.decode_params, headers))
+                decode_task = asyncio.create_task(self._decode_json(decode_url, request, route.decode_params, headers,
+                                                                    route.decode_url + legs.HEALTH_PATH))
                 answer = await _both(prefill_task, decode_task)
                 return self._json_response(answer, route, outcome)
             stream_task = asyncio.create_task(self._first_chunk(decode_url, request, route.decode_params, headers))
@@ -676,18 +681,20 @@ class Dispatcher:
         decode_params = pull_decode_params(prefill_answer)
         decode_url = route.decode_url + request.path
         if not request.stream:
-            answer = await self._decode_json(decode_url, request, decode_params, headers)
+            answer = await self._decode_json(decode_url, request, decode_params, headers,
+                                             route.decode_url + legs.HEALTH_PATH)
             return self._json_response(answer, route, outcome)
         response, first_chunk = await self._first_chunk(decode_url, request, decode_params, headers)
         return await self._pass_through(http_request, response, first_chunk, route, outcome, None)
 
     async def _decode_json(self, url: str, request: ClientRequest, params: dict,
-                           headers: dict[str, str]) -> dict[str, Any]:
+                           headers: dict[str, str], health_url: str) -> dict[str, Any]:
         with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("server.address", url)
             body = decode_body(request, _leg_params(params))
             return await legs.post_json(self._session, "decode", url, body, _leg_headers(headers),
-                                        self._config.decode_timeout_s, self._config.connect_timeout_s)
+                                        self._config.decode_timeout_s, self._config.connect_timeout_s,
+                                        self._config.decode_first_byte_timeout_s, health_url)
 
     async def _first_chunk(self, url: str, request: ClientRequest, params: dict,
                            headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:

@@ -6,6 +6,11 @@ Mapping (the leg name is always in the message):
 - no complete answer within bound   -> 504 (also while reading a streamed answer's first chunk)
 - a streamed leg's headers not within
   its first-byte bound              -> 504 EngineUnresponsive (a frozen engine: planned again like unreachable)
+- a non-streamed leg's answer not
+  within its first-byte bound and
+  the engine's /health silent for
+  that long again                   -> 504 EngineUnresponsive (the same: vLLM sends a non-streamed answer's headers
+                                       with its body, so only a probe tells a frozen engine from a slow one)
 - engine 4xx (bad input)            -> the same 4xx with the engine's message (the client's fault)
 - engine 5xx or a non-JSON 200      -> 502
 Cancelling a leg's task closes its connection, which makes vLLM abort the request.
@@ -27,6 +32,10 @@ import aiohttp
 import orjson
 
 from kvpush.services.gateway.errors import EngineUnreachable, EngineUnresponsive, GatewayError, LegTimeout, bad_gateway
+
+
+# The engine's liveness endpoint (vLLM's OpenAI server answers it from its own event loop, while a request computes).
+HEALTH_PATH = "/health"
 
 
 def _engine_message(text: str) -> str:
@@ -84,8 +93,45 @@ def _post(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[st
 
 
 async def post_json(session: aiohttp.ClientSession, leg: str, url: str, body: dict, headers: dict[str, str],
-                    total_s: float, connect_s: float) -> dict[str, Any]:
-    """POST `body` and return the JSON object answered with 200; raise a GatewayError otherwise."""
+                    total_s: float, connect_s: float, first_byte_s: float = 0.0,
+                    health_url: str = "") -> dict[str, Any]:
+    """POST `body` and return the JSON object answered with 200; raise a GatewayError otherwise.
+
+    `first_byte_s` with `health_url` (0 or "": none): each time the answer has not come for `first_byte_s`, the
+    engine's health endpoint is asked; one that does not answer within `first_byte_s` either is frozen or hung, so
+    the leg is given up (its connection closed) as EngineUnresponsive. An engine that answers it is slow, and waited
+    for up to `total_s`.
+    """
+    if not first_byte_s or not health_url:
+        return await _post_json(session, leg, url, body, headers, total_s, connect_s)
+    answer = asyncio.ensure_future(_post_json(session, leg, url, body, headers, total_s, connect_s))
+    try:
+        while True:
+            done, _ = await asyncio.wait({answer}, timeout=first_byte_s)
+            if done:
+                return answer.result()
+            if not await _answers_health(session, health_url, first_byte_s):
+                raise EngineUnresponsive(
+                    504, f"{leg} engine at {url} sent no answer within {first_byte_s:g} s and its health endpoint "
+                    f"none within {first_byte_s:g} s more", "gateway_timeout", leg=leg, url=url)
+    finally:
+        if not answer.done():
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+
+
+async def _answers_health(session: aiohttp.ClientSession, url: str, bound_s: float) -> bool:
+    """True when the engine at `url` answers at all (any status: its server runs) within `bound_s`."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=bound_s)) as response:
+            await response.read()
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+    return True
+
+
+async def _post_json(session: aiohttp.ClientSession, leg: str, url: str, body: dict, headers: dict[str, str],
+                     total_s: float, connect_s: float) -> dict[str, Any]:
     client_timeout = aiohttp.ClientTimeout(total=total_s, connect=connect_s)
     with transport_errors(leg, url, total_s, before_response=True):
         response = await _post(session, url, body, headers, client_timeout)

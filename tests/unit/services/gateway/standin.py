@@ -44,6 +44,8 @@ class StandInEngine:
     arrived: threading.Event = field(default_factory=threading.Event)
     tokenized: list[dict] = field(default_factory=list)  # /tokenize request bodies
     tokenize_status: int = 200
+    health_delay_s: float = 0.0  # GET /health answers 200 after this long (a frozen engine: longer than any bound)
+    health_probes: int = 0
     port: int = 0
     _loop: asyncio.AbstractEventLoop | None = None
     _runner: web.AppRunner | None = None
@@ -65,6 +67,7 @@ class StandInEngine:
             app.router.add_post("/v1/chat/completions", self._handle)
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/tokenize", self._tokenize)
+            app.router.add_get("/health", self._health)
             self._runner = web.AppRunner(app)
             await self._runner.setup()
             site = web.TCPSite(self._runner, "127.0.0.1", self.port)  # 0: a free port
@@ -104,6 +107,12 @@ class StandInEngine:
         else:
             count = len(str(body.get("prompt", "")).split())
         return web.json_response({"count": count, "max_model_len": 4096, "tokens": list(range(count))})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_probes += 1
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
+        return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})

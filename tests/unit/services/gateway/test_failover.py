@@ -234,12 +234,54 @@ def test_a_decode_engine_that_sends_no_headers_is_failed_over_within_its_bound(t
         assert result.status == 200 and not result.error, result.error
         assert result.text == "ab"
         assert result.total_s < 5.0  # b answered before a would have
-        assert len(stack.engines[DECODE_A].legs) == 1 and len(stack.engines[DECODE_B].legs) == 1
-        frozen = stack.engine(DECODE_A)
-        assert frozen.HasField("unreachable_time") and "no response headers within 1 s" in frozen.unreachable_reason
-        assert _metric(stack.gateway.url, "kvpush_gateway_first_byte_timeouts_total", leg="decode") == 1
-        assert _metric(stack.gateway.url, "kvpush_gateway_failovers_total", leg="decode") == 1
-        assert [t.state for t in stack.client.list_transfers(engine_id=DECODE_A)] == [tpb.TRANSFER_STATE_CANCELLED]
+        _assert_decode_a_failed_over(stack, "no response headers within 1 s")
+    finally:
+        stack.stop()
+
+
+def _assert_decode_a_failed_over(stack, reason: str) -> None:
+    """Decode a had one leg and b the other; a was reported (with `reason`), counted over its bound and failed over
+    once, and its attempt's transfer cancelled."""
+    assert len(stack.engines[DECODE_A].legs) == 1 and len(stack.engines[DECODE_B].legs) == 1
+    frozen = stack.engine(DECODE_A)
+    assert frozen.HasField("unreachable_time") and reason in frozen.unreachable_reason
+    assert _metric(stack.gateway.url, "kvpush_gateway_first_byte_timeouts_total", leg="decode") == 1
+    assert _metric(stack.gateway.url, "kvpush_gateway_failovers_total", leg="decode") == 1
+    assert [t.state for t in stack.client.list_transfers(engine_id=DECODE_A)] == [tpb.TRANSFER_STATE_CANCELLED]
+
+
+def test_a_decode_engine_frozen_under_a_non_streamed_leg_is_failed_over_once_its_health_is_silent(tmp_path):
+    """Decode a takes a non-streamed leg and answers nothing, its /health neither (frozen): past the 1 s bound the
+    gateway probes it, and once the probe went unanswered for 1 s more a is reported and the request planned again on
+    b, whose answer the client gets; the first attempt's transfer is cancelled."""
+    stack = TwoDecodes(tmp_path, ("--decode-first-byte-timeout", "1"))
+    try:
+        frozen = stack.engines[DECODE_A]
+        frozen.behaviour = lambda leg: (200, {"choices": [{"index": 0, "text": "from a"}]}, 5.0)
+        frozen.health_delay_s = 5.0
+        result = _complete(stack, {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+        assert result.status == 200, result.text
+        assert result.body["choices"][0]["text"] == "max_tokens=2"  # b's answer
+        assert frozen.health_probes == 1
+        _assert_decode_a_failed_over(stack, "sent no answer within 1 s and its health endpoint none within 1 s more")
+    finally:
+        stack.stop()
+
+
+def test_a_slow_decode_engine_whose_health_answers_keeps_its_non_streamed_leg(tmp_path):
+    """Decode a answers a non-streamed leg only after 2.5 s but its /health at once: the gateway probes it past the
+    1 s bound, finds it alive and waits for its answer; nothing is reported or failed over."""
+    stack = TwoDecodes(tmp_path, ("--decode-first-byte-timeout", "1"))
+    try:
+        slow = stack.engines[DECODE_A]
+        slow.behaviour = lambda leg: (200, {"choices": [{"index": 0, "text": "from a"}]}, 2.5)
+        result = _complete(stack, {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+        assert result.status == 200, result.text
+        assert result.body["choices"][0]["text"] == "from a"
+        assert len(slow.legs) == 1 and stack.engines[DECODE_B].legs == [] and slow.health_probes >= 1
+        assert not stack.engine(DECODE_A).HasField("unreachable_time")
+        assert _metric(stack.gateway.url, "kvpush_gateway_first_byte_timeouts_total", leg="decode") == 0
+        assert _metric(stack.gateway.url, "kvpush_gateway_failovers_total", leg="decode") == 0
     finally:
         stack.stop()
 
