@@ -33,7 +33,9 @@ USER_PROVIDED = {"vllm", "torch", "numpy", "nixl", "transformers", "tokenizers"}
 @pytest.fixture(scope="module")
 def wheel() -> Path:
     """`make wheel`, as a user or the image build runs it."""
-    done = subprocess.run(["make", "wheel"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # --no-print-directory: inside `make test` a sub-make would print "Leaving directory" after the wheel's path.
+    done = subprocess.run(["make", "--no-print-directory", "wheel"], check=False, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return ROOT / done.stdout.strip().splitlines()[-1]
 

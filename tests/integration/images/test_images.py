@@ -89,7 +89,9 @@ class Container:
 
 def _built_images() -> dict[str, str]:
     """`make images` (cached layers) and the tag of each image it built."""
-    done = subprocess.run(["make", "images"], check=False, cwd=ROOT, capture_output=True, text=True,
+    # --no-print-directory: inside `make test` a sub-make would print "Leaving directory" after the last tag.
+    done = subprocess.run(["make", "--no-print-directory", "images"], check=False, cwd=ROOT, capture_output=True,
+                          text=True,
                           timeout=BUILD_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     version = Path(done.stdout.strip().splitlines()[-1]).name.split("-")[1]
