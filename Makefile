@@ -20,11 +20,11 @@ protos: setup
 lint: setup
 	@cd protos && ../node_modules/.bin/buf lint
 	@scripts/buf_breaking.sh
-	@PATH=$(CURDIR)/.venv/bin:$$PATH scripts/gen_protos.sh && git diff --exit-code -- kvpush/v1 \
-		|| { echo "kvpush/v1 is stale: run 'make protos' and commit"; exit 1; }
+	@PATH=$(CURDIR)/.venv/bin:$$PATH scripts/gen_protos.sh && git diff --exit-code -- src/kvpush/v1 \
+		|| { echo "src/kvpush/v1 is stale: run 'make protos' and commit"; exit 1; }
 
 run: setup
-	@$(PY) -m kvpush.demo
+	@$(PY) -m kvpush.localstack.demo
 
 # pytest exits 5 when it collects nothing; that fails here like any other non-zero exit.
 test: lint

@@ -2,7 +2,7 @@
 
 What runs (one script, modes by argv; `run` starts the others as child processes):
 
-  directory   the real KV-directory (`kvpush.services.cli.main directory`) on 127.0.0.1
+  directory   the real KV-directory (`kvpush.cli.main directory`) on 127.0.0.1
   decode      `DecodeWorker` + `NotificationListener` on a `TransferAgent` (`create_agent`, the connector's
               own function) over vLLM's GPU KV layout, registered and watching through `DirectoryLink`
               exactly as `KVPushConnector.register_kv_caches` wires it; a second `DirectoryLink` plays the
@@ -17,7 +17,7 @@ What runs (one script, modes by argv; `run` starts the others as child processes
               bytes with prefill's source bytes (SHA-256 per layer over every prompt token).
 
 vLLM's part, played here. CUDA vLLM cannot be carried to the GPU machine, so this script calls the
-worker halves' hooks in the order vLLM 0.33's GPU model runner does (connector/connector.py):
+worker halves' hooks in the order vLLM 0.33's GPU model runner does (src/kvpush/connector/connector.py):
   prefill step: begin_step(meta) [bind_connector_metadata] -> per layer: the layer's KV is written
   (index_copy_ into the paged cache), then save_kv_layer(layer_name) -> wait_for_save() ->
   get_finished_sending(finished_req_ids) [get_transfer_results] -> build_worker_meta()
@@ -26,7 +26,7 @@ worker halves' hooks in the order vLLM 0.33's GPU model runner does (connector/c
   finished_req_ids (request_finished returned True); while holds are open the engine keeps stepping
   (has_pending_push_work): empty steps every --idle-step-s.
   decode step: begin_step(meta with the ReceiveStart the scheduler queued) -> collect().
-The `KVPushMetadata` (PrefillChunk, ReceiveStart, held_prefills) is built as connector/scheduler/prefill.py
+The `KVPushMetadata` (PrefillChunk, ReceiveStart, held_prefills) is built as src/kvpush/connector/scheduler/prefill.py
 and decode.py build it. On GPU, `PrefillWorker(on_gpu=True)` records a CUDA event per layer in
 save_kv_layer, so no WRITE reads a layer before its kernels ran; the model here runs asynchronously on
 the GPU exactly like vLLM's forward (the host runs ahead of the GPU).
@@ -34,7 +34,7 @@ the GPU exactly like vLLM's forward (the host runs ahead of the GPU).
 vLLM stand-in (GPU machine only): kvpush/connector/metadata.py imports two base classes from
 `vllm.distributed.kv_transfer.kv_connector.v1.base`. Where vLLM is not installed, this script installs a
 minimal module at that one import path holding two EMPTY base classes (`KVConnectorMetadata`,
-`KVConnectorWorkerMetadata`) -- nothing else of vLLM is stood in for, and connector/connector.py (the
+`KVConnectorWorkerMetadata`) -- nothing else of vLLM is stood in for, and src/kvpush/connector/connector.py (the
 facade that needs real vLLM) is never imported. Where vLLM is installed (the CPU machine) the real
 classes are used.
 
@@ -92,11 +92,9 @@ DECODE_ENGINE = "decode-0"
 
 def setup_imports() -> None:
     """Make `kvpush.*` importable from the checkout and, only where vLLM is absent, stand in for vLLM's two bases."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from kvpush.checkout import use_checkout
-
-    use_checkout(REPO)  # pyproject's package mapping, where the checkout is not installed
+    src = str(REPO / "src")
+    if src not in sys.path:
+        sys.path.insert(0, src)
     if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
         install_vllm_base_stand_in()
 
@@ -104,7 +102,7 @@ def setup_imports() -> None:
 def install_vllm_base_stand_in() -> None:
     """Stand-in for vLLM's `KVConnectorMetadata` / `KVConnectorWorkerMetadata` ONLY (two empty base classes).
 
-    connector/metadata.py subclasses them; nothing else of vLLM is imported by the worker halves this
+    src/kvpush/connector/metadata.py subclasses them; nothing else of vLLM is imported by the worker halves this
     script drives. Used only where vLLM is not installed (the GPU machine).
     """
     path = "vllm.distributed.kv_transfer.kv_connector.v1.base"
@@ -211,7 +209,7 @@ class BlockPool:
 
 def directory_main(args: argparse.Namespace) -> int:
     setup_imports()
-    from kvpush.services.cli.main import main
+    from kvpush.cli.main import main
 
     return main(["directory", "--host", "127.0.0.1", "--port", str(args.port), "--lease-ttl-s", "30",
                  "--transfer-ttl-s", str(args.timeout_s * 2)])
@@ -676,8 +674,8 @@ def scenario_prompts(sc: dict[str, Any]) -> dict[str, int]:
 def run_main(args: argparse.Namespace) -> int:
     setup_imports()
     from kvpush.localstack.processes import free_port
-    from kvpush.services.client.config import ChannelConfig
-    from kvpush.services.client.sync import SyncDirectoryClient
+    from kvpush.client.config import ChannelConfig
+    from kvpush.client.sync import SyncDirectoryClient
     from kvpush.v1 import types_pb2 as tpb
 
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results"

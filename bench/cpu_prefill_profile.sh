@@ -26,7 +26,7 @@ timeout $(( seconds + 30 )) "$repo/.venv/bin/py-spy" record --pid "$prefill" --s
   -r 200 -d "$seconds" -f raw -o "$out/prefill_gil.txt" > "$out/pyspy.log" 2>&1
 echo "py-spy exit $?"; tail -2 "$out/pyspy.log"
 wait "$bench"; echo "bench exit $?"; tail -1 "$out/bench.txt"
-# py-spy names a file by its path from the checkout ("connector/worker/prefill.py") or in full.
+# py-spy names a file by its path from the checkout ("src/kvpush/connector/worker/prefill.py") or in full.
 "$py" "$repo/bench/profile_summary.py" "$out/prefill_gil.txt" --marker "(connector/" --marker "(services/" \
   --marker "$repo/connector/" --marker "$repo/services/" --out "$out/prefill_gil_summary.json" > /dev/null
 echo "summary: $out/prefill_gil_summary.json"

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.connector.dataplane import KVLayoutSpec, NixlConfig, PushWriter, TransferAgent, WriteOutcome, WriteRequest
+from kvpush.dataplane import KVLayoutSpec, NixlConfig, PushWriter, TransferAgent, WriteOutcome, WriteRequest
 from kvpush.v1 import types_pb2
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -101,7 +101,7 @@ def host_kv(shape: KVShape, random: bool) -> dict[str, HostTensor]:
 # ---- decode side (spawned) ----------------------------------------------------------------------
 def receiver_main(conn: Any, shape: KVShape, device: str, config: dict[str, Any], name: str) -> None:
     """Decode process: register zeroed KV on `device`, timestamp notifications, answer commands."""
-    from kvpush.connector.dataplane import NotificationListener
+    from kvpush.dataplane import NotificationListener
 
     if device == "cpu":
         caches: dict[str, Any] = host_kv(shape, random=False)
@@ -331,7 +331,7 @@ def run_case(name: str, sender: Sender, receiver: Receiver, reps: int, make_requ
 
 
 def _plan_entries(sender: Sender, request: WriteRequest) -> int:
-    from kvpush.connector.dataplane.plan import plan_write
+    from kvpush.dataplane.plan import plan_write
 
     plan = plan_write(sender.agent.layout, sender.agent.peer_layout(request.peer_agent), request.layers,
                       request.src_block_ids, request.dst_block_ids, request.token_start, request.token_end)
@@ -374,7 +374,7 @@ def bare_nixl_case(kv: dict[str, Any], layout: KVLayoutSpec, receiver: Receiver,
     One descriptor per (layer, plane) (what the writer's plan merges to), prepared once, then
     make_prepped_xfer + transfer + check_xfer_state every 100 us, as in REFERENCE's measurements.
     """
-    from kvpush.connector.dataplane.config import _nixl_modules
+    from kvpush.dataplane.config import _nixl_modules
 
     api, _ = _nixl_modules()
     agent = api.nixl_agent("bench-bare", api.nixl_agent_config(enable_prog_thread=False))

@@ -41,7 +41,7 @@ from dataplane_bench import (  # noqa: E402
     run_case,
 )
 
-from kvpush.connector.dataplane import NixlConfig, TransferAgent, WriteRequest  # noqa: E402
+from kvpush.dataplane import NixlConfig, TransferAgent, WriteRequest  # noqa: E402
 
 SRC, DST = "cuda:0", "cuda:1"
 

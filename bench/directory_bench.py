@@ -54,7 +54,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration
+from kvpush.client import ChannelConfig, DirectoryClient, EngineRegistration
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
@@ -88,7 +88,7 @@ class DirectoryProcess:
         command = [sys.executable]
         if profile_path:
             command += ["-m", "cProfile", "-o", profile_path]
-        command += ["-m", "kvpush.services.cli.main", "directory", "--port", str(self.port), "--lease-ttl-s", "60",
+        command += ["-m", "kvpush.cli.main", "directory", "--port", str(self.port), "--lease-ttl-s", "60",
                     "--transfer-ttl-s", "120", "--max-active-transfers-per-engine", "100000", *extra_flags]
         if core is not None and shutil.which("taskset"):
             command = ["taskset", "-c", str(core), *command]
@@ -250,7 +250,7 @@ class Load:
         return ChannelConfig(address=self.address, timeout_s=30, token=token)
 
     async def _watch(self, engine_id: str) -> None:
-        from kvpush.services.client.watch import watch_one  # this load's replica only: it owns its transfers
+        from kvpush.client.watch import watch_one  # this load's replica only: it owns its transfers
 
         async for event in watch_one(self.engine_clients[engine_id], engine_id):
             if event.state == tpb.TRANSFER_STATE_COMPLETE:

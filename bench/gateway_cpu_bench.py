@@ -1,7 +1,7 @@
 """The standalone gateway's CPU time per request, with stand-in engines (no vLLM), so only the gateway's own work counts.
 
 What runs: a real directory, two stand-in engines (tests/unit/services/gateway/standin.py: aiohttp servers that
-answer at once) registered as prefill and decode, and the gateway (`python -m kvpush.services.gateway`, first token
+answer at once) registered as prefill and decode, and the gateway (`python -m kvpush.gateway`, first token
 from prefill off: one non-streamed leg each way, the plan). Requests go one at a time with a short pause; the
 gateway process's user + system CPU (/proc/PID/stat) over the measured requests, divided by their count, is the
 figure. With --profile, py-spy samples the gateway meanwhile (raw format; summarise with any flame tool).

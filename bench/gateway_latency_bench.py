@@ -4,7 +4,7 @@ The engines are stand-ins that answer as vLLM does (a FastAPI app under uvicorn,
 streamed completion's token event comes `--prefill-ms` after the request, decode's events 5 ms later. Every round
 sends one streamed request of each kind, in rotating order, the same token-id prompt:
   direct      straight to the prefill stand-in (max_tokens=1, no kv_transfer_params): "P alone"
-  standalone  through the standalone gateway (`python -m kvpush.services.gateway`, first token from prefill)
+  standalone  through the standalone gateway (`python -m kvpush.gateway`, first token from prefill)
   hosted      through the gateway hosted in the prefill stand-in's server (`HostedGateway`, in-process legs)
   standalone_b  with --gateway-b-pythonpath DIR and/or --gateway-b-args ARGS: a second standalone gateway, run from
               another checkout (A/B of the gateway's code in one run: `git worktree add /tmp/before COMMIT`, then
@@ -79,7 +79,7 @@ def serve_standin(role: str, port: int, prefill_s: float) -> None:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    from kvpush.services.gateway.hosted import ARGS_ENV, HostedGateway
+    from kvpush.gateway.hosted import ARGS_ENV, HostedGateway
 
     app = FastAPI()
 
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         return 0
     from kvpush.localstack.processes import ManagedProcess, free_port, start_directory, start_gateway, tcp_open
     from kvpush.localstack.stack import hosted_gateway_env
-    from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+    from kvpush.client import ChannelConfig, SyncDirectoryClient
     from kvpush.v1 import types_pb2 as tpb
     from tests.unit.services.gateway.test_gateway import register_standin
 

@@ -156,7 +156,7 @@ class Stack:
             address = self.directory.address
             hosted = getattr(self.args, "gateway_b_hosted", False)
             hosted_env: dict[str, str] = {}
-            if hosted:  # the prefill engine's API server also hosts a gateway (kvpush.services.gateway.hosted)
+            if hosted:  # the prefill engine's API server also hosts a gateway (kvpush.gateway.hosted)
                 port = free_port()
                 self.hosted_gateway_url = f"http://127.0.0.1:{port}"
                 hosted_env = hosted_gateway_env(port, address, PREFILL_ID,
@@ -197,8 +197,8 @@ class Stack:
             if connector != "colocated":
                 self.gateway = self._start_gateway(connector, first_token=variant == "kvpush-first-token")
             if self.directory is not None:
-                from kvpush.services.client.config import ChannelConfig
-                from kvpush.services.client.sync import SyncDirectoryClient
+                from kvpush.client.config import ChannelConfig
+                from kvpush.client.sync import SyncDirectoryClient
 
                 self.client = SyncDirectoryClient(ChannelConfig(address=self.directory.address))
         except BaseException:
@@ -209,7 +209,7 @@ class Stack:
     def _start_gateway(self, mode: str, first_token: bool, extra_args: tuple[str, ...] = (),
                        name: str = "") -> GatewayHandle:
         port = free_port()
-        argv = [sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1", "--port", str(port),
+        argv = [sys.executable, "-m", "kvpush.gateway", "--host", "127.0.0.1", "--port", str(port),
                 "--mode", mode, "--prefill-timeout", "300", "--decode-timeout", "300"]
         if mode == "kvpush":
             argv += ["--directory", self.directory.address,
@@ -862,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
                            "every round through it too (kind kvpush_b)")
     hops.add_argument("--gateway-b-hosted", action="store_true",
                       help="kind kvpush_b through a gateway hosted in the prefill engine's API server "
-                           "(kvpush.services.gateway.hosted) instead of a second standalone one")
+                           "(kvpush.gateway.hosted) instead of a second standalone one")
     plot = sub.add_parser("plot")
     plot.add_argument("results", nargs="+")
     plot.add_argument("--png", default=str(Path(__file__).parent / "results" / "gpu_serve.png"))

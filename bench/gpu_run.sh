@@ -43,7 +43,7 @@ if [ -n "${KVPUSH_GPU_WHEEL:-}" ]; then
   sources=$(sha256sum "$install_from" | cut -c1-16)
 else
   install_from=.
-  sources=$(cd "$repo" && find connector services kvpush protos pyproject.toml setup.py -type f -not -path '*/__pycache__/*' \
+  sources=$(cd "$repo" && find src protos pyproject.toml -type f -not -path '*/__pycache__/*' \
     | sort | xargs cat | sha256sum | cut -c1-16)
 fi
 if [ "$(cat /tmp/site/.kvpush-sources 2>/dev/null)" != "$sources" ]; then

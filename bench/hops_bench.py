@@ -199,7 +199,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="start a second gateway with these flags (e.g. \"--uvloop\") and add kind kvpush_b")
     parser.add_argument("--gateway-b-hosted", action="store_true",
                         help="kind kvpush_b through the gateway hosted in the prefill engine's API server "
-                             "(kvpush.services.gateway.hosted) instead of a second standalone one")
+                             "(kvpush.gateway.hosted) instead of a second standalone one")
     parser.add_argument("--engine-stages", action="store_true",
                         help="scrape the prefill engine's /metrics around every request: its stages per kind")
     parser.add_argument("--connector-extra", type=json.loads, default={},
@@ -359,7 +359,7 @@ def main(argv=None) -> int:
     from kvpush.localstack.model import TinyModelSpec
     from kvpush.localstack.processes import start_gateway
     from kvpush.localstack.stack import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, LocalStack
-    from kvpush.services.client import SyncDirectoryClient
+    from kvpush.client import SyncDirectoryClient
     from tests.fixtures.otlp import OTLPReceiver
 
     args = parse_args(argv)

@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.connector.dataplane.describe import describe_kv_caches
-from kvpush.connector.dataplane.layout import KVLayoutSpec
-from kvpush.connector.dataplane.plan import LayerPlanCache, plan_write
+from kvpush.dataplane.describe import describe_kv_caches
+from kvpush.dataplane.layout import KVLayoutSpec
+from kvpush.dataplane.plan import LayerPlanCache, plan_write
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -179,8 +179,8 @@ def run_save_kv_layer_case(reps: int) -> dict:
         transport.expected = layers
         agent = None
         if one_owner:
-            from kvpush.connector.dataplane.agent import TransferAgent
-            from kvpush.connector.dataplane.config import BACKEND_INMEMORY, NixlConfig
+            from kvpush.dataplane.agent import TransferAgent
+            from kvpush.dataplane.config import BACKEND_INMEMORY, NixlConfig
 
             agent = TransferAgent(f"bench-{rep}", NixlConfig(backends=(BACKEND_INMEMORY,),
                                                               backend_params={BACKEND_INMEMORY: {"fabric": "bench"}}))

@@ -1,8 +1,8 @@
 """bench/plan_bench.py against two commits of the package, alternately, in one run: the ratios of their figures.
 
 The newer plan_bench.py (this checkout's) drives both: for the other commit it runs with that commit's
-`kvpush.*` packages mapped in from a temporary git worktree (pyproject's package-dir, as
-kvpush/checkout.py applies it), so both sides run the same measurement code on the same machine, rounds
+`kvpush.*` packages imported from a temporary git worktree (its src/, or for older trees the package-dir
+mapping of their pyproject), so both sides run the same measurement code on the same machine, rounds
 interleaved (old, new, old, new, ...) so that machine load falls on both.
 
 Usage:  python bench/plan_bench_compare.py --old REF [--rounds 3] [--reps 30]
@@ -24,23 +24,29 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-# Runs plan_bench.main with the kvpush packages of the tree at argv[1] (see kvpush/checkout.py).
+# Runs plan_bench.main with the kvpush packages of the tree at argv[1] (src/ on the path).
 _RUNNER = """
 import importlib.util, runpy, sys, tomllib
 from pathlib import Path
 tree, bench, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-sys.path.insert(0, str(tree))
-import kvpush
-assert Path(kvpush.__file__).resolve().parent == (tree / "kvpush").resolve(), kvpush.__file__
-for name, folder in tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items():
-    if name == "kvpush":
-        continue
-    spec = importlib.util.spec_from_file_location(name, tree / folder / "__init__.py",
-                                                  submodule_search_locations=[str(tree / folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    setattr(kvpush, name.rsplit(".", 1)[1], module)
+src = tree / "src"
+if (src / "kvpush").is_dir():  # src layout: the folders are the import names
+    sys.path.insert(0, str(src))
+    import kvpush
+    assert Path(kvpush.__file__).resolve().parent == (src / "kvpush").resolve(), kvpush.__file__
+else:  # older trees mapped kvpush.services and kvpush.connector onto top-level folders (pyproject's package-dir)
+    sys.path.insert(0, str(tree))
+    import kvpush
+    assert Path(kvpush.__file__).resolve().parent == (tree / "kvpush").resolve(), kvpush.__file__
+    for name, folder in tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items():
+        if name == "kvpush":
+            continue
+        spec = importlib.util.spec_from_file_location(name, tree / folder / "__init__.py",
+                                                      submodule_search_locations=[str(tree / folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        setattr(kvpush, name.rsplit(".", 1)[1], module)
 sys.argv = [bench] + sys.argv[4:] + ["--out", out]
 runpy.run_path(bench, run_name="__main__")
 """

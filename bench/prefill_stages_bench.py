@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     from kvpush.localstack.model import TinyModelSpec
     from kvpush.localstack.stack import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, LocalStack
-    from kvpush.services.client import SyncDirectoryClient
+    from kvpush.client import SyncDirectoryClient
 
     args = parse_args(argv)
     log_dir = (args.log_dir or Path("/tmp") / f"kvpush-stages-{int(time.time())}").resolve()

@@ -5,10 +5,10 @@ for each thread, the outermost kvpush frame and the leaf frames under kvpush, mo
 (and to --out).
 
     python bench/profile_summary.py prefill_prof.txt [--top 12] [--out bench/results/NAME.json]
-                                    [--marker kvpush/ --marker /work/main/connector/ ...]
+                                    [--marker kvpush/ --marker /work/main/src/kvpush/ ...]
 
 A frame is kvpush's when its file path holds a marker: `kvpush/` for an installed wheel (the GPU machine); a
-checkout installed in place (this repository's venv) needs its folders, e.g. `--marker /work/main/connector/`.
+checkout installed in place (this repository's venv) needs its folders, e.g. `--marker /work/main/src/kvpush/`.
 """
 
 from __future__ import annotations

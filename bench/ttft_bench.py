@@ -189,7 +189,7 @@ def start_bench_gateway(mode: str, log_dir: Path, *, prefill: EngineHandle, deco
                         extra_args: tuple[str, ...] = (), cpus: str | None = None) -> GatewayHandle:
     """The gateway in the root namespace on loopback, in `mode` (plus `extra_args` flags; on `cpus` when given)."""
     port = free_port()
-    argv = [sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "kvpush.gateway", "--host", "127.0.0.1", "--port", str(port),
             "--mode", mode, "--prefill-timeout", "300", "--decode-timeout", "300"]
     if mode == "kvpush":
         argv += ["--directory", directory_address]
@@ -239,7 +239,7 @@ def measure_colocated(args, engine: EngineHandle) -> dict:
 
 def transfer_figures(directory_address: str, transfer_id: str) -> dict:
     """Per-transfer figures from the directory (kvpush only): its record and what prefill rank 0 measured."""
-    from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+    from kvpush.client import ChannelConfig, SyncDirectoryClient
     from kvpush.v1 import types_pb2
 
     terminal = {types_pb2.TRANSFER_STATE_COMPLETE, types_pb2.TRANSFER_STATE_FAILED,

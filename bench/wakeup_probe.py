@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     # The gateway against a directory nobody listens on: it serves, and a refused request never reaches the directory
     # (its /health would say 503, so readiness is its port accepting).
     argvs = {"bare": [sys.executable, "-c", _BARE_SERVER, str(ports["bare"])],
-             "gateway": [sys.executable, "-m", "kvpush.services.gateway", "--host", "127.0.0.1",
+             "gateway": [sys.executable, "-m", "kvpush.gateway", "--host", "127.0.0.1",
                          "--port", str(ports["gateway"]), "--directory", f"127.0.0.1:{free_port()}"]}
     servers = [ManagedProcess(name, argv, log_dir / f"{name}.log") for name, argv in argvs.items()]
     rows = []

@@ -7,7 +7,7 @@
 The directory's token and TLS files come from the client library's usual variables (KVPUSH_DIRECTORY_TOKEN,
 KVPUSH_DIRECTORY_TLS_ROOT_CERT, KVPUSH_DIRECTORY_TLS_CLIENT_CERT, KVPUSH_DIRECTORY_TLS_CLIENT_KEY).
 
-What every kvpush gateway does (the reference one, `kvpush.services.gateway`, adds streaming, chat,
+What every kvpush gateway does (the reference one, `kvpush.gateway`, adds streaming, chat,
 SageMaker routes, validation, metrics and tracing):
   1. `PlanTransfer` at the directory: it picks a prefill and a decode engine and mints a transfer id.
   2. Send the prefill leg (max_tokens=1) and the decode leg (the client's request) AT THE SAME TIME, each
@@ -26,7 +26,7 @@ import uuid
 import aiohttp
 from aiohttp import web
 
-from kvpush.services.client import ChannelConfig, DirectoryCallError, DirectoryClient
+from kvpush.client import ChannelConfig, DirectoryCallError, DirectoryClient
 
 LEG_TIMEOUT = aiohttp.ClientTimeout(total=120, connect=5)
 

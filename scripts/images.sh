@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the container images from deploy/docker/ with podman, on a machine that can pull no base image:
+# Builds the container images (services/*/Dockerfile, connector/Dockerfile.cpu) with podman, on a machine that can pull no base image:
 #   scripts/images.sh build        directory, gateway and CPU engine images from dist/kvpush-*.whl (`make images`)
 #   scripts/images.sh podman ARGS  podman with this machine's settings (what tests/integration/images runs)
 # Needs root, podman, runc and mmdebstrap (scripts/setup.sh installs them). The base is a Debian bookworm Python made
@@ -28,6 +28,14 @@ base_image() {
   rm -f "$work/base.tar"
 }
 
+# The Dockerfile of each image: the services' in services/<name>/, the engine's beside the connector.
+dockerfile() {
+  case "$1" in
+    engine-cpu) echo connector/Dockerfile.cpu ;;
+    *) echo "services/$1/Dockerfile" ;;
+  esac
+}
+
 build() {
   local wheels=(dist/kvpush-*.whl)
   [ -f "${wheels[0]}" ] || { echo "[images] no dist/kvpush-*.whl: run make wheel" >&2; exit 2; }
@@ -54,7 +62,7 @@ build() {
     # The torch CPU wheel comes from the wheelhouse here: no PyTorch index.
     podman_ build --quiet --pull=never --isolation chroot --network host "${mounts[@]}" \
       --build-arg "BASE_IMAGE=$base" --build-arg PIP_EXTRA_INDEX_URL= \
-      -f "deploy/docker/Dockerfile.$name" -t "$tag" . >/dev/null
+      -f "$(dockerfile "$name")" -t "$tag" . >/dev/null
     echo "[images] $tag built in $((SECONDS - started)) s" >&2
     # The image this tag named before, now untagged: its own top layers go (the shared ones stay in use).
     if [ -n "$previous" ] && [ "$previous" != "$(podman_ image inspect --format '{{.Id}}' "$tag")" ]; then

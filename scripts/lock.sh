@@ -27,8 +27,8 @@ read -r -a extra <<< "${LOCK_ARGS---upgrade}"
     --constraint requirements/dev.lock --no-emit-package torchvision --no-emit-package torchaudio \
     --no-emit-package torchcodec --no-emit-package nixl-cu12 -o requirements/engine-cpu.lock
 npm install --package-lock-only --no-audit --no-fund --silent
-echo "[lock] requirements/*.lock and package-lock.json refreshed; regenerating kvpush/v1 with the locked toolchain" >&2
+echo "[lock] requirements/*.lock and package-lock.json refreshed; regenerating src/kvpush/v1 with the locked toolchain" >&2
 # The new toolchain must be installed before it generates code.
 scripts/setup.sh
 PATH="$PWD/.venv/bin:$PATH" scripts/gen_protos.sh
-git status --short -- requirements package-lock.json kvpush/v1
+git status --short -- requirements package-lock.json src/kvpush/v1

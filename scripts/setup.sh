@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 stamp=.venv/.kvpush-setup
 locks=(requirements/dev.lock package-lock.json)
-want=$(cat scripts/setup.sh pyproject.toml setup.py "${locks[@]}" | sha256sum | cut -d' ' -f1)
+want=$(cat scripts/setup.sh pyproject.toml "${locks[@]}" | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

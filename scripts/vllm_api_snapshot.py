@@ -9,7 +9,7 @@ holds what KVPushConnector and its first-token logits processor override, call o
 (parameters with kinds and defaults; classmethod / staticmethod / property / abstract), its fields (dataclass,
 pydantic, msgspec and enum members) and the attributes its methods assign on `self`; a few module-level
 functions and aliases; and how the factory builds a connector. tests/unit/connector/test_vllm_api.py checks the
-connector against every committed snapshot (connector/compat.py names the supported releases).
+connector against every committed snapshot (src/kvpush/connector/compat.py names the supported releases).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "KVCacheConfig": ("vllm/v1/kv_cache_interface.py",),
     "BlockPool": ("vllm/v1/core/block_pool.py",),
     "SpinCondition": ("vllm/distributed/device_communicators/shm_broadcast.py",),
-    # The V1 model runner's logits-processor interface (connector/first_token.py), gone in 0.34 ...
+    # The V1 model runner's logits-processor interface (src/kvpush/connector/first_token.py), gone in 0.34 ...
     "LogitsProcessor": ("vllm/v1/sample/logits_processor/interface.py",),
     "BatchUpdate": ("vllm/v1/sample/logits_processor/interface.py",),
     "MoveDirectionality": ("vllm/v1/sample/logits_processor/interface.py",),

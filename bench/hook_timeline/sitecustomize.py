@@ -32,8 +32,8 @@ TARGETS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         "build_connector_worker_meta", "get_num_new_matched_tokens", "update_state_after_alloc",
         "build_connector_meta", "update_connector_output", "request_finished"))],
     # The prefill worker's other threads: the push owner's commands on the data plane's I/O thread, and its writes.
-    "kvpush.connector.dataplane.agent": [("TransferAgent", ("_run_command",))],
-    "kvpush.connector.dataplane.writer": [("PushWriter", ("_post",))],
+    "kvpush.dataplane.agent": [("TransferAgent", ("_run_command",))],
+    "kvpush.dataplane.writer": [("PushWriter", ("_post",))],
     "vllm.v1.engine.core": [("EngineCore", ("step", "step_with_batch_queue")),
                             ("EngineCoreProc", ("_process_engine_step",))],
     "vllm.v1.core.sched.scheduler": [("Scheduler", ("schedule", "update_from_output"))],

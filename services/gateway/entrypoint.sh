@@ -7,4 +7,4 @@ if [ "${1:-}" = "serve" ]; then
   shift
   exec serve "$@"
 fi
-exec python -m kvpush.services.gateway "$@"
+exec python -m kvpush.gateway "$@"

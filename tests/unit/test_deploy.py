@@ -18,9 +18,9 @@ import yaml
 from kvpush.connector.compat import SUPPORTED_MAX, SUPPORTED_MIN, parse_release
 from kvpush.localstack.client import call
 from kvpush.localstack.processes import ManagedProcess, free_port, http_ok, start_directory
-from kvpush.services.cli.main import build_parser
-from kvpush.services.client import ChannelConfig, SyncDirectoryClient
-from kvpush.services.gateway.config import parse_args as parse_gateway_args
+from kvpush.cli.main import build_parser
+from kvpush.client import ChannelConfig, SyncDirectoryClient
+from kvpush.gateway.config import parse_args as parse_gateway_args
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.standin import StandInEngine
@@ -189,8 +189,17 @@ def test_compose_runs_directory_replicas_on_an_etcd_service():
 # ---------------------------------------------------------------- images
 
 
+# Each image's Dockerfile: the services' in services/<name>/, the engine's beside the connector.
+DOCKERFILES = {
+    "directory": ROOT / "services" / "directory" / "Dockerfile",
+    "gateway": ROOT / "services" / "gateway" / "Dockerfile",
+    "engine": ROOT / "connector" / "Dockerfile",
+    "engine-cpu": ROOT / "connector" / "Dockerfile.cpu",
+}
+
+
 def _dockerfile(name: str) -> str:
-    return (DEPLOY / "docker" / name).read_text()
+    return DOCKERFILES[name].read_text()
 
 
 def _json_instruction(text: str, keyword: str) -> list[str]:
@@ -211,9 +220,9 @@ def test_engine_image_builds_on_a_vllm_release_the_connector_loads_in() -> None:
     """The engine image's default base is inside the connector's supported range (it refuses others at load), and
     the image installs the kvpush wheel and its dependencies from the hashed lock only (no package named by hand);
     tests/unit/test_wheel.py runs its install steps in a clean venv."""
-    text = _dockerfile("Dockerfile.engine")
+    text = _dockerfile("engine")
     tag = re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\S+)$", text, re.M)
-    assert tag, "Dockerfile.engine names no default vllm-openai image"
+    assert tag, "connector/Dockerfile names no default vllm-openai image"
     assert SUPPORTED_MIN <= parse_release(tag.group(1)) <= SUPPORTED_MAX, tag.group(1)
     assert re.search(r"^COPY dist/kvpush-\*\.whl ", text, re.M)
     assert "install-kvpush.sh deps /tmp/kvpush/runtime.lock --keep-installed" in text
@@ -224,7 +233,7 @@ def test_engine_image_builds_on_a_vllm_release_the_connector_loads_in() -> None:
 def test_images_install_the_wheel_from_a_lock_on_a_named_base(name: str) -> None:
     """The images `make images` builds take their base from BASE_IMAGE (public python:3.11-slim by default) and
     install the wheel with every dependency from a lock that exists, at dev.lock's versions."""
-    text = _dockerfile(f"Dockerfile.{name}")
+    text = _dockerfile(name)
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M) and "FROM ${BASE_IMAGE}" in text
     lock = re.search(r"install-kvpush\.sh deps /tmp/kvpush/(\S+\.lock)$", text, re.M)
     assert lock and (ROOT / "requirements" / lock.group(1)).is_file(), lock
@@ -247,7 +256,7 @@ def _pins(lock: Path) -> dict[str, str]:
 def test_install_docs_build_the_images_the_manifests_run() -> None:
     """docs/install.md's image builds use the Dockerfiles here and tag what deploy/k8s runs."""
     builds = re.findall(r"^docker build -f (\S+) -t (\S+) \.$", (ROOT / "docs" / "install.md").read_text(), re.M)
-    assert {Path(f).name for f, _ in builds} == {"Dockerfile.directory", "Dockerfile.gateway", "Dockerfile.engine"}
+    assert {ROOT / f for f, _ in builds} == {DOCKERFILES[n] for n in ("directory", "gateway", "engine")}
     assert all((ROOT / f).is_file() for f, _ in builds)
     manifests = {c["image"] for d in _k8s_docs() if d["kind"] == "Deployment"
                  for c in d["spec"]["template"]["spec"]["containers"] if c["image"].startswith("kvpush/")}
@@ -256,16 +265,16 @@ def test_install_docs_build_the_images_the_manifests_run() -> None:
 
 def test_images_pass_flags_their_entry_points_accept() -> None:
     """The directory and gateway images start with flags their parsers accept, listening on all interfaces."""
-    directory_args = build_parser().parse_args(["directory", *_json_instruction(_dockerfile("Dockerfile.directory"),
+    directory_args = build_parser().parse_args(["directory", *_json_instruction(_dockerfile("directory"),
                                                                                "CMD")])
     assert directory_args.host == "0.0.0.0"
-    gateway = parse_gateway_args([*_json_instruction(_dockerfile("Dockerfile.gateway"), "CMD"), "--directory", "d:1"])
+    gateway = parse_gateway_args([*_json_instruction(_dockerfile("gateway"), "CMD"), "--directory", "d:1"])
     assert (gateway.host, gateway.port) == ("0.0.0.0", 8080)
 
 
 def test_gateway_image_ships_its_entry_scripts_executable():
     """The gateway image copies its entry point and SageMaker's `serve` onto PATH, from executable files in git."""
-    text = _dockerfile("Dockerfile.gateway")
+    text = _dockerfile("gateway")
     copies = _copied_files(text)
     entrypoint = _json_instruction(text, "ENTRYPOINT")
     assert entrypoint[0] in copies and "/usr/local/bin/serve" in copies
@@ -303,7 +312,7 @@ class _Engines:
 def test_gateway_image_entry_command_answers_ping_and_invocations(tmp_path, argv):
     """The image's ENTRYPOINT, run as `docker run IMAGE serve` (and with the default CMD) runs here, outside
     Docker, with the image's files on PATH: /ping is 200 and /invocations returns the decode engine's answer."""
-    text = _dockerfile("Dockerfile.gateway")
+    text = _dockerfile("gateway")
     copies = _copied_files(text)
     bin_dir = tmp_path / "image-bin"  # the image's /usr/local/bin
     bin_dir.mkdir()

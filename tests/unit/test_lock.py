@@ -72,7 +72,7 @@ def test_generated_code_runs_on_the_metadata_floors() -> None:
     """pip install kvpush must never pick a grpcio/protobuf that the generated modules refuse at import."""
     floors = {canonicalize_name(Requirement(s).name): Requirement(s).specifier
               for s in _pyproject()["project"]["dependencies"]}
-    generated = ROOT / "kvpush" / "v1"
+    generated = ROOT / "src" / "kvpush" / "v1"
     grpc_versions = {m for f in generated.glob("*_pb2_grpc.py")
                      for m in re.findall(r"GRPC_GENERATED_VERSION = '([^']+)'", f.read_text())}
     proto_versions = {".".join(m) for f in generated.glob("*_pb2.py")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvpush.services.gateway.config import GatewayConfig
+from kvpush.gateway.config import GatewayConfig
 
 from tests.fixtures.prometheus import (
     ALERT_RULES,

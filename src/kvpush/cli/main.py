@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 
 from google.protobuf import json_format
 
-from kvpush.services.client import ChannelConfig, DirectoryCallError, DirectoryClient
+from kvpush.client import ChannelConfig, DirectoryCallError, DirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 
 # flag -> (environment variable, default, type) for `kvpush directory`.
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine_args = commands.add_parser("engine-args", help="print the `vllm serve` arguments of a prefill or decode "
                                                           "engine with KVPushConnector")
-    from kvpush.services.cli import engine_args as engine_args_command
+    from kvpush.cli import engine_args as engine_args_command
 
     engine_args_command.add_arguments(engine_args)
     return parser
@@ -303,8 +303,8 @@ async def _health(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvpush.services.directory.server import DirectoryConfig, serve
-    from kvpush.services.directory.state import Limits
+    from kvpush.directory.server import DirectoryConfig, serve
+    from kvpush.directory.state import Limits
 
     try:
         limits = Limits(
@@ -330,7 +330,7 @@ def _serve(args: argparse.Namespace) -> int:
         if not 0 <= args.metrics_port <= 65535:
             raise ValueError(f"--metrics-port {args.metrics_port} is not a port (0: off)")
         if args.etcd_endpoints:
-            from kvpush.services.directory.replica import ReplicaConfig
+            from kvpush.directory.replica import ReplicaConfig
 
             if args.shard_count < 1 or args.session_ttl_s < 1:
                 raise ValueError("--shard-count and --session-ttl-s must be at least 1")
@@ -361,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(args)
     if args.command == "engine-args":
-        from kvpush.services.cli.engine_args import run as print_engine_args
+        from kvpush.cli.engine_args import run as print_engine_args
 
         return print_engine_args(args)
     handler = {"engines": _engines, "transfers": _transfers, "health": _health, "trace": _trace}[args.command]

@@ -12,14 +12,14 @@
 - `client_id_of`, `PLAN_CLIENT_ID`: the client a plan serves (the directory bounds each client's share of an engine).
 """
 
-from kvpush.services.client.client import PLAN_CLIENT_ID, DirectoryClient, client_id_of
-from kvpush.services.client.config import ChannelConfig
-from kvpush.services.client.errors import DirectoryCallError
-from kvpush.services.client.lease import EngineRegistration
-from kvpush.services.client.prefill import PrefillSession
-from kvpush.services.client.replicas import ReplicatedPrefillSession, watch_replicas
-from kvpush.services.client.sync import SyncDirectoryClient
-from kvpush.services.client.watch import watch_transfers
+from kvpush.client.client import PLAN_CLIENT_ID, DirectoryClient, client_id_of
+from kvpush.client.config import ChannelConfig
+from kvpush.client.errors import DirectoryCallError
+from kvpush.client.lease import EngineRegistration
+from kvpush.client.prefill import PrefillSession
+from kvpush.client.replicas import ReplicatedPrefillSession, watch_replicas
+from kvpush.client.sync import SyncDirectoryClient
+from kvpush.client.watch import watch_transfers
 
 __all__ = [
     "PLAN_CLIENT_ID",

@@ -28,9 +28,9 @@ import grpc
 from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpush.services.client.config import ChannelConfig
-from kvpush.services.client.errors import DirectoryCallError
-from kvpush.services.directory.shards import SHARD_NOT_OWNED, ShardRedirect, shard_of, shard_redirect
+from kvpush.client.config import ChannelConfig
+from kvpush.client.errors import DirectoryCallError
+from kvpush.directory.shards import SHARD_NOT_OWNED, ShardRedirect, shard_of, shard_redirect
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb
@@ -244,7 +244,7 @@ class DirectoryClient:
     async def list_transfers(self, state: int = tpb.TRANSFER_STATE_UNSPECIFIED, engine_id: str = "",
                              limit: int = 100, timeout_s: float | None = None) -> list[tpb.Transfer]:
         """Up to `limit` transfers, newest first, following pages as needed (replicas: every replica's, merged)."""
-        from kvpush.services.client.replicas import replica_addresses
+        from kvpush.client.replicas import replica_addresses
 
         replicas = await replica_addresses(self)  # [] for one directory process
         if len(replicas) > 1:
@@ -306,7 +306,7 @@ class DirectoryClient:
     def watch_transfers(self, engine_id: str, after_sequence_number: int = 0,
                         on_gap: Callable[[int], None] | None = None) -> AsyncIterator[dpb.TransferEvent]:
         """Terminal events of a decode engine's transfers; reconnects and resumes (see `watch`)."""
-        from kvpush.services.client.watch import watch_transfers
+        from kvpush.client.watch import watch_transfers
 
         return watch_transfers(self, engine_id, after_sequence_number, on_gap)
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import grpc
 
 from kvpush.observability import get_logger
-from kvpush.services.client.client import DirectoryClient
-from kvpush.services.client.errors import DirectoryCallError
+from kvpush.client.client import DirectoryClient
+from kvpush.client.errors import DirectoryCallError
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 

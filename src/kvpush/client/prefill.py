@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from kvpush.observability import get_logger
-from kvpush.services.client.client import DirectoryClient
-from kvpush.services.client.lease import EngineRegistration
+from kvpush.client.client import DirectoryClient
+from kvpush.client.lease import EngineRegistration
 from kvpush.v1 import directory_pb2 as dpb
 
 log = get_logger("client.prefill")

@@ -29,11 +29,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 import grpc
 
 from kvpush.observability import get_logger
-from kvpush.services.client.client import DirectoryClient
-from kvpush.services.client.errors import DirectoryCallError
-from kvpush.services.client.lease import EngineRegistration
-from kvpush.services.client.prefill import PrefillSession
-from kvpush.services.directory.shards import SHARD_NOT_OWNED, redirect_of_status, shard_of
+from kvpush.client.client import DirectoryClient
+from kvpush.client.errors import DirectoryCallError
+from kvpush.client.lease import EngineRegistration
+from kvpush.client.prefill import PrefillSession
+from kvpush.directory.shards import SHARD_NOT_OWNED, redirect_of_status, shard_of
 from kvpush.v1 import directory_pb2 as dpb
 
 log = get_logger("client.replicas")
@@ -252,7 +252,7 @@ class ReplicatedPrefillSession:
 async def watch_replicas(client: DirectoryClient, engine_id: str, on_gap: Callable[[int], None] | None,
                          refresh_s: float = 2.0) -> AsyncIterator[dpb.TransferEvent]:
     """Every replica's terminal events of `engine_id`, merged; each transfer's first one only."""
-    from kvpush.services.client.watch import watch_one
+    from kvpush.client.watch import watch_one
 
     queue: asyncio.Queue = asyncio.Queue()
     watchers: dict[str, asyncio.Task] = {}

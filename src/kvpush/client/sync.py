@@ -19,12 +19,12 @@ import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from kvpush.services.client.client import DirectoryClient
-from kvpush.services.client.config import ChannelConfig
-from kvpush.services.client.errors import DirectoryCallError
-from kvpush.services.client.lease import EngineRegistration
-from kvpush.services.client.prefill import PrefillSession
-from kvpush.services.client.replicas import ReplicatedPrefillSession, replica_addresses
+from kvpush.client.client import DirectoryClient
+from kvpush.client.config import ChannelConfig
+from kvpush.client.errors import DirectoryCallError
+from kvpush.client.lease import EngineRegistration
+from kvpush.client.prefill import PrefillSession
+from kvpush.client.replicas import ReplicatedPrefillSession, replica_addresses
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvpush.observability import get_logger
-from kvpush.services.client.errors import DirectoryCallError
+from kvpush.client.errors import DirectoryCallError
 from kvpush.v1 import directory_pb2 as dpb
 
 if TYPE_CHECKING:
-    from kvpush.services.client.client import DirectoryClient
+    from kvpush.client.client import DirectoryClient
 
 log = get_logger("client.watch")
 _FATAL = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
@@ -41,7 +41,7 @@ async def watch_transfers(client: DirectoryClient, engine_id: str, after_sequenc
     A replicated directory: every replica is watched and their events merged (`replicas.watch_replicas`;
     sequence numbers are then per replica, so `after_sequence_number` must be 0).
     """
-    from kvpush.services.client.replicas import replica_addresses, watch_replicas
+    from kvpush.client.replicas import replica_addresses, watch_replicas
 
     try:
         replicated = bool(await replica_addresses(client))

@@ -206,7 +206,7 @@ def _host_port(value: Any) -> str:
 def _directory_settings(extra: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     settings = tuple(sorted((k, v) for k, v in extra.items() if k.startswith("directory_") and k != "directory_address"))
     try:
-        from kvpush.services.client.config import ChannelConfig
+        from kvpush.client.config import ChannelConfig
 
         ChannelConfig.from_dict({"directory_address": extra["directory_address"], **dict(settings)})
     except ImportError:  # the client library is part of kvpush; only a broken install lacks it

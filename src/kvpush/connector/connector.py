@@ -25,7 +25,7 @@ Operations hooks here (not in the halves): each worker registers its served mode
 block pool each step and passes them in the step's metadata), and feeds `connector.metrics` from WRITE
 settlements, push timelines and finished receives (served on `metrics_port + tp_rank`). A decode worker also
 registers whether its engine forces prefill's first token (`forces_first_token`): vLLM built the first-token logits
-processor (connector/first_token.py, loaded through kvpush's entry point) with the model runner, before this
+processor (src/kvpush/connector/first_token.py, loaded through kvpush's entry point) with the model runner, before this
 connector existed, so the worker reports what got installed rather than installing anything.
 
 Unlike vLLM's NIXL connectors this never pins CPU cores, and its NIXL agent runs with the progress
@@ -146,7 +146,7 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def _forces_first_token(self) -> bool:
         """Decode: whether this process's sampler got a forcing first-token processor (vLLM built it with the model
-        runner, before this connector existed; connector/first_token.py says when it cannot)."""
+        runner, before this connector existed; src/kvpush/connector/first_token.py says when it cannot)."""
         from kvpush.connector.first_token import forcing_installed
 
         forces = self.config.is_decode and forcing_installed()

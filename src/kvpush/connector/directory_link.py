@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.observability import get_logger
-from kvpush.services.client.config import ChannelConfig
-from kvpush.services.client.errors import DirectoryCallError
-from kvpush.services.client.lease import EngineRegistration
-from kvpush.services.client.prefill import PrefillSession
-from kvpush.services.client.sync import SyncDirectoryClient
+from kvpush.client.config import ChannelConfig
+from kvpush.client.errors import DirectoryCallError
+from kvpush.client.lease import EngineRegistration
+from kvpush.client.prefill import PrefillSession
+from kvpush.client.sync import SyncDirectoryClient
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 

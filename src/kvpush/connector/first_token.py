@@ -33,7 +33,7 @@ Requests without `first_token_id` are left alone; a malformed one is refused whe
 (`validate_params`, HTTP 400) and changes nothing.
 
 The V1 interface is vLLM's `vllm/v1/sample/logits_processor/interface.py`, the same class shape in 0.25 to 0.33
-(connector/compat.py names the one difference); 0.34 removed it with the V1 runner.
+(src/kvpush/connector/compat.py names the one difference); 0.34 removed it with the V1 runner.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-# The key inside kv_transfer_params (connector/params.py reads the same one).
+# The key inside kv_transfer_params (src/kvpush/connector/params.py reads the same one).
 FIRST_TOKEN_KEY = "first_token_id"
 # The class vLLM loads, as `--logits-processors` and the entry point name it.
 PROCESSOR_FQCN = "kvpush.connector.first_token:ForcePrefillFirstToken"

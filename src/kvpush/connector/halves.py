@@ -222,7 +222,7 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_
 
             offer_prefill_worker(config.engine_id, worker)
         return WorkerParts(worker, agent, link)
-    from kvpush.connector.dataplane.listener import NotificationListener
+    from kvpush.dataplane.listener import NotificationListener
     from kvpush.connector.worker.decode import DecodeWorker
 
     worker = DecodeWorker(config, link, block_size_tokens)

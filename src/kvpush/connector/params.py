@@ -6,7 +6,7 @@ Decode leg:  {"transfer_id": T, "do_remote_prefill": true, "traceparent": "00-..
               "first_token_from_prefill": true} or {..., "first_token_id": 17}.
 First token from prefill (docs/gateway.md), the token the prefill leg sampled and the client already has
 becomes the decode request's first sampled token (the decode engine's `ForcePrefillFirstToken` logits
-processor, connector/first_token.py, forces it). Two ways to name it:
+processor, src/kvpush/connector/first_token.py, forces it). Two ways to name it:
 - `first_token_from_prefill: true` on both legs (both legs sent at once): prefill's workers report the token
   with the transfer's DONE result, the directory passes it to decode with the COMPLETE event, and decode's
   scheduler half writes it into the request's `first_token_id` before the request's first step.

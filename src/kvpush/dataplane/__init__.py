@@ -19,10 +19,10 @@ Modules: `layout` (KVLayoutSpec, proto mapping), `describe` (vLLM tensors -> lay
 `agent` (TransferAgent, the I/O thread), `writer` (PushWriter), `listener` (NotificationListener).
 """
 
-from kvpush.connector.dataplane.config import BACKEND_LIBFABRIC, BACKEND_UCX, NixlConfig
-from kvpush.connector.dataplane.describe import LAYOUT_HINTS, describe_kv_caches
-from kvpush.connector.dataplane.layout import KVLayoutSpec, KVPlaneSpec, LayoutError, check_compatible
-from kvpush.connector.dataplane.plan import WritePlan, WriteRequestError, plan_write, validate_write
+from kvpush.dataplane.config import BACKEND_LIBFABRIC, BACKEND_UCX, NixlConfig
+from kvpush.dataplane.describe import LAYOUT_HINTS, describe_kv_caches
+from kvpush.dataplane.layout import KVLayoutSpec, KVPlaneSpec, LayoutError, check_compatible
+from kvpush.dataplane.plan import WritePlan, WriteRequestError, plan_write, validate_write
 
 __all__ = [
     "BACKEND_LIBFABRIC",
@@ -46,17 +46,17 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy exports keep `import kvpush.connector.dataplane` cheap
+def __getattr__(name: str):  # noqa: ANN202 - lazy exports keep `import kvpush.dataplane` cheap
     if name == "TransferAgent":
-        from kvpush.connector.dataplane.agent import TransferAgent
+        from kvpush.dataplane.agent import TransferAgent
 
         return TransferAgent
     if name in ("PushWriter", "WriteRequest", "WriteOutcome"):
-        from kvpush.connector.dataplane import writer
+        from kvpush.dataplane import writer
 
         return getattr(writer, name)
     if name == "NotificationListener":
-        from kvpush.connector.dataplane.listener import NotificationListener
+        from kvpush.dataplane.listener import NotificationListener
 
         return NotificationListener
     raise AttributeError(name)

@@ -33,10 +33,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvpush.connector.dataplane.config import NixlConfig, create_nixl_agent
-from kvpush.connector.dataplane.describe import describe_kv_caches
-from kvpush.connector.dataplane.layout import MEMORY_VRAM, KVLayoutSpec, LayoutError, check_compatible
-from kvpush.connector.dataplane.peers import DescriptorTables, Peer
+from kvpush.dataplane.config import NixlConfig, create_nixl_agent
+from kvpush.dataplane.describe import describe_kv_caches
+from kvpush.dataplane.layout import MEMORY_VRAM, KVLayoutSpec, LayoutError, check_compatible
+from kvpush.dataplane.peers import DescriptorTables, Peer
 from kvpush.observability import get_logger
 
 _log = get_logger("kvpush.dataplane.agent")

@@ -125,7 +125,7 @@ def _nixl_modules() -> tuple[Any, Any]:
 def create_nixl_agent(name: str, config: NixlConfig) -> Any:
     """Create a NIXL agent named `name` as `config` says (imports NIXL here, not at module load)."""
     if config.backends == (BACKEND_INMEMORY,):
-        from kvpush.connector.dataplane.inmemory import InMemoryNixlAgent, fabric
+        from kvpush.dataplane.inmemory import InMemoryNixlAgent, fabric
 
         return InMemoryNixlAgent(name, fabric(config.backend_params.get(BACKEND_INMEMORY, {}).get("fabric", "default")))
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # vLLM sets it too: a UCX leak

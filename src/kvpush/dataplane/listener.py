@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpush.connector.dataplane.agent import TransferAgent
+from kvpush.dataplane.agent import TransferAgent
 
 
 class NotificationListener:

@@ -11,8 +11,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.connector.dataplane.layout import KVLayoutSpec
-from kvpush.connector.dataplane.plan import TABLE_BLOCK, block_table_rows, chunk_table_rows
+from kvpush.dataplane.layout import KVLayoutSpec
+from kvpush.dataplane.plan import TABLE_BLOCK, block_table_rows, chunk_table_rows
 
 
 class DescriptorTables:

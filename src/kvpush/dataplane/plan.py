@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush.connector.dataplane.layout import KVLayoutSpec, LayoutError, check_compatible
+from kvpush.dataplane.layout import KVLayoutSpec, LayoutError, check_compatible
 
 TABLE_BLOCK = "block"
 TABLE_CHUNK = "chunk"

@@ -43,8 +43,8 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kvpush.connector.dataplane.agent import TransferAgent
-from kvpush.connector.dataplane.plan import LayerPlanCache, WritePlan, WriteRequestError
+from kvpush.dataplane.agent import TransferAgent
+from kvpush.dataplane.plan import LayerPlanCache, WritePlan, WriteRequestError
 from kvpush.connector.outcome import PushOutcome
 from kvpush.observability import get_logger, get_tracer
 

@@ -28,8 +28,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvpush.services.directory.errors import ResourceExhausted
-from kvpush.services.directory.records import Limits
+from kvpush.directory.errors import ResourceExhausted
+from kvpush.directory.records import Limits
 
 
 def caller_of(principal: str, peer: str) -> str:

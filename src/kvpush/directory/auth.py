@@ -29,8 +29,8 @@ from functools import lru_cache
 from cryptography import x509
 
 from kvpush.observability import get_logger
-from kvpush.services.directory.errors import DirectoryError, PermissionDenied
-from kvpush.services.directory.validation import ID_PATTERN
+from kvpush.directory.errors import DirectoryError, PermissionDenied
+from kvpush.directory.validation import ID_PATTERN
 
 log = get_logger("directory.auth")
 

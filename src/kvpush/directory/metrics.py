@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvpush.services.directory.records import PREFILL, Effects, TransferObserver, TransferRecord
+from kvpush.directory.records import PREFILL, Effects, TransferObserver, TransferRecord
 from kvpush.v1 import types_pb2 as tpb
 
 # Seconds: a transfer spans a prefill (ms to s); a tail or a post is micro- to milliseconds.

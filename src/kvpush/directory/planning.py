@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from kvpush.services.directory.errors import FailedPrecondition, ResourceExhausted
-from kvpush.services.directory.records import EngineGroup, Worker
+from kvpush.directory.errors import FailedPrecondition, ResourceExhausted
+from kvpush.directory.records import EngineGroup, Worker
 from kvpush.v1 import types_pb2 as tpb
 
 

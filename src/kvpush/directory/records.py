@@ -89,7 +89,7 @@ class Limits:
     # (clients renew every TTL/3: 0.5 is one and a half renewal intervals, well before the lease lapses).
     late_renewal_fraction: float = 0.5
     # Open streams one caller (an engine, the operator; without identities a peer host) may hold, counted apart
-    # for renewals and for other streams (services/directory/admission.py).
+    # for renewals and for other streams (src/kvpush/directory/admission.py).
     max_streams_per_identity: int = 256
     # The share of max_open_streams only RenewLease may use: a renewal is never refused because watches or
     # sessions filled the slots.

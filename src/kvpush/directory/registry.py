@@ -11,15 +11,15 @@ import math
 import re
 import uuid
 
-from kvpush.services.directory.errors import (
+from kvpush.directory.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from kvpush.services.directory.records import Clock, EngineGroup, Limits, Worker, copy_message
-from kvpush.services.directory.validation import same_layout_shape
+from kvpush.directory.records import Clock, EngineGroup, Limits, Worker, copy_message
+from kvpush.directory.validation import same_layout_shape
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 

@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvpush.observability import get_logger
-from kvpush.services.directory.errors import NotFound, Unavailable
-from kvpush.services.directory.etcd_store import Delete, EtcdStore, Put
-from kvpush.services.directory.records import Effects, StoredTransfer, TransferRecord
-from kvpush.services.directory.shards import SHARD_HAS_NO_OWNER, SHARD_NOT_OWNED, ShardRedirect, shard_of
-from kvpush.services.directory.state import DirectoryState
+from kvpush.directory.errors import NotFound, Unavailable
+from kvpush.directory.etcd_store import Delete, EtcdStore, Put
+from kvpush.directory.records import Effects, StoredTransfer, TransferRecord
+from kvpush.directory.shards import SHARD_HAS_NO_OWNER, SHARD_NOT_OWNED, ShardRedirect, shard_of
+from kvpush.directory.state import DirectoryState
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 

@@ -31,15 +31,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
-from kvpush.services.directory import validation as check
-from kvpush.services.directory.admission import CallGate, MemoryReturn, caller_of
-from kvpush.services.directory.auth import Authenticator
-from kvpush.services.directory.errors import DirectoryError, ResourceExhausted
-from kvpush.services.directory.metrics import DirectoryMetrics, RpcMetricsInterceptor, TransferObservers
-from kvpush.services.directory.replica import Replica, ReplicaConfig
-from kvpush.services.directory.servicer import DirectoryServicer
-from kvpush.services.directory.state import Clock, DirectoryState, Limits
-from kvpush.services.directory.telemetry import TransferSpans
+from kvpush.directory import validation as check
+from kvpush.directory.admission import CallGate, MemoryReturn, caller_of
+from kvpush.directory.auth import Authenticator
+from kvpush.directory.errors import DirectoryError, ResourceExhausted
+from kvpush.directory.metrics import DirectoryMetrics, RpcMetricsInterceptor, TransferObservers
+from kvpush.directory.replica import Replica, ReplicaConfig
+from kvpush.directory.servicer import DirectoryServicer
+from kvpush.directory.state import Clock, DirectoryState, Limits
+from kvpush.directory.telemetry import TransferSpans
 from kvpush.v1 import directory_pb2, directory_pb2_grpc
 
 log = get_logger("directory.server")

@@ -36,10 +36,10 @@ from google.rpc import status_pb2
 from structlog.contextvars import bound_contextvars
 
 from kvpush.observability import get_logger
-from kvpush.services.directory import validation as check
-from kvpush.services.directory.admission import StreamSlots, caller_of
-from kvpush.services.directory.auth import Authenticator, Principal, Unauthenticated
-from kvpush.services.directory.errors import (
+from kvpush.directory import validation as check
+from kvpush.directory.admission import StreamSlots, caller_of
+from kvpush.directory.auth import Authenticator, Principal, Unauthenticated
+from kvpush.directory.errors import (
     AlreadyExists,
     DirectoryError,
     FailedPrecondition,
@@ -51,10 +51,10 @@ from kvpush.services.directory.errors import (
     ShardMoved,
     Unavailable,
 )
-from kvpush.services.directory.records import UnreachableReport
-from kvpush.services.directory.shards import SHARD_NOT_OWNED, status_trailer
-from kvpush.services.directory.replica import Replica, lease_key
-from kvpush.services.directory.state import DirectoryState, Effects, Worker
+from kvpush.directory.records import UnreachableReport
+from kvpush.directory.shards import SHARD_NOT_OWNED, status_trailer
+from kvpush.directory.replica import Replica, lease_key
+from kvpush.directory.state import DirectoryState, Effects, Worker
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb
@@ -221,7 +221,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         self._watchers: dict[str, set[asyncio.Event]] = {}
         self._shutting_down = False
         self._renew_streams: set[asyncio.Event] = set()
-        # Set when this process is one of several replicas on etcd (services/directory/replica.py).
+        # Set when this process is one of several replicas on etcd (src/kvpush/directory/replica.py).
         self.replica: Replica | None = None
 
     # ---------------------------------------------------------------- plumbing

@@ -50,7 +50,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 
-from kvpush.services.directory.errors import (
+from kvpush.directory.errors import (
     AlreadyExists,
     DirectoryError,
     FailedPrecondition,
@@ -60,9 +60,9 @@ from kvpush.services.directory.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvpush.services.directory.planning import can_push_to, choose_pair
-from kvpush.services.directory.registry import EngineRegistry
-from kvpush.services.directory.records import (
+from kvpush.directory.planning import can_push_to, choose_pair
+from kvpush.directory.registry import EngineRegistry
+from kvpush.directory.records import (
     DECODE,
     PREFILL,
     QUIESCENT_RESULTS,
@@ -812,7 +812,7 @@ class DirectoryState:
                 if self.on_lease_revoked is not None:  # replicas: revoke it in etcd too (every replica drops it)
                     self.on_lease_revoked(worker)
 
-    # ---------------------------------------------------------------- replica hooks (services/directory/replica.py)
+    # ---------------------------------------------------------------- replica hooks (src/kvpush/directory/replica.py)
 
     def mirror_register(self, request: dpb.RegisterEngineRequest, lease_key: str) -> Effects:
         """Take in a registration stored in etcd (any replica's); etcd's lease, not the reaper, ends it.

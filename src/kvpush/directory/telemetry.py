@@ -14,7 +14,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from kvpush.observability import get_logger, get_tracer
 from kvpush.observability.logs import remember_transfer
-from kvpush.services.directory.state import TransferObserver, TransferRecord
+from kvpush.directory.state import TransferObserver, TransferRecord
 from kvpush.v1 import types_pb2 as tpb
 
 _propagator = TraceContextTextMapPropagator()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-from kvpush.services.directory.errors import InvalidArgument
-from kvpush.services.directory.records import Limits
+from kvpush.directory.errors import InvalidArgument
+from kvpush.directory.records import Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 

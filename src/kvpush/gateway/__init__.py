@@ -6,10 +6,10 @@ context in `kv_transfer_params`, and returns the decode answer (streams pass thr
 docs/gateway.md. Modules: `config` (flags), `validation` (client input, leg bodies), `routing`
 (kvpush / vLLM NIXL strategies), `legs` (HTTP to engines, error mapping), `dispatch` (one request),
 `app` (aiohttp routes), `hosted` (the gateway served from a prefill engine's vLLM API server, `--middleware`),
-`in_process` (its legs into that engine's ASGI app), `__main__` (`python -m kvpush.services.gateway`).
+`in_process` (its legs into that engine's ASGI app), `__main__` (`python -m kvpush.gateway`).
 """
 
-from kvpush.services.gateway.app import create_app
-from kvpush.services.gateway.config import GatewayConfig, parse_args
+from kvpush.gateway.app import create_app
+from kvpush.gateway.config import GatewayConfig, parse_args
 
 __all__ = ["GatewayConfig", "create_app", "parse_args"]

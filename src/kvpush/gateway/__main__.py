@@ -1,4 +1,4 @@
-"""`python -m kvpush.services.gateway`: run the gateway until SIGINT/SIGTERM, then close cleanly."""
+"""`python -m kvpush.gateway`: run the gateway until SIGINT/SIGTERM, then close cleanly."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 from aiohttp import web
 
 from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
-from kvpush.services.gateway.app import create_app
-from kvpush.services.gateway.config import parse_args
+from kvpush.gateway.app import create_app
+from kvpush.gateway.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:

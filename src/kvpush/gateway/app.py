@@ -19,14 +19,14 @@ import orjson
 from aiohttp import web
 
 from kvpush.observability import get_logger
-from kvpush.services.gateway import legs
-from kvpush.services.gateway.config import GatewayConfig
-from kvpush.services.gateway.dispatch import Dispatcher
-from kvpush.services.gateway.errors import GatewayError, bad_request, unavailable
-from kvpush.services.gateway.in_process import InProcessSession
-from kvpush.services.gateway.metrics import GatewayMetrics
-from kvpush.services.gateway.routing import DirectoryRouter, Router, make_router
-from kvpush.services.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, request_id_from, validate
+from kvpush.gateway import legs
+from kvpush.gateway.config import GatewayConfig
+from kvpush.gateway.dispatch import Dispatcher
+from kvpush.gateway.errors import GatewayError, bad_request, unavailable
+from kvpush.gateway.in_process import InProcessSession
+from kvpush.gateway.metrics import GatewayMetrics
+from kvpush.gateway.routing import DirectoryRouter, Router, make_router
+from kvpush.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, request_id_from, validate
 
 _log = get_logger("gateway.app")
 

@@ -104,7 +104,7 @@ class GatewayConfig:
 
 def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     """Build a config from flags; KVPUSH_DIRECTORY_ADDRESS / KVPUSH_DIRECTORY_TOKEN fill unset ones."""
-    parser = argparse.ArgumentParser(prog="python -m kvpush.services.gateway",
+    parser = argparse.ArgumentParser(prog="python -m kvpush.gateway",
                                      description="kvpush reference gateway: OpenAI-compatible HTTP and SageMaker "
                                                  "/ping + /invocations, routing each request to a prefill and a "
                                                  "decode engine.")

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from kvpush.services.gateway.validation import CHAT_COMPLETIONS, ClientRequest
+from kvpush.gateway.validation import CHAT_COMPLETIONS, ClientRequest
 
 
 # kv_transfer_params key on both legs: the token travels from prefill to decode with the transfer's completion

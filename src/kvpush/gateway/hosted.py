@@ -11,9 +11,9 @@ The gateway acts as the operator at the directory: its credentials live in the e
 
     KVPUSH_GATEWAY_ARGS="--port 8080 --directory dir:50051 --local-prefill-engine prefill-0" \\
         vllm serve MODEL --kv-transfer-config '{...KVPushConnector, kv_producer...}' \\
-        --middleware kvpush.services.gateway.hosted.HostedGateway
+        --middleware kvpush.gateway.hosted.HostedGateway
 
-`KVPUSH_GATEWAY_ARGS` takes the standalone gateway's flags (`python -m kvpush.services.gateway --help`). The gateway
+`KVPUSH_GATEWAY_ARGS` takes the standalone gateway's flags (`python -m kvpush.gateway --help`). The gateway
 starts after vLLM's own start-up and stops before vLLM's shutdown; bad flags, or a port it cannot bind, fail vLLM's
 start-up with the reason (uvicorn exits). Every other request passes through to vLLM untouched.
 """
@@ -29,9 +29,9 @@ import shlex
 from aiohttp import web
 
 from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
-from kvpush.services.gateway.app import create_app
-from kvpush.services.gateway.config import GatewayConfig, parse_args
-from kvpush.services.gateway.in_process import InProcessSession
+from kvpush.gateway.app import create_app
+from kvpush.gateway.config import GatewayConfig, parse_args
+from kvpush.gateway.in_process import InProcessSession
 
 ARGS_ENV = "KVPUSH_GATEWAY_ARGS"
 _log = get_logger("gateway.hosted")

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from kvpush.observability import get_logger
-from kvpush.services.gateway.errors import bad_gateway
+from kvpush.gateway.errors import bad_gateway
 
 _log = get_logger("gateway.in_process")
 

@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kvpush.services.gateway.errors import EngineUnreachable, EngineUnresponsive, GatewayError, LegTimeout, bad_gateway
+from kvpush.gateway.errors import EngineUnreachable, EngineUnresponsive, GatewayError, LegTimeout, bad_gateway
 
 
 # The engine's liveness endpoint (vLLM's OpenAI server answers it from its own event loop, while a request computes).

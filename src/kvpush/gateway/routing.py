@@ -25,9 +25,9 @@ from typing import Any, Protocol
 import grpc
 
 from kvpush.observability import get_logger
-from kvpush.services.client import ChannelConfig, DirectoryCallError, DirectoryClient
-from kvpush.services.gateway.config import GatewayConfig
-from kvpush.services.gateway.errors import GatewayError, bad_gateway, directory_reason, unavailable
+from kvpush.client import ChannelConfig, DirectoryCallError, DirectoryClient
+from kvpush.gateway.config import GatewayConfig
+from kvpush.gateway.errors import GatewayError, bad_gateway, directory_reason, unavailable
 from kvpush.v1 import types_pb2
 
 _log = get_logger("gateway.routing")

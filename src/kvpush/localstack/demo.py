@@ -1,4 +1,4 @@
-"""`python -m kvpush.demo` (what `make run` runs): the whole P/D stack on this machine, checked end to end.
+"""`python -m kvpush.localstack.demo` (what `make run` runs): the whole P/D stack on this machine, checked end to end.
 
 Steps:
   1. build (or reuse) the tiny random Llama and its tokenizer;
@@ -68,7 +68,7 @@ def _print_timeline(stack: LocalStack, answer: dict) -> None:
     if not transfer_id:
         _say("    (no transfer id in the response)")
         return
-    from kvpush.services.client import SyncDirectoryClient
+    from kvpush.client import SyncDirectoryClient
     from kvpush.v1 import types_pb2
 
     client = SyncDirectoryClient(stack.directory_channel(timeout_s=5.0, max_attempts=2))
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; SIGINT/SIGTERM still stop every process."""
-    parser = argparse.ArgumentParser(prog="python -m kvpush.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpush.localstack.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--engine-timeout", type=float, default=600.0, help="seconds for all engines to load")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--mutual-tls", action=argparse.BooleanOptionalAction, default=HAVE_OPENSSL,

@@ -253,7 +253,7 @@ class DirectoryHandle:
 
 def directory_argv(host: str, port: int, extra: Sequence[str] = ()) -> list[str]:
     """The command that runs the directory server (`kvpush directory`), via this interpreter."""
-    return [sys.executable, "-c", "import sys; from kvpush.services.cli.main import main; sys.exit(main())",
+    return [sys.executable, "-c", "import sys; from kvpush.cli.main import main; sys.exit(main())",
             "directory", "--host", host, "--port", str(port), *extra]
 
 
@@ -461,9 +461,9 @@ class GatewayHandle:
 def start_gateway(log_dir: Path, *, directory_address: str, host: str = "127.0.0.1", port: int | None = None,
                   extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, timeout_s: float = 60.0,
                   progress: ProgressFn | None = None, name: str = "gateway") -> GatewayHandle:
-    """Start the reference gateway (`python -m kvpush.services.gateway`) and wait for GET /health."""
+    """Start the reference gateway (`python -m kvpush.gateway`) and wait for GET /health."""
     port = port or free_port(host)
-    argv = [sys.executable, "-m", "kvpush.services.gateway", "--host", host, "--port", str(port),
+    argv = [sys.executable, "-m", "kvpush.gateway", "--host", host, "--port", str(port),
             "--directory", directory_address, *extra_args]
     proc = ManagedProcess(name, argv, log_dir / f"{name}.log", env={"KVPUSH_LOG_FORMAT": "json", **(env or {})})
     proc.start()

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
-from kvpush.services.client import ChannelConfig
+from kvpush.client import ChannelConfig
 from kvpush.localstack.pki import StackPKI, make_stack_pki
-from kvpush.services.gateway.hosted import ARGS_ENV
+from kvpush.gateway.hosted import ARGS_ENV
 from kvpush.localstack.processes import (
     DirectoryHandle,
     EngineHandle,
@@ -56,8 +56,8 @@ DECODE_ENGINE_ID = "decode-0"
 FIRST_TOKEN_PROCESSOR = "kvpush.connector.first_token:ForcePrefillFirstToken"
 FIRST_TOKEN_FLAG_ARGS = ("--logits-processors", FIRST_TOKEN_PROCESSOR)
 DECODE_ENGINE_ARGS: tuple[str, ...] = ()
-# What a prefill engine loads to host a gateway in its API server (kvpush.services.gateway.hosted).
-HOSTED_GATEWAY_MIDDLEWARE = "kvpush.services.gateway.hosted.HostedGateway"
+# What a prefill engine loads to host a gateway in its API server (kvpush.gateway.hosted).
+HOSTED_GATEWAY_MIDDLEWARE = "kvpush.gateway.hosted.HostedGateway"
 
 
 def hosted_gateway_env(port: int, directory_address: str, prefill_engine_id: str,

@@ -9,7 +9,7 @@ Steps:
      engines, directory, metrics, logs), the key, once, and ready-to-paste curl and `openai` examples;
   3. wait for SIGINT (Ctrl-C) or SIGTERM; then stop every process (each stop bounded), remove the state file and
      exit 0.
-A signal during start-up stops what had started. `make run` stays the checked demo (`kvpush.demo`).
+A signal during start-up stops what had started. `make run` stays the checked demo (`kvpush.localstack.demo`).
 """
 
 from __future__ import annotations

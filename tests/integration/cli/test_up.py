@@ -20,7 +20,7 @@ import pytest
 from kvpush.localstack.client import call
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 
-CLI = [sys.executable, "-c", "import sys; from kvpush.services.cli.main import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from kvpush.cli.main import main; sys.exit(main())"]
 
 pytestmark = pytest.mark.engines
 

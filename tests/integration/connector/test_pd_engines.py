@@ -16,7 +16,7 @@ import uuid
 import grpc
 import pytest
 
-from kvpush.services.client.errors import DirectoryCallError
+from kvpush.client.errors import DirectoryCallError
 from kvpush.v1 import types_pb2 as tpb
 from tests.integration.connector.conftest import (
     BLOCK_SIZE,

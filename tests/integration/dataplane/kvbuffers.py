@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpush.connector.dataplane.describe import describe_kv_caches
-from kvpush.connector.dataplane.layout import KVLayoutSpec
+from kvpush.dataplane.describe import describe_kv_caches
+from kvpush.dataplane.layout import KVLayoutSpec
 
 
 class NumpyTensor:

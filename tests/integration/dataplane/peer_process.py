@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from kvpush.connector.dataplane.config import NixlConfig
+from kvpush.dataplane.config import NixlConfig
 from tests.integration.dataplane.kvbuffers import make_kv
 
 
@@ -32,7 +32,7 @@ class PeerSpec:
 
 def decode_peer_main(conn: Connection, spec: PeerSpec) -> None:
     """Run the peer until told to exit (spawned process entry point)."""
-    from kvpush.connector.dataplane import NotificationListener, TransferAgent
+    from kvpush.dataplane import NotificationListener, TransferAgent
 
     layout, arrays, caches = make_kv(spec.layers, spec.blocks, spec.block_size, spec.heads, spec.head_size,
                                      spec.hint, seed=None)

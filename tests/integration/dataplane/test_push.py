@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from kvpush.connector.dataplane import (
+from kvpush.dataplane import (
     KVLayoutSpec,
     NixlConfig,
     PushWriter,

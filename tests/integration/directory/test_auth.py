@@ -16,9 +16,9 @@ import pytest
 
 from structlog.testing import capture_logs
 
-from kvpush.services.client import ChannelConfig
-from kvpush.services.directory import server as server_module
-from kvpush.services.directory.server import DirectoryConfig
+from kvpush.client import ChannelConfig
+from kvpush.directory import server as server_module
+from kvpush.directory.server import DirectoryConfig
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb

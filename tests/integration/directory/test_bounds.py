@@ -14,7 +14,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpush.services.directory.state import Limits
+from kvpush.directory.state import Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from tests.fixtures.directory import DECODE, PREFILL, ready, register_request, running_directory

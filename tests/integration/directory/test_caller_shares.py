@@ -7,8 +7,8 @@ import asyncio
 
 import grpc
 
-from kvpush.services.client import PLAN_CLIENT_ID, ChannelConfig, DirectoryCallError, DirectoryClient, client_id_of
-from kvpush.services.directory.state import Limits
+from kvpush.client import PLAN_CLIENT_ID, ChannelConfig, DirectoryCallError, DirectoryClient, client_id_of
+from kvpush.directory.state import Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, register_request, running_directory

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration, PrefillSession
+from kvpush.client import ChannelConfig, DirectoryClient, EngineRegistration, PrefillSession
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, ready, register_request, result
@@ -25,14 +25,14 @@ TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
 
 
 class DirectoryProcess:
-    """`python -m kvpush.services.cli.main directory` on a free port; stderr collected by a thread."""
+    """`python -m kvpush.cli.main directory` on a free port; stderr collected by a thread."""
 
     def __init__(self, env: dict[str, str], *flags: str) -> None:
         self.lines: list[str] = []
         self._serving = threading.Event()
         self.port = 0
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvpush.services.cli.main", "directory", "--port", "0", *flags],
+            [sys.executable, "-m", "kvpush.cli.main", "directory", "--port", "0", *flags],
             env={**os.environ, **env, "KVPUSH_LOG_FORMAT": "json"}, stderr=subprocess.PIPE, text=True)
         threading.Thread(target=self._collect, daemon=True).start()
         if not self._serving.wait(30):
@@ -63,7 +63,7 @@ class DirectoryProcess:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     """Run the kvpush CLI, bounded."""
-    return subprocess.run([sys.executable, "-m", "kvpush.services.cli.main", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", *args], capture_output=True,
                           text=True, timeout=60)
 
 
@@ -144,7 +144,7 @@ def test_cli_refuses_bad_settings():
     """Invalid limits or env values exit with code 2 and a message, without serving."""
     bad = cli("directory", "--port", "0", "--lease-ttl-s", "0")
     assert bad.returncode == 2 and "lease_ttl_s" in bad.stderr
-    env_bad = subprocess.run([sys.executable, "-m", "kvpush.services.cli.main", "directory"], capture_output=True,
+    env_bad = subprocess.run([sys.executable, "-m", "kvpush.cli.main", "directory"], capture_output=True,
                              text=True, timeout=60, env={**os.environ, "KVPUSH_DIRECTORY_PORT": "abc"})
     assert env_bad.returncode != 0 and "KVPUSH_DIRECTORY_PORT" in env_bad.stderr
 

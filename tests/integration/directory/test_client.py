@@ -10,7 +10,7 @@ import pytest
 import structlog.testing
 
 from kvpush.localstack.processes import free_port
-from kvpush.services.client import (
+from kvpush.client import (
     ChannelConfig,
     DirectoryCallError,
     DirectoryClient,
@@ -18,7 +18,7 @@ from kvpush.services.client import (
     PrefillSession,
     SyncDirectoryClient,
 )
-from kvpush.services.directory.state import Limits
+from kvpush.directory.state import Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, ready, register_request, result, running_directory

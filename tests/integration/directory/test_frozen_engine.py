@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 
-from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration
-from kvpush.services.directory.state import Limits
+from kvpush.client import ChannelConfig, DirectoryClient, EngineRegistration
+from kvpush.directory.state import Limits
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, register_request, running_directory
 from tests.integration.directory.helpers import run
@@ -21,7 +21,7 @@ LEASE_TTL_S = 3.0  # clients renew every second; an engine is late after 1.5 s, 
 # Registers decode engine d2 and renews its lease until killed (the process the test freezes).
 _ENGINE = """
 import asyncio, sys
-from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration
+from kvpush.client import ChannelConfig, DirectoryClient, EngineRegistration
 from tests.fixtures.directory import DECODE, register_request
 
 async def main():

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpush.services.directory.server import DirectoryConfig, create_server
-from kvpush.services.directory.state import Limits
+from kvpush.directory.server import DirectoryConfig, create_server
+from kvpush.directory.state import Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb

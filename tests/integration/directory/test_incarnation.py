@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 
-from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration, PrefillSession
-from kvpush.services.directory.server import DirectoryConfig, create_server
-from kvpush.services.directory.state import Limits
+from kvpush.client import ChannelConfig, DirectoryClient, EngineRegistration, PrefillSession
+from kvpush.directory.server import DirectoryConfig, create_server
+from kvpush.directory.state import Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, register_request, running_directory

@@ -12,8 +12,8 @@ import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration
-from kvpush.services.directory.state import Limits
+from kvpush.client import ChannelConfig, DirectoryClient, EngineRegistration
+from kvpush.directory.state import Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import (
@@ -249,7 +249,7 @@ def test_prefill_stream_break_fails_transfer_and_decode_learns():
 
 _DYING_DECODE = """
 import asyncio, sys, time
-from kvpush.services.client import ChannelConfig, DirectoryClient, EngineRegistration
+from kvpush.client import ChannelConfig, DirectoryClient, EngineRegistration
 from kvpush.observability import configure_logging
 from tests.fixtures.directory import register_request, DECODE
 configure_logging(fmt="json")  # logs to stderr; stdout carries the handshake line

@@ -7,7 +7,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvpush.services.client import ChannelConfig, DirectoryCallError, DirectoryClient
+from kvpush.client import ChannelConfig, DirectoryCallError, DirectoryClient
 from tests.fixtures.directory import PREFILL, register_request, running_directory
 from kvpush.localstack.pki import HAVE_OPENSSL, make_pki
 from tests.integration.directory.helpers import run

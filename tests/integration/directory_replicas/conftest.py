@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvpush.localstack.processes import free_port
-from kvpush.services.directory.etcd_store import prefix_end  # noqa: F401  (the module must import)
+from kvpush.directory.etcd_store import prefix_end  # noqa: F401  (the module must import)
 
 
 def _wait_port(port: int, timeout_s: float) -> None:
@@ -103,7 +103,7 @@ def start_replica(etcd_endpoint: str, replica_id: str, log_dir, port: int | None
     port = port or free_port()
     env = {**os.environ, "KVPUSH_LOG_LEVEL": "info"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvpush.services.cli.main", "directory", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "kvpush.cli.main", "directory", "--host", "127.0.0.1", "--port", str(port),
          "--etcd-endpoints", etcd_endpoint, "--replica-id", replica_id, "--shard-count", str(SHARD_COUNT),
          "--session-ttl-s", str(SESSION_TTL_S), "--lease-ttl-s", str(LEASE_TTL_S), "--transfer-ttl-s", "30",
          "--grace-s", "2", "--no-uvloop"],

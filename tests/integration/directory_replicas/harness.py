@@ -15,7 +15,7 @@ import time
 import grpc
 from collections import defaultdict
 
-from kvpush.services.client import (
+from kvpush.client import (
     ChannelConfig,
     DirectoryCallError,
     DirectoryClient,
@@ -23,7 +23,7 @@ from kvpush.services.client import (
     ReplicatedPrefillSession,
     watch_transfers,
 )
-from kvpush.services.directory.shards import shard_of
+from kvpush.directory.shards import shard_of
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, make_layout, register_request

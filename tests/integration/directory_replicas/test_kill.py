@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvpush.services.directory.etcd_store import EtcdStore
+from kvpush.directory.etcd_store import EtcdStore
 from kvpush.v1 import types_pb2 as tpb
 from tests.integration.directory_replicas.conftest import LEASE_TTL_S, SESSION_TTL_S
 from tests.integration.directory_replicas.harness import Engines, wait_all_owned

@@ -22,8 +22,8 @@ from datetime import datetime
 import pytest
 
 from kvpush.localstack.netns import PDNetwork
-from kvpush.services.client import ChannelConfig, DirectoryClient
-from kvpush.services.directory.etcd_store import EtcdStore
+from kvpush.client import ChannelConfig, DirectoryClient
+from kvpush.directory.etcd_store import EtcdStore
 from tests.integration.directory.helpers import run
 from kvpush.localstack.processes import free_port
 from tests.integration.directory_replicas.conftest import _wait_port
@@ -69,7 +69,7 @@ def test_replica_in_a_cut_network_namespace_stops_before_takeover(tmp_path):
 
             def replica(replica_id: str, netns: str | None, listen_ip: str, endpoint: str) -> None:
                 port = ports[replica_id] = free_port()
-                argv = [sys.executable, "-m", "kvpush.services.cli.main", "directory", "--host", listen_ip,
+                argv = [sys.executable, "-m", "kvpush.cli.main", "directory", "--host", listen_ip,
                         "--port", str(port), "--etcd-endpoints", endpoint, "--replica-id", replica_id,
                         "--advertise-address", f"{listen_ip}:{port}", "--shard-count", str(SHARDS),
                         "--session-ttl-s", str(SESSION_TTL_S), "--lease-ttl-s", "3", "--no-uvloop"]

@@ -15,12 +15,12 @@ import time
 import grpc
 from prometheus_client import generate_latest
 
-from kvpush.services.client import ChannelConfig, DirectoryClient
-from kvpush.services.directory.etcd_store import EtcdStore
-from kvpush.services.directory.replica import ReplicaConfig
-from kvpush.services.directory.server import DirectoryConfig, create_server
-from kvpush.services.directory.shards import shard_of, shard_redirect
-from kvpush.services.directory.state import Limits
+from kvpush.client import ChannelConfig, DirectoryClient
+from kvpush.directory.etcd_store import EtcdStore
+from kvpush.directory.replica import ReplicaConfig
+from kvpush.directory.server import DirectoryConfig, create_server
+from kvpush.directory.shards import shard_of, shard_redirect
+from kvpush.directory.state import Limits
 from kvpush.v1 import directory_pb2 as dpb
 from tests.fixtures.directory import DECODE, PREFILL, register_request
 from tests.integration.directory.helpers import run

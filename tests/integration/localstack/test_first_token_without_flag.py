@@ -42,7 +42,7 @@ def test_the_decode_engine_has_no_flag_and_registers_that_it_forces(local_stack)
                   "--tls-client-key", channel.client_key_file]
 
     def engines(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kvpush.services.cli.main", "engines", *flags, *args],
+        return subprocess.run([sys.executable, "-m", "kvpush.cli.main", "engines", *flags, *args],
                               check=False, capture_output=True, text=True, timeout=60)
 
     listed = engines("--json")

@@ -1,4 +1,4 @@
-"""The gateway hosted in the prefill engine's API server (vLLM `--middleware`, `kvpush.services.gateway.hosted`), in
+"""The gateway hosted in the prefill engine's API server (vLLM `--middleware`, `kvpush.gateway.hosted`), in
 front of the same real engines as the standalone gateway: outputs equal the colocated engine's, its prefill legs
 go to the engine it runs in, its spans come from that engine's process, vLLM's own routes are untouched. (Greedy
 outputs through it: test_pd_gateway.py's `test_disaggregated_output_equals_colocated`, for both gateways.)

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.localstack.client import call
-from kvpush.services.client import SyncDirectoryClient
+from kvpush.client import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 
 pytestmark = pytest.mark.engines

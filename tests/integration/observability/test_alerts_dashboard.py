@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kvpush.services.client import ChannelConfig, DirectoryClient
+from kvpush.client import ChannelConfig, DirectoryClient
 
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.model import TinyModelSpec

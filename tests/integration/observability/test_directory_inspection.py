@@ -14,7 +14,7 @@ import pytest
 from google.protobuf import timestamp_pb2
 
 from kvpush.localstack.processes import free_port, start_directory
-from kvpush.services.client import ChannelConfig, DirectoryCallError, DirectoryClient, EngineRegistration, PrefillSession
+from kvpush.client import ChannelConfig, DirectoryCallError, DirectoryClient, EngineRegistration, PrefillSession
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, make_layout, ready, register_request
@@ -82,7 +82,7 @@ async def _drive(address: str, suffix: str, finish: str) -> str:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     """The kvpush CLI, bounded."""
-    return subprocess.run([sys.executable, "-m", "kvpush.services.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", *args], capture_output=True, text=True,
                           timeout=60)
 
 

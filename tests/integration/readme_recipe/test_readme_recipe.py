@@ -129,7 +129,7 @@ def running_recipe(tmp_path_factory):
             probe = (lambda p=port: http_ok(f"http://127.0.0.1:{p}/health")) if http else \
                 (lambda p=port: tcp_open("127.0.0.1", p))
             process.wait_ready(probe, ENGINE_TIMEOUT_S)
-        gateway = next(_own_port(_substitute_ports(s, ports)) for s in recipe.services if "kvpush.services.gateway" in s)
+        gateway = next(_own_port(_substitute_ports(s, ports)) for s in recipe.services if "kvpush.gateway" in s)
         yield RunningRecipe(recipe, env, ports, f"http://127.0.0.1:{gateway}",
                             f"http://127.0.0.1:{colocated_port}", str(model_dir), model_dir, log_dir)
     finally:
@@ -147,7 +147,7 @@ def test_recipe_parses_into_services_and_a_request():
     assert [re.search(r"--role (\w+)", s).group(1) for s in engines] == ["prefill", "decode"]
     assert all("$(kvpush engine-args " in s for s in engines)
     assert any(s.startswith("kvpush directory") for s in recipe.services)
-    assert any("kvpush.services.gateway" in s for s in recipe.services)
+    assert any("kvpush.gateway" in s for s in recipe.services)
     assert recipe.commands and recipe.commands[0].startswith("curl ")
     assert "--logits-processors" not in README.read_text()
 

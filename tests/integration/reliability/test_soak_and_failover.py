@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvpush.localstack.client import call, stream_completion
-from kvpush.services.client import SyncDirectoryClient
+from kvpush.client import SyncDirectoryClient
 
 pytestmark = pytest.mark.engines
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kvpush.localstack import up
-from kvpush.services.cli.main import _channel_config, build_parser
+from kvpush.cli.main import _channel_config, build_parser
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -47,7 +47,7 @@ def test_the_help_walk_can_fail():
 def test_help_of_every_subcommand_prints():
     """`kvpush SUB --help` exits 0 for every subcommand (argparse formats every help string: a bad % fails here)."""
     for name in _subcommands(build_parser()):
-        done = subprocess.run([sys.executable, "-c", "import sys; from kvpush.services.cli.main import main; "
+        done = subprocess.run([sys.executable, "-c", "import sys; from kvpush.cli.main import main; "
                                "sys.exit(main())", name, "--help"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "usage: kvpush" in done.stdout, (name, done.stderr)
 

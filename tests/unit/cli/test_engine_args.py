@@ -20,12 +20,12 @@ import pytest
 import yaml
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.services.cli.main import main
-from kvpush.services.gateway.hosted import hosted_config
+from kvpush.cli.main import main
+from kvpush.gateway.hosted import hosted_config
 
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent  # kvpush, python
-HOSTED_GATEWAY = "kvpush.services.gateway.hosted.HostedGateway"
+HOSTED_GATEWAY = "kvpush.gateway.hosted.HostedGateway"
 # Values for the documents' shell variables (the k8s ConfigMap adds its own).
 SAMPLE_ENV = {"MODEL": "org/model-8b", "HOST_IP": "10.0.0.7", "DIRECTORY": "dir.internal:50051",
               "POD_NAME": "kvpush-prefill-7f9c", "POD_IP": "10.1.2.3", "KVPUSH_DIRECTORY_TOKEN": "t0ken"}

@@ -1,4 +1,4 @@
-"""Shared helpers for the unit tests on the in-memory NIXL stand-in (connector/dataplane/inmemory.py)."""
+"""Shared helpers for the unit tests on the in-memory NIXL stand-in (src/kvpush/dataplane/inmemory.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import itertools
 import uuid
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.dataplane.agent import TransferAgent
-from kvpush.connector.dataplane.config import BACKEND_INMEMORY, NixlConfig
-from kvpush.connector.dataplane.inmemory import InMemoryFabric, fabric
+from kvpush.dataplane.agent import TransferAgent
+from kvpush.dataplane.config import BACKEND_INMEMORY, NixlConfig
+from kvpush.dataplane.inmemory import InMemoryFabric, fabric
 
 _names = itertools.count()
 

@@ -120,7 +120,7 @@ def test_missing_block_ids_stop_the_push_instead_of_naming_wrong_blocks():
 
 ROOT = Path(__file__).resolve().parents[3]
 # Every user-facing place that states the supported range.
-RANGE_STATEMENTS = ["README.md", "docs/connector.md", "deploy/docker/Dockerfile.engine", "deploy/ec2-efa/README.md"]
+RANGE_STATEMENTS = ["README.md", "docs/connector.md", "connector/Dockerfile", "deploy/ec2-efa/README.md"]
 
 
 @pytest.mark.parametrize("path", RANGE_STATEMENTS)

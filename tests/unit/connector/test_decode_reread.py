@@ -15,7 +15,7 @@ from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.directory_link import DirectoryLink
 from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
 from kvpush.connector.worker.decode import DecodeWorker
-from kvpush.services.directory.server import DirectoryConfig, create_server
+from kvpush.directory.server import DirectoryConfig, create_server
 
 
 def test_a_gap_fails_receives_whose_transfer_the_directory_forgot():

@@ -1,4 +1,4 @@
-"""The hooks only vLLM 0.33+ and 0.34+ call (connector/compat.py), on the real connector built from a real
+"""The hooks only vLLM 0.33+ and 0.34+ call (src/kvpush/connector/compat.py), on the real connector built from a real
 VllmConfig, scheduler side, against a directory on loopback. The installed vLLM (0.32) never calls them, so they
 are called here as those releases do (the call sites are in each release's snapshot, test_vllm_api.py)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from kvpush.connector.connector import KVPushConnector
-from kvpush.services.client.config import ChannelConfig
-from kvpush.services.client.sync import SyncDirectoryClient
+from kvpush.client.config import ChannelConfig
+from kvpush.client.sync import SyncDirectoryClient
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -101,7 +101,7 @@ def test_sleep_mode_is_refused_and_lookahead_hashes_accepted(model_dir):
 def test_kv_cache_access_names_registers_where_vllm_defines_it():
     """kv_cache_access imports KVCacheAccess only when called, which only 0.34+ does: the module and member it
     names must be the ones the 0.34 snapshot (read from the wheel) has."""
-    tree = ast.parse((ROOT / "connector" / "connector.py").read_text())
+    tree = ast.parse((ROOT / "src" / "kvpush" / "connector" / "connector.py").read_text())
     hook = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "kv_cache_access")
     imports = [node for node in ast.walk(hook) if isinstance(node, ast.ImportFrom)]
     returned = [ast.unparse(node.value) for node in ast.walk(hook) if isinstance(node, ast.Return)]

@@ -15,7 +15,7 @@ import time
 import structlog.testing
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.dataplane.agent import TransferAgent
+from kvpush.dataplane.agent import TransferAgent
 from kvpush.connector.metadata import KVPushMetadata, PrefillChunk
 from kvpush.connector.outcome import PushOutcome
 from kvpush.connector.worker.prefill import PrefillWorker
@@ -550,7 +550,7 @@ def test_a_rejection_that_says_the_transfer_is_gone_stops_it():
 
 def test_writes_are_posted_only_under_the_lease_their_instruction_came_with():
     """Each write carries a post guard: it allows posting while the lease holds, refuses once it lapsed or was replaced."""
-    from kvpush.services.client.lease import EngineRegistration
+    from kvpush.client.lease import EngineRegistration
 
     worker, transport, directory, loop = _worker()
     registration = EngineRegistration(client=None, request=dpb.RegisterEngineRequest(engine_id="p"))

@@ -2,7 +2,7 @@
 
 The snapshots are read from each release's wheel by scripts/vllm_api_snapshot.py; the connector's side is read
 from its source by the same code, so nothing here imports vLLM. Checked per release: every hook KVPushConnector
-overrides exists there with a signature vLLM's calls fit (or is declared release-specific in connector/compat.py),
+overrides exists there with a signature vLLM's calls fit (or is declared release-specific in src/kvpush/connector/compat.py),
 every abstract method is implemented, the factory's constructor call fits, every vLLM member the connector reads
 exists (compat.VLLM_READS, and every read of an annotated vLLM parameter in connector/ is declared there), and the
 first-token logits processor fits each model-runner interface it claims. Each check is shown to fail on a
@@ -25,7 +25,7 @@ from kvpush.connector import compat
 
 ROOT = Path(__file__).resolve().parents[3]
 SNAPSHOTS = ROOT / "tests" / "fixtures" / "vllm_api"
-CONNECTOR = ROOT / "connector"
+CONNECTOR = ROOT / "src" / "kvpush" / "connector"
 
 
 def _load_snapshot_script() -> Any:

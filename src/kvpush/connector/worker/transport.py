@@ -1,4 +1,4 @@
-"""The connector's view of the NIXL data plane (`kvpush.connector.dataplane`), one adapter per worker.
+"""The connector's view of the NIXL data plane (`kvpush.dataplane`), one adapter per worker.
 
 Life cycle: `create_transport(config, kv_caches, ...)` builds a `TransferAgent`, registers the KV
 memory and starts the agent's I/O thread. A prefill worker wraps it in a `PushTransport` (peers added
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.dataplane import KVLayoutSpec, NixlConfig
+from kvpush.dataplane import KVLayoutSpec, NixlConfig
 from kvpush.connector.outcome import PushOutcome
 from kvpush.connector.worker.push_state import PlannedWrite
 from kvpush.observability import get_logger
@@ -64,7 +64,7 @@ def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
 def create_agent(config: ConnectorConfig, kv_caches: dict[str, Any], block_size_tokens: int, num_kv_heads: int,
                  head_size: int, agent_name: str) -> Any:
     """Build the worker's TransferAgent, register its KV memory and start its I/O thread."""
-    from kvpush.connector.dataplane.agent import TransferAgent
+    from kvpush.dataplane.agent import TransferAgent
 
     agent = TransferAgent(agent_name, nixl_config_from(config))
     agent.register(kv_caches, block_size_tokens, num_kv_heads, head_size)
@@ -77,7 +77,7 @@ class PushTransport:
 
     def __init__(self, agent: Any, on_write_done: Callable[[WriteDone], None],
                  on_writer_quiet: Callable[[WriterQuiet], None]) -> None:
-        from kvpush.connector.dataplane.writer import PushWriter
+        from kvpush.dataplane.writer import PushWriter
 
         self._agent = agent
         self._on_write_done = on_write_done
@@ -114,7 +114,7 @@ class PushTransport:
 
         post_guard (I/O thread, at post time): None to post, else why the write may no longer be posted.
         """
-        from kvpush.connector.dataplane.writer import WriteRequest
+        from kvpush.dataplane.writer import WriteRequest
 
         self._writer.submit(WriteRequest(
             transfer_id=transfer_id, peer_agent=peer_agent, layers=(write.layer,), src_block_ids=write.src_block_ids,

@@ -1,4 +1,4 @@
-"""NixlConfig and NIXL agent construction (kvpush.connector.dataplane.config)."""
+"""NixlConfig and NIXL agent construction (kvpush.dataplane.config)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvpush.connector.dataplane.config import NixlConfig, create_nixl_agent
+from kvpush.dataplane.config import NixlConfig, create_nixl_agent
 
 
 def test_from_dict_refuses_unknown_keys():

@@ -1,4 +1,4 @@
-"""KVLayoutSpec (kvpush.connector.dataplane.layout) and describe_kv_caches (describe)."""
+"""KVLayoutSpec (kvpush.dataplane.layout) and describe_kv_caches (describe)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvpush.connector.dataplane.describe import describe_kv_caches
-from kvpush.connector.dataplane.layout import KVLayoutSpec, LayoutError, check_compatible
+from kvpush.dataplane.describe import describe_kv_caches
+from kvpush.dataplane.layout import KVLayoutSpec, LayoutError, check_compatible
 from kvpush.v1 import types_pb2
 from tests.integration.dataplane.kvbuffers import NumpyTensor, make_kv
 

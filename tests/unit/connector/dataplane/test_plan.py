@@ -1,4 +1,4 @@
-"""Descriptor maths (kvpush.connector.dataplane.plan), checked by executing plans on real memory."""
+"""Descriptor maths (kvpush.dataplane.plan), checked by executing plans on real memory."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.connector.dataplane.layout import LayoutError
-from kvpush.connector.dataplane.plan import (
+from kvpush.dataplane.layout import LayoutError
+from kvpush.dataplane.plan import (
     TABLE_BLOCK,
     TABLE_CHUNK,
     LayerPlanCache,

@@ -1,10 +1,10 @@
-"""Unit tests of `kvpush.services.client.config.ChannelConfig`."""
+"""Unit tests of `kvpush.client.config.ChannelConfig`."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpush.services.client import ChannelConfig
+from kvpush.client import ChannelConfig
 
 
 def test_from_env_reads_kvpush_directory_variables():

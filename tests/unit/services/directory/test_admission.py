@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from kvpush.services.directory.admission import CallGate, StreamSlots, caller_of
-from kvpush.services.directory.errors import ResourceExhausted
-from kvpush.services.directory.state import Limits
+from kvpush.directory.admission import CallGate, StreamSlots, caller_of
+from kvpush.directory.errors import ResourceExhausted
+from kvpush.directory.state import Limits
 
 
 def test_callers_are_principals_or_peer_hosts():

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvpush.services.directory.auth import (
+from kvpush.directory.auth import (
     ANYONE,
     OPERATOR,
     Authenticator,
@@ -20,7 +20,7 @@ from kvpush.services.directory.auth import (
     principal_from_uri,
     read_tokens_file,
 )
-from kvpush.services.directory.errors import PermissionDenied
+from kvpush.directory.errors import PermissionDenied
 
 
 def test_tokens_file_maps_tokens_to_principals(tmp_path):

@@ -3,7 +3,7 @@ it, later ones do not, until the worker reports the agent dropped (or the agent'
 
 from __future__ import annotations
 
-from kvpush.services.directory.servicer import DeliveredAgents
+from kvpush.directory.servicer import DeliveredAgents
 from kvpush.v1 import directory_pb2 as dpb
 from tests.fixtures.directory import make_layout
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.services.directory.errors import (
+from kvpush.directory.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -14,9 +14,9 @@ from kvpush.services.directory.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvpush.services.directory.records import TransferObserver
-from kvpush.services.directory.state import DirectoryState, Limits
-from kvpush.services.directory.validation import check_plan
+from kvpush.directory.records import TransferObserver
+from kvpush.directory.state import DirectoryState, Limits
+from kvpush.directory.validation import check_plan
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, ManualClock, allocation, ready, register_request, result

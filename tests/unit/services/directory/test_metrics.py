@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpush.services.directory.metrics import CAUSES, DirectoryMetrics, failure_cause
-from kvpush.services.directory.state import DirectoryState, Limits
+from kvpush.directory.metrics import CAUSES, DirectoryMetrics, failure_cause
+from kvpush.directory.state import DirectoryState, Limits
 from kvpush.v1 import directory_pb2 as dpb
 from tests.fixtures.directory import DECODE, PREFILL, ManualClock, register_request
 
@@ -72,7 +72,7 @@ def test_causes_are_a_closed_set():
 
 def test_refusals_and_queued_rejections_are_exported():
     """The servicer's rate-limited refusal log counts every refusal by kind; the queued rejections are a gauge."""
-    from kvpush.services.directory.servicer import DirectoryServicer
+    from kvpush.directory.servicer import DirectoryServicer
 
     clock = ManualClock()
     metrics = DirectoryMetrics()

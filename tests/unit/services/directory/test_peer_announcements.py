@@ -3,7 +3,7 @@ the session opens, and when one registers later), so it loads the peer before an
 
 from __future__ import annotations
 
-from kvpush.services.directory.state import DirectoryState, Limits
+from kvpush.directory.state import DirectoryState, Limits
 from tests.fixtures.directory import DECODE, PREFILL, ManualClock, make_layout, register_request
 
 

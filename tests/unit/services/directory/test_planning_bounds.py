@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.services.directory import validation as check
-from kvpush.services.directory.errors import InvalidArgument, ResourceExhausted
-from kvpush.services.directory.records import TransferObserver
-from kvpush.services.directory.state import DirectoryState, Limits
+from kvpush.directory import validation as check
+from kvpush.directory.errors import InvalidArgument, ResourceExhausted
+from kvpush.directory.records import TransferObserver
+from kvpush.directory.state import DirectoryState, Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, ManualClock, allocation, make_layout, ready, register_request

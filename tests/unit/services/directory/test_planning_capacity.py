@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.services.directory.errors import ResourceExhausted
-from kvpush.services.directory.state import DirectoryState, Limits
+from kvpush.directory.errors import ResourceExhausted
+from kvpush.directory.state import DirectoryState, Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, ManualClock, make_layout, register_request

@@ -10,9 +10,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvpush.services.directory.errors import FailedPrecondition, NotFound
-from kvpush.services.directory.records import Allocation, StoredTransfer
-from kvpush.services.directory.shards import (
+from kvpush.directory.errors import FailedPrecondition, NotFound
+from kvpush.directory.records import Allocation, StoredTransfer
+from kvpush.directory.shards import (
     SHARD_NOT_OWNED,
     STATUS_DETAILS_KEY,
     ShardRedirect,
@@ -20,7 +20,7 @@ from kvpush.services.directory.shards import (
     shard_of,
     status_trailer,
 )
-from kvpush.services.directory.state import DirectoryState, Limits
+from kvpush.directory.state import DirectoryState, Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, ManualClock, allocation, ready, register_request, result

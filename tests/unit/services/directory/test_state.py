@@ -1,10 +1,10 @@
-"""Unit tests of `kvpush.services.directory.state`: the directory's state machine, no gRPC."""
+"""Unit tests of `kvpush.directory.state`: the directory's state machine, no gRPC."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpush.services.directory.errors import (
+from kvpush.directory.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -13,7 +13,7 @@ from kvpush.services.directory.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvpush.services.directory.state import DirectoryState, Limits
+from kvpush.directory.state import DirectoryState, Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import (

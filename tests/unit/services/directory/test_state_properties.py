@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpush.services.directory.errors import DirectoryError
-from kvpush.services.directory.state import DirectoryState, Limits
+from kvpush.directory.errors import DirectoryError
+from kvpush.directory.state import DirectoryState, Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, ManualClock, allocation, ready, register_request, result

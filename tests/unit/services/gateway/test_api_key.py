@@ -7,8 +7,8 @@ import asyncio
 import aiohttp
 from aiohttp.test_utils import TestServer
 
-from kvpush.services.gateway.app import create_app
-from kvpush.services.gateway.config import GatewayConfig, parse_args
+from kvpush.gateway.app import create_app
+from kvpush.gateway.config import GatewayConfig, parse_args
 
 
 async def _statuses(config: GatewayConfig, requests) -> list[tuple[int, dict | None]]:

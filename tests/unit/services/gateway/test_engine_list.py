@@ -13,10 +13,10 @@ import time
 import pytest
 
 from kvpush.localstack.processes import start_directory
-from kvpush.services.client import ChannelConfig, SyncDirectoryClient
-from kvpush.services.gateway import routing
-from kvpush.services.gateway.config import GatewayConfig
-from kvpush.services.gateway.errors import GatewayError
+from kvpush.client import ChannelConfig, SyncDirectoryClient
+from kvpush.gateway import routing
+from kvpush.gateway.config import GatewayConfig
+from kvpush.gateway.errors import GatewayError
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.test_gateway import _layout

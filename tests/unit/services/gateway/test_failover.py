@@ -20,7 +20,7 @@ import pytest
 
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.processes import free_port, start_directory, start_gateway, tail
-from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.standin import StandInEngine
@@ -345,7 +345,7 @@ def test_a_cancel_that_never_lands_is_counted_and_logged(tmp_path):
 
 def test_first_byte_bounds_are_validated():
     """A negative first-byte bound is refused at start-up; 0 turns it off."""
-    from kvpush.services.gateway.config import GatewayConfig
+    from kvpush.gateway.config import GatewayConfig
 
     with pytest.raises(ValueError, match="decode_first_byte_timeout_s"):
         GatewayConfig(directory_address="x:1", decode_first_byte_timeout_s=-1).validate()
@@ -354,7 +354,7 @@ def test_first_byte_bounds_are_validated():
 
 def test_max_failovers_is_validated():
     """--max-failovers outside [0, 16] is refused at start-up."""
-    from kvpush.services.gateway.config import GatewayConfig
+    from kvpush.gateway.config import GatewayConfig
 
     with pytest.raises(ValueError, match="max_failovers"):
         GatewayConfig(directory_address="x:1", max_failovers=17).validate()

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvpush.services.gateway import legs
-from kvpush.services.gateway.first_token import (
+from kvpush.gateway import legs
+from kvpush.gateway.first_token import (
     DecodeStreamRewriter,
     FirstTokenMismatch,
     first_events,
@@ -15,7 +15,7 @@ from kvpush.services.gateway.first_token import (
     prefill_finished,
     prefill_token,
 )
-from kvpush.services.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, validate
+from kvpush.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, validate
 
 
 def _sse(*events) -> bytes:

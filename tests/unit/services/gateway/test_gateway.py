@@ -12,7 +12,7 @@ import pytest
 
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.processes import group_cpu_seconds, start_directory, start_gateway
-from kvpush.services.client import ChannelConfig, SyncDirectoryClient
+from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.standin import StandInEngine, default_behaviour

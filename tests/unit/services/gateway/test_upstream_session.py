@@ -14,8 +14,8 @@ import contextlib
 
 from aiohttp import web
 
-from kvpush.services.gateway.app import SESSION_KEY, create_app
-from kvpush.services.gateway.config import GatewayConfig, parse_args
+from kvpush.gateway.app import SESSION_KEY, create_app
+from kvpush.gateway.config import GatewayConfig, parse_args
 
 
 @contextlib.asynccontextmanager

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from kvpush.services.gateway.errors import GatewayError
-from kvpush.services.gateway.validation import (
+from kvpush.gateway.errors import GatewayError
+from kvpush.gateway.validation import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     decode_body,
