@@ -118,7 +118,7 @@ def install_vllm_base_stand_in() -> None:
                 setattr(sys.modules[".".join(parts[: i - 1])], parts[i - 1], module)
     base = sys.modules[path]
 
-    class KVConnectorMetadata:  # noqa: D401 - stand-in
+    class KVConnectorMetadata:
         """Stand-in for vLLM's empty KVConnectorMetadata base (vLLM absent)."""
 
     class KVConnectorWorkerMetadata:
@@ -673,9 +673,9 @@ def scenario_prompts(sc: dict[str, Any]) -> dict[str, int]:
 
 def run_main(args: argparse.Namespace) -> int:
     setup_imports()
-    from kvpush.localstack.processes import free_port
     from kvpush.client.config import ChannelConfig
     from kvpush.client.sync import SyncDirectoryClient
+    from kvpush.localstack.processes import free_port
     from kvpush.v1 import types_pb2 as tpb
 
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results"

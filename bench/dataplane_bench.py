@@ -204,7 +204,7 @@ class Receiver:
 class RemoteReceiver(Receiver):
     """Handle on a decode side served by `--serve-decode` on another host (the same commands, over TCP)."""
 
-    def __init__(self, address: str) -> None:  # noqa: D107 - no process to start: connect instead
+    def __init__(self, address: str) -> None:
         from multiprocessing.connection import Client
 
         host, _, port = address.rpartition(":")

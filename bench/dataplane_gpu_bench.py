@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dataplane_bench import (  # noqa: E402
+from dataplane_bench import (
     LAYOUT_HINT,
     CaseResult,
     KVShape,
@@ -41,7 +41,7 @@ from dataplane_bench import (  # noqa: E402
     run_case,
 )
 
-from kvpush.dataplane import NixlConfig, TransferAgent, WriteRequest  # noqa: E402
+from kvpush.dataplane import NixlConfig, TransferAgent, WriteRequest
 
 SRC, DST = "cuda:0", "cuda:1"
 
@@ -260,7 +260,7 @@ def probe(nbytes: int = 64 << 20) -> list[dict[str, Any]]:
                 entry["gb_s"] = round(nbytes / (time.perf_counter() - start) / 1e9, 1)
                 conn.send("sum")
                 entry["bytes_ok"] = conn.recv() == nbytes
-            except Exception as exc:  # noqa: BLE001 - the probe reports, the bench decides
+            except Exception as exc:
                 entry["error"] = repr(exc)
             finally:
                 try:

@@ -37,10 +37,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvpush.localstack.client import stream_completion  # noqa: E402
-from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model  # noqa: E402
-from kvpush.localstack.processes import EngineSpec, launch_engine  # noqa: E402
-from kvpush.localstack.stack import FIRST_TOKEN_PROCESSOR  # noqa: E402
+from kvpush.localstack.client import stream_completion
+from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
+from kvpush.localstack.processes import EngineSpec, launch_engine
+from kvpush.localstack.stack import FIRST_TOKEN_PROCESSOR
 
 VARIANT_ARGS = {
     "plain": (),

@@ -379,7 +379,7 @@ class Load:
                 if not transfer.instructed.is_set():
                     try:
                         await asyncio.wait_for(transfer.instructed.wait(), 30)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         self.stats.call_errors["instruction_timeout"] = self.stats.call_errors.get(
                             "instruction_timeout", 0) + 1
                 await call.write(dpb.StreamPrefillRequest(result=dpb.WriteResult(
@@ -405,7 +405,7 @@ class Load:
         await call.done_writing()
         try:
             await asyncio.wait_for(reader, 10)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        except (TimeoutError, grpc.aio.AioRpcError):
             reader.cancel()
 
 

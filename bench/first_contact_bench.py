@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_io import emit  # noqa: E402
-from kvpush.localstack.client import stream_completion  # noqa: E402
+from bench.bench_io import emit
+from kvpush.localstack.client import stream_completion
 
 VARIANTS = {"preload": True, "on_instruction": False}
 _LOAD_MS = re.compile(r"load_ms[\"'=:\s]+([0-9.]+)")

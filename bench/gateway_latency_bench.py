@@ -154,13 +154,13 @@ def main(argv=None) -> int:
     if args.serve_standin:
         serve_standin(args.serve_standin, args.standin_port, args.prefill_ms / 1000)
         return 0
+    from hops_bench import _median, _median_ci95  # after kvpush: it puts the checkout first on sys.path
+
+    from kvpush.client import ChannelConfig, SyncDirectoryClient
     from kvpush.localstack.processes import ManagedProcess, free_port, start_directory, start_gateway, tcp_open
     from kvpush.localstack.stack import hosted_gateway_env
-    from kvpush.client import ChannelConfig, SyncDirectoryClient
     from kvpush.v1 import types_pb2 as tpb
     from tests.unit.services.gateway.test_gateway import register_standin
-
-    from hops_bench import _median, _median_ci95  # after kvpush: it puts the checkout first on sys.path
 
     kinds = ["direct"] + [k for k in args.kinds.split(",") if k and k != "direct"]
     if args.gateway_b_pythonpath or args.gateway_b_args:

@@ -31,8 +31,7 @@ from kvpush.localstack.stack import LocalStack
 from kvpush.observability import configure_logging
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORDS = ("prefill engine writes every layer of the key and value cache into blocks that decode allocated "
-         "before the prompt was computed while the directory watches each transfer").split()
+WORDS = ["prefill", "engine", "writes", "every", "layer", "of", "the", "key", "and", "value", "cache", "into", "blocks", "that", "decode", "allocated", "before", "the", "prompt", "was", "computed", "while", "the", "directory", "watches", "each", "transfer"]
 
 
 def text_prompt(words: int, seed: int) -> str:

@@ -45,7 +45,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from kvpush.localstack.client import call
+from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.processes import (
     EngineHandle,
     EngineSpec,
@@ -57,7 +57,6 @@ from kvpush.localstack.processes import (
     start_directory,
 )
 from kvpush.localstack.shaped_model import ensure_shaped_model, kv_bytes_per_token, preset_config
-from kvpush.localstack.client import stream_completion
 from kvpush.localstack.stack import (
     DECODE_ENGINE_ARGS,
     HOSTED_GATEWAY_MIDDLEWARE,

@@ -65,7 +65,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvpush.localstack.client import call, stream_completion  # noqa: E402
+from kvpush.localstack.client import call, stream_completion
 
 # Every kind of request of one round (module docstring); the order rotates from round to round.
 KINDS = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
@@ -96,12 +96,12 @@ def _ms(later: float | None, earlier: float | None) -> float | None:
     return None if later is None or earlier is None else round((later - earlier) * 1000, 3)
 
 
-def _span(spans: list["ReceivedSpan"], name: str) -> "ReceivedSpan | None":
+def _span(spans: list[ReceivedSpan], name: str) -> ReceivedSpan | None:
     found = [s for s in spans if s.name == name]
     return min(found, key=lambda s: s.start_time_unix_nano) if found else None
 
 
-def hops_of(sent_wall: float, ttft_s: float, transfer, spans: list["ReceivedSpan"],
+def hops_of(sent_wall: float, ttft_s: float, transfer, spans: list[ReceivedSpan],
             request_finished: float | None = None) -> dict[str, float | None]:
     """One request's hops (module docstring) from its spans and directory record."""
     def start(name):
@@ -356,10 +356,10 @@ def attach_span_hops(pairs: list[dict], receiver, get_transfer, timeout_s: float
 
 def main(argv=None) -> int:
     # Here, not at the top: gpu_e2e.py imports this module's measurement on a machine with the installed package.
+    from kvpush.client import SyncDirectoryClient
     from kvpush.localstack.model import TinyModelSpec
     from kvpush.localstack.processes import start_gateway
     from kvpush.localstack.stack import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, LocalStack
-    from kvpush.client import SyncDirectoryClient
     from tests.fixtures.otlp import OTLPReceiver
 
     args = parse_args(argv)

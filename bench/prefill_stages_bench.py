@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import hops_bench  # noqa: E402
-from kvpush.localstack.client import stream_completion  # noqa: E402
+import hops_bench
+
+from kvpush.localstack.client import stream_completion
 
 HOOKS = ("bind_connector_metadata", "start_load_kv", "save_kv_layer", "wait_for_save", "get_finished",
          "build_connector_worker_meta", "build_connector_meta", "update_connector_output", "request_finished",
@@ -91,9 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from kvpush.client import SyncDirectoryClient
     from kvpush.localstack.model import TinyModelSpec
     from kvpush.localstack.stack import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, LocalStack
-    from kvpush.client import SyncDirectoryClient
 
     args = parse_args(argv)
     log_dir = (args.log_dir or Path("/tmp") / f"kvpush-stages-{int(time.time())}").resolve()

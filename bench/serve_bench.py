@@ -37,19 +37,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import ttft_bench  # noqa: E402  (bench/ is no package: its scripts share helpers by path)
+import ttft_bench
 
-from kvpush.localstack.model import BENCH_MODEL_SPEC, TinyModelSpec, ensure_tiny_model  # noqa: E402
-from kvpush.localstack.netns import PDNetwork  # noqa: E402
-from kvpush.localstack.processes import (  # noqa: E402
+from kvpush.localstack.model import BENCH_MODEL_SPEC, TinyModelSpec, ensure_tiny_model
+from kvpush.localstack.netns import PDNetwork
+from kvpush.localstack.processes import (
     EngineHandle,
     EngineSpec,
     group_cpu_seconds,
     launch_engine,
     start_directory,
 )
-from kvpush.localstack.stack import DECODE_ENGINE_ARGS, DIRECTORY_ARGS  # noqa: E402
-from kvpush.localstack.vllm_bench import run_bench_serve, summarise  # noqa: E402
+from kvpush.localstack.stack import DECODE_ENGINE_ARGS, DIRECTORY_ARGS
+from kvpush.localstack.vllm_bench import run_bench_serve, summarise
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PACED_SITE = Path(__file__).resolve().parent / "nixl_paced"

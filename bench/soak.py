@@ -64,12 +64,12 @@ from typing import Any
 import grpc
 import psutil
 
+from kvpush.client import ChannelConfig, DirectoryCallError, SyncDirectoryClient
 from kvpush.localstack.client import call
 from kvpush.localstack.model import TinyModelSpec
 from kvpush.localstack.pki import HAVE_OPENSSL
 from kvpush.localstack.stack import LocalStack
 from kvpush.localstack.vllm_bench import kv_cache_usage
-from kvpush.client import ChannelConfig, DirectoryCallError, SyncDirectoryClient
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 

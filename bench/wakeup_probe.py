@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvpush.localstack.processes import ManagedProcess, free_port, tcp_open  # noqa: E402
+from kvpush.localstack.processes import ManagedProcess, free_port, tcp_open
 
 _BARE_SERVER = """
 import sys

@@ -26,7 +26,7 @@ class _Bind:
     def __getattr__(self, name):
         return getattr(self._bind, name)
 
-    def nixlAgent(self, name, config):  # noqa: N802 (NIXL's name)
+    def nixlAgent(self, name, config):
         config.pthrDelay = _DELAY_US
         return self._bind.nixlAgent(name, config)
 

@@ -25,6 +25,9 @@ from typing import Any
 
 import pytest
 
+from kvpush.client.config import ChannelConfig
+from kvpush.client.errors import DirectoryCallError
+from kvpush.client.sync import SyncDirectoryClient
 from kvpush.localstack.client import HttpResult, call
 from kvpush.localstack.model import ensure_tiny_model
 from kvpush.localstack.processes import (
@@ -37,9 +40,6 @@ from kvpush.localstack.processes import (
 )
 from kvpush.localstack.stack import kv_transfer_config
 from kvpush.localstack.vllm_bench import kv_cache_usage, wait_kv_usage_zero
-from kvpush.client.config import ChannelConfig
-from kvpush.client.errors import DirectoryCallError
-from kvpush.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import TERMINAL_STATES
 from tests.integration.connector.conftest import BLOCK_SIZE, MAX_BATCHED_TOKENS, MODEL_SPEC

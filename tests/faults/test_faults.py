@@ -26,7 +26,6 @@ from tests.faults.conftest import (
     FENCE_BOUND_S,
     HOLD_S,
     HOLDER_ID,
-    LEASE_TTL_S,
     MAX_WRITE_S,
     PREFILL_ID,
     REAP_S,

@@ -15,12 +15,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvpush.connector.compat import SUPPORTED_MAX, SUPPORTED_MIN, parse_release
-from kvpush.localstack.client import call
-from kvpush.localstack.processes import ManagedProcess, free_port, http_ok, start_directory
 from kvpush.cli.main import build_parser
 from kvpush.client import ChannelConfig, SyncDirectoryClient
+from kvpush.connector.compat import SUPPORTED_MAX, SUPPORTED_MIN, parse_release
 from kvpush.gateway.config import parse_args as parse_gateway_args
+from kvpush.localstack.client import call
+from kvpush.localstack.processes import ManagedProcess, free_port, http_ok, start_directory
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.standin import StandInEngine

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvpush.gateway.config import GatewayConfig
 
+from kvpush.gateway.config import GatewayConfig
 from tests.fixtures.prometheus import (
     ALERT_RULES,
     ALERT_TESTS,

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from google.protobuf import json_format
 
@@ -161,7 +161,7 @@ def _channel_config(args: argparse.Namespace) -> ChannelConfig:
 def _ts(timestamp) -> str:
     if not timestamp.seconds and not timestamp.nanos:
         return "-"
-    return datetime.fromtimestamp(timestamp.ToNanoseconds() / 1e9, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+    return datetime.fromtimestamp(timestamp.ToNanoseconds() / 1e9, UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
 def _table(headers: Sequence[str], rows: list[Sequence[object]]) -> str:
@@ -265,7 +265,7 @@ def render_timeline(transfer: tpb.Transfer) -> str:
         add(rank.timing.last_write_end_time, f"last WRITE completed{who}")
     add(transfer.end_time, state.lower() if transfer.state != tpb.TRANSFER_STATE_COMPLETE else "complete")
     if origin:
-        lines.append(f"  planned at {datetime.fromtimestamp(origin / 1e9, timezone.utc):%Y-%m-%d %H:%M:%S.%f} UTC")
+        lines.append(f"  planned at {datetime.fromtimestamp(origin / 1e9, UTC):%Y-%m-%d %H:%M:%S.%f} UTC")
     lines.append("")
     for ns, text in sorted(events, key=lambda e: e[0]):
         lines.append(f"  {(ns - origin) / 1e6:+10.3f} ms  {text}")

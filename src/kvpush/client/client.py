@@ -35,7 +35,6 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb
 
-
 # The client a plan serves (PlanTransferRequest.client_id) when `plan_transfer` is not given one: a gateway sets it
 # once per incoming request, in the request's task, so every plan made for that request names its client.
 PLAN_CLIENT_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvpush_plan_client_id", default="")

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import grpc
 
-from kvpush.observability import get_logger
 from kvpush.client.client import DirectoryClient
 from kvpush.client.errors import DirectoryCallError
+from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
@@ -161,7 +161,7 @@ class EngineRegistration:
                         self.on_lease_renewed(self.lease_id, self.ttl_s)
                     if await self._sleep(self.ttl_s / 3):
                         break
-            except (grpc.aio.AioRpcError, DirectoryCallError, asyncio.TimeoutError, asyncio.InvalidStateError) as error:
+            except (TimeoutError, grpc.aio.AioRpcError, DirectoryCallError, asyncio.InvalidStateError) as error:
                 code = error.code() if isinstance(error, grpc.aio.AioRpcError) else getattr(
                     error, "code", grpc.StatusCode.DEADLINE_EXCEEDED)
                 if code == grpc.StatusCode.NOT_FOUND:

@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
-from kvpush.observability import get_logger
 from kvpush.client.client import DirectoryClient
 from kvpush.client.lease import EngineRegistration
+from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 
 log = get_logger("client.prefill")
@@ -139,7 +139,7 @@ class PrefillSession:
                     return
                 await reader
                 attempt = 0
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as error:
+            except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
                 code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
                 if code in _FATAL:
                     self.fatal_error = f"{code.name}: {error.details()}"
@@ -229,6 +229,6 @@ class PrefillSession:
             return
         try:
             await asyncio.wait_for(asyncio.shield(self._task), timeout_s or self.client.config.timeout_s)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        except (TimeoutError, grpc.aio.AioRpcError):
             self._task.cancel()
         self._task = None

@@ -28,12 +28,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
-from kvpush.observability import get_logger
 from kvpush.client.client import DirectoryClient
 from kvpush.client.errors import DirectoryCallError
 from kvpush.client.lease import EngineRegistration
 from kvpush.client.prefill import PrefillSession
 from kvpush.directory.shards import SHARD_NOT_OWNED, redirect_of_status, shard_of
+from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 
 log = get_logger("client.replicas")
@@ -187,7 +187,7 @@ class ReplicatedPrefillSession:
                 for address in set(self.replicas) - before:
                     await self.replicas[address].session.start()
                 self._wake.set()
-            except (DirectoryCallError, asyncio.TimeoutError, grpc.aio.AioRpcError) as error:
+            except (TimeoutError, DirectoryCallError, grpc.aio.AioRpcError) as error:
                 log.info("replica refresh failed", error=str(error))
 
     def send_ready(self, events: Iterable[dpb.LayerReady]) -> None:
@@ -271,7 +271,7 @@ async def watch_replicas(client: DirectoryClient, engine_id: str, on_gap: Callab
                 for address in await replica_addresses(client):
                     if address not in watchers:
                         watchers[address] = asyncio.create_task(follow(address))
-            except (DirectoryCallError, asyncio.TimeoutError) as error:
+            except (TimeoutError, DirectoryCallError) as error:
                 log.info("replica refresh failed", error=str(error))
             await asyncio.sleep(refresh_s)
 
@@ -293,4 +293,4 @@ async def watch_replicas(client: DirectoryClient, engine_id: str, on_gap: Callab
             task.cancel()
 
 
-__all__ = ["ReplicatedPrefillSession", "replica_addresses", "watch_replicas", "shard_of", "SHARD_NOT_OWNED"]
+__all__ = ["SHARD_NOT_OWNED", "ReplicatedPrefillSession", "replica_addresses", "shard_of", "watch_replicas"]

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvpush.observability import get_logger
 from kvpush.client.errors import DirectoryCallError
+from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 
 if TYPE_CHECKING:

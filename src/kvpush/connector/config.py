@@ -130,7 +130,7 @@ class ConnectorConfig:
         return {**dict(self.directory_settings), "directory_address": self.directory_address}
 
     @classmethod
-    def from_kv_transfer_config(cls, kv_transfer_config: Any) -> "ConnectorConfig":
+    def from_kv_transfer_config(cls, kv_transfer_config: Any) -> ConnectorConfig:
         """Parse vLLM's KVTransferConfig (duck-typed: kv_role, engine_id, kv_connector_extra_config)."""
         kv_role = getattr(kv_transfer_config, "kv_role", None)
         if kv_role not in _KV_ROLE_TO_ROLE:
@@ -148,7 +148,7 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *, role: str, engine_id: str,
-                          cpu_platform: bool = True) -> "ConnectorConfig":
+                          cpu_platform: bool = True) -> ConnectorConfig:
         """Parse kv_connector_extra_config for an engine of this role; raise ConnectorConfigError on bad input.
 
         `cpu_platform` picks the defaults that differ between vLLM's CPU platform and GPUs.

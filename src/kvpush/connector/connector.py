@@ -38,14 +38,14 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import kvpush.connector.compat  # noqa: F401  (first: an unsupported vLLM fails here, by name)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
 
+import kvpush.connector.compat  # noqa: F401  (first: an unsupported vLLM fails here, by name)
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import WIRE_VERSION, KVPushMetadata
 from kvpush.observability import configure_logging, get_logger
@@ -67,7 +67,7 @@ _log = get_logger("connector")
 class KVPushConnector(KVConnectorBase_V1):
     """Push-based, layer-streamed KV transfer coordinated by the kvpush directory (module docstring)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         """Parse the configuration and build the half this process runs (workers finish in register_kv_caches)."""
         super().__init__(vllm_config, role, kv_cache_config)
         configure_logging()
@@ -116,7 +116,7 @@ class KVPushConnector(KVConnectorBase_V1):
             self._link = DirectoryLink(self.config, "kvpush-scheduler-directory")
             self._scheduler = DecodeScheduler(self.config, self._block_size, self._link)
 
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Worker start-up: register KV memory with NIXL and this worker with the directory (blocking, bounded)."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -190,13 +190,13 @@ class KVPushConnector(KVConnectorBase_V1):
             if connector_metadata.receives:
                 self._metrics.on_receives_begun([start.request_id for start in connector_metadata.receives])
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Nothing to start: pushed KV is written into our blocks by prefill, one-sided."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Never waits: a request only runs once its whole push completed."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         """Mark this layer's KV ready to push.
 
@@ -267,21 +267,21 @@ class KVPushConnector(KVConnectorBase_V1):
         """Keep the block pool: each step's metadata carries its free-block count to the workers (EngineLoad)."""
         self._block_pool = gpu_block_pool
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         """Track a request that carries kvpush kv_transfer_params (and count it for the engine's load)."""
         self._known_requests.add(request.request_id)
         self._scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode: prompt tokens beyond the local hit arrive asynchronously by push. Prefill: none. No side effects."""
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Decode: report the allocation to the directory (submitted, never awaited)."""
         if not self.config.is_prefill:
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's chunks / receives / holds for the workers, and the engine's load (does not modify
         scheduler_output)."""
         meta = self._scheduler.build_connector_meta(scheduler_output)
@@ -291,11 +291,11 @@ class KVPushConnector(KVConnectorBase_V1):
                                 max(0, len(self._known_requests) - running))
         return meta
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Release holds and forget receives the workers reported; merge push timelines."""
         self._scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Exactly once per request, before its blocks are freed: hold them while pushes may still touch them."""
         self._known_requests.discard(request.request_id)
         return self._scheduler.request_finished(request, block_ids)
@@ -369,7 +369,7 @@ class KVPushConnector(KVConnectorBase_V1):
         count (`num_computed_tokens`) and goes to the directory as one."""
         return True
 
-    def may_load_async(self, request: "Request") -> bool:
+    def may_load_async(self, request: Request) -> bool:
         """Whether `get_num_new_matched_tokens` may answer `load_kv_async=True` for this request (vLLM 0.34+).
 
         Decode: a request carrying a kvpush decode leg that is not allocated yet (pushed KV arrives asynchronously);

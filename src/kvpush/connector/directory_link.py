@@ -17,13 +17,13 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable
 
-from kvpush.connector.config import ConnectorConfig
-from kvpush.observability import get_logger
 from kvpush.client.config import ChannelConfig
 from kvpush.client.errors import DirectoryCallError
 from kvpush.client.lease import EngineRegistration
 from kvpush.client.prefill import PrefillSession
 from kvpush.client.sync import SyncDirectoryClient
+from kvpush.connector.config import ConnectorConfig
+from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 

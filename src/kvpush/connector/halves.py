@@ -37,21 +37,21 @@ _log = get_logger("connector.halves")
 class SchedulerHalf(Protocol):
     """What the facade asks of a scheduler half (scheduler process, engine-core thread)."""
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         """Track a request that carries kvpush kv_transfer_params.
 
         Caller: engine-core thread, once per request as it is added. Blocks: never.
         Failure: malformed params are logged and the request runs without kvpush.
         """
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond the local prefix hit that arrive from outside, and whether asynchronously.
 
         Caller: vLLM's scheduler, possibly many times per request. Blocks: never; no side effects.
         Failure: none (an untracked request gets (0, False)).
         """
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The request's blocks were allocated (decode: report them to the directory).
 
         Caller: vLLM's scheduler after allocation; may run twice for one request. Blocks: never (the report
@@ -59,19 +59,19 @@ class SchedulerHalf(Protocol):
         next step's metadata.
         """
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> "KVPushMetadata":
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         """This step's work for the workers. Caller: vLLM's scheduler, once per step.
 
         Blocks: never; must not modify scheduler_output. Failure: none.
         """
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' results of a step: finished sends/receives, worker metadata.
 
         Caller: vLLM's scheduler, once per step, after the model ran. Blocks: never. Failure: none.
         """
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The request finished; True keeps its blocks until the workers report it finished sending.
 
         Caller: vLLM's scheduler, exactly once per request, before its blocks are freed. Blocks: never.
@@ -86,7 +86,7 @@ class SchedulerHalf(Protocol):
 class PrefillWorkerHalf(Protocol):
     """What the facade asks of a prefill worker half (worker process, engine/forward thread)."""
 
-    def begin_step(self, meta: "KVPushMetadata") -> None:
+    def begin_step(self, meta: KVPushMetadata) -> None:
         """Start a step: its chunks, holds and preemptions.
 
         Caller: bind_connector_metadata, before the forward. Blocks: never (posts to the push owner).
@@ -114,7 +114,7 @@ class PrefillWorkerHalf(Protocol):
         idle_step_wait_s. Failure: a push that does not end within push_timeout_s is failed and released.
         """
 
-    def build_worker_meta(self) -> "KVPushWorkerMetadata | None":
+    def build_worker_meta(self) -> KVPushWorkerMetadata | None:
         """Push timelines that changed this step. Caller: after get_finished. Blocks: never. Failure: none."""
 
 
@@ -122,7 +122,7 @@ class PrefillWorkerHalf(Protocol):
 class DecodeWorkerHalf(Protocol):
     """What the facade asks of a decode worker half (worker process, engine thread)."""
 
-    def begin_step(self, meta: "KVPushMetadata") -> None:
+    def begin_step(self, meta: KVPushMetadata) -> None:
         """Start the step's receives, fail refused allocations, note aborts.
 
         Caller: bind_connector_metadata, before the forward. Blocks: never. Failure: none.
@@ -222,8 +222,8 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_
 
             offer_prefill_worker(config.engine_id, worker)
         return WorkerParts(worker, agent, link)
-    from kvpush.dataplane.listener import NotificationListener
     from kvpush.connector.worker.decode import DecodeWorker
+    from kvpush.dataplane.listener import NotificationListener
 
     worker = DecodeWorker(config, link, block_size_tokens)
     listener = NotificationListener(agent, _tapped(worker.on_notification, tap_notification))

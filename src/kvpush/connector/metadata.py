@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-
 from dataclasses import dataclass, field
 from typing import Any
 

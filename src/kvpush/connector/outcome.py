@@ -54,7 +54,7 @@ class ReceiveOutcome(enum.Enum):
     EXPIRED = "expired"      # it outlived its deadline (at the directory, or decode's local bound)
 
     @classmethod
-    def from_transfer_state(cls, state: int) -> "ReceiveOutcome | None":
+    def from_transfer_state(cls, state: int) -> ReceiveOutcome | None:
         """The outcome a terminal TransferState means; None for a non-terminal one."""
         return _FROM_TRANSFER_STATE.get(state)
 

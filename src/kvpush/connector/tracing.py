@@ -35,7 +35,7 @@ class TransferSpan:
 
     @classmethod
     def start(cls, name: str, transfer_id: str, traceparent: str = "", attributes: dict[str, Any] | None = None,
-              start_time_s: float | None = None) -> "TransferSpan":
+              start_time_s: float | None = None) -> TransferSpan:
         """Open the span under the request's trace context."""
         context = _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else None
         span = get_tracer("kvpush.connector").start_span(

@@ -27,9 +27,9 @@ from kvpush.dataplane.plan import WritePlan, WriteRequestError, plan_write, vali
 __all__ = [
     "BACKEND_LIBFABRIC",
     "BACKEND_UCX",
+    "LAYOUT_HINTS",
     "KVLayoutSpec",
     "KVPlaneSpec",
-    "LAYOUT_HINTS",
     "LayoutError",
     "NixlConfig",
     "NotificationListener",
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy exports keep `import kvpush.dataplane` cheap
+def __getattr__(name: str):
     if name == "TransferAgent":
         from kvpush.dataplane.agent import TransferAgent
 

@@ -174,7 +174,7 @@ class TransferAgent:
         if self._thread is None or self.on_io_thread():
             try:
                 future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            except BaseException as exc:
                 future.set_exception(exc)
             return future
         self._commands.put((fn, future))
@@ -234,7 +234,7 @@ class TransferAgent:
             return
         try:
             torch.cuda.set_device(self._layout.device_id)
-        except Exception as exc:  # noqa: BLE001 - NIXL may still work; say why if it does not
+        except Exception as exc:
             self._log.warning("cuda_set_device_failed", device=self._layout.device_id, error=repr(exc))
 
     def _loop(self) -> None:
@@ -249,11 +249,11 @@ class TransferAgent:
             for participant in self._participants:
                 try:
                     busy = participant.poll(now) or busy
-                except Exception as exc:  # noqa: BLE001 - a bug must end writes explicitly, not kill the thread
+                except Exception as exc:
                     self._log.exception("io_loop_participant_failed", error=repr(exc))
                     try:
                         participant.shutdown(f"internal data-plane error: {exc!r}")
-                    except Exception:  # noqa: BLE001
+                    except Exception:
                         self._log.exception("participant_shutdown_failed")
             self._finish_leaving_peers()
             if now >= next_notif_poll:
@@ -289,7 +289,7 @@ class TransferAgent:
     def _run_post(self, fn: Callable[[], None]) -> None:
         try:
             fn()
-        except Exception as exc:  # noqa: BLE001 - one bad message must not go unnoticed, nor stop the I/O thread
+        except Exception as exc:
             self._log.exception("posted_action_failed", error=repr(exc))
 
     def _run_command(self, fn: Callable[[], Any], future: Future[Any] | None) -> None:
@@ -300,7 +300,7 @@ class TransferAgent:
             return
         try:
             future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+        except BaseException as exc:
             future.set_exception(exc)
 
     def _drain_commands(self, exc: BaseException) -> None:
@@ -315,7 +315,7 @@ class TransferAgent:
     def _poll_notifications(self) -> None:
         try:
             notifs = self._nixl.get_new_notifs()
-        except Exception as exc:  # noqa: BLE001 - a peer's death can surface here; keep serving others
+        except Exception as exc:
             self._log.warning("get_new_notifs_failed", error=repr(exc))
             return
         for agent, messages in notifs.items():
@@ -325,7 +325,7 @@ class TransferAgent:
                     for callback in self._notif_callbacks:
                         try:
                             callback(name, bytes(message))
-                        except Exception as exc:  # noqa: BLE001 - a callback bug must not kill the I/O thread
+                        except Exception as exc:
                             self._log.error("notification_callback_failed", error=repr(exc))
                 else:
                     self._notif_buffer.append((name, bytes(message)))
@@ -425,7 +425,7 @@ class TransferAgent:
             peer.tables.release()
             try:
                 self._nixl.remove_remote_agent(name)
-            except Exception as exc:  # noqa: BLE001 - the remote may already be gone
+            except Exception as exc:
                 self._log.warning("remove_remote_agent_failed", peer=name, error=repr(exc))
             self._log.info("peer_removed", peer=name, reason=peer.leaving_reason)
             for future in peer.on_released:
@@ -455,14 +455,14 @@ class TransferAgent:
             peer.tables.release()
             try:
                 self._nixl.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
+            except Exception:
                 pass
         if self._local_tables is not None:
             self._local_tables.release()
         if self._reg_descs is not None:
             try:
                 self._nixl.deregister_memory(self._reg_descs)
-            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+            except Exception as exc:
                 self._log.warning("deregister_failed", error=repr(exc))
             self._reg_descs = None
         self._log.info("agent_stopped")

@@ -139,7 +139,7 @@ def create_nixl_agent(name: str, config: NixlConfig) -> Any:
         NONE: every call on one agent must come from one thread.
         """
 
-        def __init__(self, agent_name: str, cfg: NixlConfig) -> None:  # noqa: D107
+        def __init__(self, agent_name: str, cfg: NixlConfig) -> None:
             agent_config = bind.nixlAgentConfig()
             agent_config.useProgThread = cfg.enable_prog_thread
             agent_config.useListenThread = False

@@ -35,7 +35,7 @@ _METADATA_PREFIX = b"kvpush-inmemory:"
 class _Xfer:
     """One posted (or postable) WRITE: (src address, dst address, length) triples towards `peer`."""
 
-    owner: "InMemoryNixlAgent"
+    owner: InMemoryNixlAgent
     peer: str
     copies: list[tuple[int, int, int]]
     state: str = "INIT"          # INIT -> PROC -> DONE | ERR
@@ -60,7 +60,7 @@ class InMemoryFabric:
     """Where in-memory agents find each other, and the knobs a test turns (see the module docstring)."""
 
     hold: bool = False
-    agents: dict[str, "InMemoryNixlAgent"] = field(default_factory=dict)
+    agents: dict[str, InMemoryNixlAgent] = field(default_factory=dict)
     posted: list[PostedTransfer] = field(default_factory=list)
     _fail_next: int = 0
     _held: list[_Xfer] = field(default_factory=list)

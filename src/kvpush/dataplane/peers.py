@@ -52,7 +52,7 @@ class DescriptorTables:
         for handle in self._handles.values():
             try:
                 self._nixl.release_dlist_handle(handle)
-            except Exception:  # noqa: BLE001 - best effort; NIXL frees them with the agent anyway
+            except Exception:
                 pass
         self._handles.clear()
 

@@ -43,9 +43,9 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvpush.connector.outcome import PushOutcome
 from kvpush.dataplane.agent import TransferAgent
 from kvpush.dataplane.plan import LayerPlanCache, WritePlan, WriteRequestError
-from kvpush.connector.outcome import PushOutcome
 from kvpush.observability import get_logger, get_tracer
 
 _log = get_logger("kvpush.dataplane.writer")
@@ -484,7 +484,7 @@ class PushWriter:
                 if state == "ERR":
                     raise RuntimeError("transfer() returned ERR")
             write.notif_attached = attach
-        except Exception as exc:  # noqa: BLE001 - every binding error becomes a failed write
+        except Exception as exc:
             write.post_seconds = time.perf_counter() - started
             # Handles never posted can be released now; posted ones are tracked until they end.
             for handle in write.handles:
@@ -514,7 +514,7 @@ class PushWriter:
                 for handle in list(write.open_handles):
                     try:
                         state = nixl.check_xfer_state(handle)
-                    except Exception as exc:  # noqa: BLE001 - e.g. the remote disconnected
+                    except Exception as exc:
                         state, detail = "ERR", repr(exc)
                     else:
                         detail = "transfer state ERR"
@@ -572,7 +572,7 @@ class PushWriter:
             return
         try:
             t = self._agent.nixl.get_xfer_telemetry(handle)
-        except Exception:  # noqa: BLE001 - telemetry is optional; NIXL raises when it has none
+        except Exception:
             return
         acc = write.telemetry or {"post_us": 0.0, "xfer_us": 0.0, "bytes": 0.0, "descriptors": 0.0}
         acc["post_us"] += float(t.postDuration)
@@ -584,7 +584,7 @@ class PushWriter:
     def _release(self, handle: Any) -> None:
         try:
             self._agent.nixl.release_xfer_handle(handle)
-        except Exception:  # noqa: BLE001 - still active: retry later, never drop it silently
+        except Exception:
             self._zombies.append((handle, time.monotonic()))
 
     def _retry_zombies(self, now: float) -> None:
@@ -594,7 +594,7 @@ class PushWriter:
         for handle, since in self._zombies:
             try:
                 self._agent.nixl.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 if now - since < self._config.transfer_timeout_s:
                     keep.append((handle, since))
                 else:
@@ -671,7 +671,7 @@ class PushWriter:
                 try:
                     self._agent.nixl.send_notif(transfer.peer, notify)
                     notified = True
-                except Exception as exc:  # noqa: BLE001 - the peer never learns; that is a failure
+                except Exception as exc:
                     error = f"send_notif failed: {exc!r}"
         outcome = WriteOutcome(
             transfer.transfer_id,
@@ -703,7 +703,7 @@ class PushWriter:
             return
         try:
             callback(outcome)
-        except Exception as exc:  # noqa: BLE001 - a callback bug must not kill the I/O thread
+        except Exception as exc:
             _log.error("outcome_callback_failed", transfer_id=outcome.transfer_id, error=repr(exc))
 
     def _span(self, write: _Write, outcome: WriteOutcome, start_ns: int = 0) -> None:

@@ -28,9 +28,9 @@ from functools import lru_cache
 
 from cryptography import x509
 
-from kvpush.observability import get_logger
 from kvpush.directory.errors import DirectoryError, PermissionDenied
 from kvpush.directory.validation import ID_PATTERN
+from kvpush.observability import get_logger
 
 log = get_logger("directory.auth")
 

@@ -160,7 +160,7 @@ class EtcdStore:
             try:
                 await asyncio.wait_for(self._keep_alive_call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease)),
                                        self.timeout_s)
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+            except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 self._reset_keep_alive()
                 raise ConnectionError("etcd keep-alive stream broke") from None
         return await asyncio.wait_for(future, self.timeout_s)

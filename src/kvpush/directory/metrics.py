@@ -52,7 +52,7 @@ def failure_cause(record: TransferRecord) -> str:
 
 
 def _seconds_between(later, earlier) -> float | None:
-    if not later.seconds and not later.nanos or not earlier.seconds and not earlier.nanos:
+    if (not later.seconds and not later.nanos) or (not earlier.seconds and not earlier.nanos):
         return None
     return (later.ToNanoseconds() - earlier.ToNanoseconds()) / 1e9
 

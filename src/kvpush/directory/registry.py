@@ -23,7 +23,6 @@ from kvpush.directory.validation import same_layout_shape
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
-
 _RANK = re.compile("[0-9]{1,9}")
 
 

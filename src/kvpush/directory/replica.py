@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvpush.observability import get_logger
 from kvpush.directory.errors import NotFound, Unavailable
 from kvpush.directory.etcd_store import Delete, EtcdStore, Put
 from kvpush.directory.records import Effects, StoredTransfer, TransferRecord
 from kvpush.directory.shards import SHARD_HAS_NO_OWNER, SHARD_NOT_OWNED, ShardRedirect, shard_of
 from kvpush.directory.state import DirectoryState
+from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
@@ -149,7 +149,7 @@ class Replica:
             try:
                 await self._new_session()
                 break
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
+            except (TimeoutError, grpc.aio.AioRpcError) as error:
                 if time.monotonic() >= deadline:
                     raise ConnectionError(f"etcd at {','.join(self.config.etcd_endpoints)} did not answer "
                                           f"within {etcd_wait_s}s: {error}") from None
@@ -199,7 +199,7 @@ class Replica:
             ttl: int | None
             try:  # bounded below the TTL, so a short glitch leaves room for another try before valid_until
                 ttl = await asyncio.wait_for(self.etcd.keep_alive(self.session_lease), period)
-            except (ConnectionError, grpc.aio.AioRpcError, asyncio.TimeoutError):
+            except (TimeoutError, ConnectionError, grpc.aio.AioRpcError):
                 ttl = None
             if ttl:
                 self.valid_until = sent + ttl - SESSION_SAFETY_MARGIN_S
@@ -328,7 +328,7 @@ class Replica:
                     continue
                 if not ok:
                     error = ConnectionError(f"shard {shards} is no longer this replica's")
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, grpc.aio.AioRpcError) as exc:
                 error = ConnectionError(f"etcd write failed: {exc}")
             for _, _, future in group:
                 if future is not None and not future.done():
@@ -344,7 +344,7 @@ class Replica:
         while not self._stopping:
             try:
                 await self._balance()
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError) as error:
+            except (TimeoutError, grpc.aio.AioRpcError, ConnectionError) as error:
                 log.info("shard scan failed; retrying", error=str(error))
             await asyncio.sleep(period)
 
@@ -447,7 +447,7 @@ class Replica:
             raise NotFound(f"lease {lease_id!r} is unknown or expired")
         try:
             ttl = await self.etcd.keep_alive(entry[1])
-        except (ConnectionError, grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
+        except (TimeoutError, ConnectionError, grpc.aio.AioRpcError) as error:
             raise Unavailable(f"etcd did not take the renewal: {error}") from None
         if ttl <= 0:
             raise NotFound(f"lease {lease_id!r} is unknown or expired")

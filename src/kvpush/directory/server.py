@@ -30,7 +30,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
 from kvpush.directory import validation as check
 from kvpush.directory.admission import CallGate, MemoryReturn, caller_of
 from kvpush.directory.auth import Authenticator
@@ -40,6 +39,7 @@ from kvpush.directory.replica import Replica, ReplicaConfig
 from kvpush.directory.servicer import DirectoryServicer
 from kvpush.directory.state import Clock, DirectoryState, Limits
 from kvpush.directory.telemetry import TransferSpans
+from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
 from kvpush.v1 import directory_pb2, directory_pb2_grpc
 
 log = get_logger("directory.server")

@@ -35,7 +35,6 @@ from google.protobuf import duration_pb2
 from google.rpc import status_pb2
 from structlog.contextvars import bound_contextvars
 
-from kvpush.observability import get_logger
 from kvpush.directory import validation as check
 from kvpush.directory.admission import StreamSlots, caller_of
 from kvpush.directory.auth import Authenticator, Principal, Unauthenticated
@@ -52,9 +51,10 @@ from kvpush.directory.errors import (
     Unavailable,
 )
 from kvpush.directory.records import UnreachableReport
-from kvpush.directory.shards import SHARD_NOT_OWNED, status_trailer
 from kvpush.directory.replica import Replica, lease_key
+from kvpush.directory.shards import SHARD_NOT_OWNED, status_trailer
 from kvpush.directory.state import DirectoryState, Effects, Worker
+from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb
@@ -673,7 +673,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
     async def _stream_prefill(self, context: grpc.aio.ServicerContext) -> None:
         try:
             first = await asyncio.wait_for(context.read(), HELLO_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no hello within {HELLO_TIMEOUT_S}s")
         if first is grpc.aio.EOF:
             return

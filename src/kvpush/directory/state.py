@@ -61,7 +61,6 @@ from kvpush.directory.errors import (
     ResourceExhausted,
 )
 from kvpush.directory.planning import can_push_to, choose_pair
-from kvpush.directory.registry import EngineRegistry
 from kvpush.directory.records import (
     DECODE,
     PREFILL,
@@ -83,6 +82,7 @@ from kvpush.directory.records import (
     copy_message,
     layer_mask,
 )
+from kvpush.directory.registry import EngineRegistry
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
@@ -99,8 +99,20 @@ def _transfer_of(message: dpb.StreamPrefillResponse) -> str:
     kind = message.WhichOneof("message")
     return getattr(message, kind).transfer_id if kind in ("instruction", "cancellation") else ""
 # Re-exported: callers build a state from these without importing `records`.
-__all__ = ["DirectoryState", "Clock", "Effects", "Limits", "TransferObserver", "TransferRecord", "Worker",
-           "EngineGroup", "Allocation", "TERMINAL_STATES", "PREFILL", "DECODE"]
+__all__ = [
+    "DECODE",
+    "PREFILL",
+    "TERMINAL_STATES",
+    "Allocation",
+    "Clock",
+    "DirectoryState",
+    "Effects",
+    "EngineGroup",
+    "Limits",
+    "TransferObserver",
+    "TransferRecord",
+    "Worker",
+]
 
 
 class DirectoryState:

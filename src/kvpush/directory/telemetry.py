@@ -12,9 +12,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvpush.directory.state import TransferObserver, TransferRecord
 from kvpush.observability import get_logger, get_tracer
 from kvpush.observability.logs import remember_transfer
-from kvpush.directory.state import TransferObserver, TransferRecord
 from kvpush.v1 import types_pb2 as tpb
 
 _propagator = TraceContextTextMapPropagator()

@@ -6,9 +6,9 @@ import sys
 
 from aiohttp import web
 
-from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
 from kvpush.gateway.app import create_app
 from kvpush.gateway.config import parse_args
+from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
 
 
 def main(argv: list[str] | None = None) -> int:

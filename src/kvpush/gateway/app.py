@@ -18,7 +18,6 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvpush.observability import get_logger
 from kvpush.gateway import legs
 from kvpush.gateway.config import GatewayConfig
 from kvpush.gateway.dispatch import Dispatcher
@@ -27,6 +26,7 @@ from kvpush.gateway.in_process import InProcessSession
 from kvpush.gateway.metrics import GatewayMetrics
 from kvpush.gateway.routing import DirectoryRouter, Router, make_router
 from kvpush.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, request_id_from, validate
+from kvpush.observability import get_logger
 
 _log = get_logger("gateway.app")
 

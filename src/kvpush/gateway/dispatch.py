@@ -45,25 +45,24 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from structlog.contextvars import bound_contextvars
 
-from kvpush.observability import get_logger, get_tracer
-from kvpush.observability.logs import remember_transfer
 from kvpush.client import PLAN_CLIENT_ID, client_id_of
 from kvpush.gateway import first_token, legs
 from kvpush.gateway.config import GatewayConfig
 from kvpush.gateway.errors import EngineUnreachable, EngineUnresponsive, GatewayError, LegTimeout, bad_gateway
 from kvpush.gateway.in_process import InProcessSession
 from kvpush.gateway.metrics import RECORD_KEY, GatewayMetrics, RequestRecord, TokenClock
-from kvpush.gateway.streams import ClientGone, StreamWatch, end, error_event, event_error_status, open_client, \
-    send
 from kvpush.gateway.routing import PickRefused, PrefillPick, Route, Router, pull_decode_params
+from kvpush.gateway.streams import ClientGone, StreamWatch, end, error_event, event_error_status, open_client, send
 from kvpush.gateway.validation import (
+    CHAT_COMPLETIONS,
     ClientRequest,
     decode_body,
     prefill_body,
     prompt_token_upper_bound,
     tokenize_body,
 )
-from kvpush.gateway.validation import CHAT_COMPLETIONS
+from kvpush.observability import get_logger, get_tracer
+from kvpush.observability.logs import remember_transfer
 
 # A hosted gateway (`hosted`) plans after its local prefill engine has the leg, at most this long after the leg left.
 HOSTED_PLAN_WAIT_S = 0.02

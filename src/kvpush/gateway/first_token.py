@@ -28,7 +28,6 @@ import orjson
 
 from kvpush.gateway.validation import CHAT_COMPLETIONS, ClientRequest
 
-
 # kv_transfer_params key on both legs: the token travels from prefill to decode with the transfer's completion
 # (kvpush.connector.params reads the same one).
 FROM_PREFILL_KEY = "first_token_from_prefill"

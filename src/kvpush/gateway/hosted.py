@@ -28,10 +28,10 @@ import shlex
 
 from aiohttp import web
 
-from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
 from kvpush.gateway.app import create_app
 from kvpush.gateway.config import GatewayConfig, parse_args
 from kvpush.gateway.in_process import InProcessSession
+from kvpush.observability import configure_logging, configure_tracing, get_logger, shutdown_tracing
 
 ARGS_ENV = "KVPUSH_GATEWAY_ARGS"
 _log = get_logger("gateway.hosted")
@@ -76,7 +76,7 @@ class HostedGateway:
             if message["type"] == "lifespan.startup.complete":
                 try:
                     await self._start()
-                except Exception as error:  # noqa: BLE001 - any failure refuses vLLM's start-up, with the reason
+                except Exception as error:
                     _log.error("hosted gateway did not start", error=str(error))
                     await self._stop()
                     message = {"type": "lifespan.startup.failed", "message": f"kvpush hosted gateway: {error}"}

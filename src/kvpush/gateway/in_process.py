@@ -23,8 +23,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from kvpush.observability import get_logger
 from kvpush.gateway.errors import bad_gateway
+from kvpush.observability import get_logger
 
 _log = get_logger("gateway.in_process")
 
@@ -53,7 +53,7 @@ class _Body:
             raise self._error
         remaining = self._deadline - time.monotonic()
         if remaining <= 0:
-            raise asyncio.TimeoutError()
+            raise TimeoutError()
         self._more.clear()
         await asyncio.wait_for(self._more.wait(), remaining)
 
@@ -160,7 +160,7 @@ class InProcessSession:
                 await self._app(scope, receive, send)
             except asyncio.CancelledError:
                 raise
-            except Exception as error:  # noqa: BLE001 - the leg sees it as the engine's failure
+            except Exception as error:
                 _log.warning("in-process leg failed in the app", url=url, error=repr(error))
                 if not response.started.done():
                     response.started.set_exception(bad_gateway(f"prefill engine (in process) failed before "

@@ -33,7 +33,6 @@ import orjson
 
 from kvpush.gateway.errors import EngineUnreachable, EngineUnresponsive, GatewayError, LegTimeout, bad_gateway
 
-
 # The engine's liveness endpoint (vLLM's OpenAI server answers it from its own event loop, while a request computes).
 HEALTH_PATH = "/health"
 
@@ -74,7 +73,7 @@ def transport_errors(leg: str, url: str, total_s: float, *, before_response: boo
         yield
     except aiohttp.ClientConnectorError as error:
         raise _unreachable(leg, url, error.os_error or error) from error
-    except asyncio.TimeoutError as error:  # aiohttp's ServerTimeoutError too (it is a TimeoutError)
+    except TimeoutError as error:  # aiohttp's ServerTimeoutError too (it is a TimeoutError)
         raise LegTimeout(504, f"{leg} engine at {url} did not answer within {total_s:.0f} s", "gateway_timeout",
                          leg=leg) from error
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as error:

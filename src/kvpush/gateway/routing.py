@@ -24,10 +24,10 @@ from typing import Any, Protocol
 
 import grpc
 
-from kvpush.observability import get_logger
 from kvpush.client import ChannelConfig, DirectoryCallError, DirectoryClient
 from kvpush.gateway.config import GatewayConfig
 from kvpush.gateway.errors import GatewayError, bad_gateway, directory_reason, unavailable
+from kvpush.observability import get_logger
 from kvpush.v1 import types_pb2
 
 _log = get_logger("gateway.routing")
@@ -450,5 +450,13 @@ def pull_decode_params(prefill_response: dict) -> dict:
     return params
 
 
-__all__ = ["Route", "Router", "PrefillPick", "PickRefused", "DirectoryRouter", "StaticRouter", "make_router",
-           "pull_decode_params"]
+__all__ = [
+    "DirectoryRouter",
+    "PickRefused",
+    "PrefillPick",
+    "Route",
+    "Router",
+    "StaticRouter",
+    "make_router",
+    "pull_decode_params",
+]

@@ -19,16 +19,15 @@ import argparse
 import signal
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from kvpush.localstack.client import call
-from kvpush.observability import configure_logging
 from kvpush.localstack.model import TinyModelSpec
 from kvpush.localstack.pki import HAVE_OPENSSL
 from kvpush.localstack.stack import LocalStack
+from kvpush.observability import configure_logging
 
-_WORDS = ("the prefill engine writes every layer of the key and value cache into blocks that the decode "
-          "engine allocated before the prompt was computed while the directory watches each transfer").split()
+_WORDS = ["the", "prefill", "engine", "writes", "every", "layer", "of", "the", "key", "and", "value", "cache", "into", "blocks", "that", "the", "decode", "engine", "allocated", "before", "the", "prompt", "was", "computed", "while", "the", "directory", "watches", "each", "transfer"]
 
 
 def _prompt(word_count: int) -> str:
@@ -81,7 +80,7 @@ def _print_timeline(stack: LocalStack, answer: dict) -> None:
          f"{' (' + transfer.failure_reason + ')' if transfer.failure_reason else ''}; "
          f"{transfer.prompt_token_count} prompt tokens, {transfer.layers_written_count} layers written, "
          f"{transfer.bytes_written} bytes")
-    _say(f"      planned {datetime.fromtimestamp(origin.ToNanoseconds() / 1e9, timezone.utc):%H:%M:%S.%f}"
+    _say(f"      planned {datetime.fromtimestamp(origin.ToNanoseconds() / 1e9, UTC):%H:%M:%S.%f}"
          f" | decode allocated {_ts(transfer.allocate_time, origin)} | first layer ready "
          f"{_ts(transfer.first_ready_time, origin)} | push dispatched {_ts(transfer.dispatch_time, origin)}"
          f" | ended {_ts(transfer.end_time, origin)}")

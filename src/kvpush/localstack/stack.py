@@ -30,10 +30,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from kvpush.client import ChannelConfig
-from kvpush.localstack.pki import StackPKI, make_stack_pki
 from kvpush.gateway.hosted import ARGS_ENV
+from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
+from kvpush.localstack.pki import StackPKI, make_stack_pki
 from kvpush.localstack.processes import (
     DirectoryHandle,
     EngineHandle,

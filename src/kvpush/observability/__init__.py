@@ -3,4 +3,4 @@
 from kvpush.observability.logs import configure_logging, get_logger
 from kvpush.observability.tracing import configure_tracing, get_tracer, shutdown_tracing
 
-__all__ = ["configure_logging", "get_logger", "configure_tracing", "get_tracer", "shutdown_tracing"]
+__all__ = ["configure_logging", "configure_tracing", "get_logger", "get_tracer", "shutdown_tracing"]

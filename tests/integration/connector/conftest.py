@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 
+from kvpush.client.config import ChannelConfig
+from kvpush.client.sync import SyncDirectoryClient
 from kvpush.localstack.client import call
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from kvpush.localstack.processes import EngineHandle, EngineSpec, free_port, launch_engine, start_directory
 from kvpush.localstack.stack import kv_transfer_config
 from kvpush.localstack.vllm_bench import kv_cache_usage, wait_kv_usage_zero
-from kvpush.client.config import ChannelConfig
-from kvpush.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures import metrics
 from tests.fixtures.directory import wait_for_transfer

@@ -21,8 +21,8 @@ from kvpush.v1 import types_pb2 as tpb
 from tests.integration.connector.conftest import (
     BLOCK_SIZE,
     DECODE_ID,
-    MAX_BATCHED_TOKENS,
     LEASE_TTL_S,
+    MAX_BATCHED_TOKENS,
     MODEL_SPEC,
     PREFILL_ID,
     TRANSFER_TIMEOUT_S,
@@ -30,7 +30,6 @@ from tests.integration.connector.conftest import (
     abort_after,
     prompt_of,
 )
-
 
 pytestmark = [pytest.mark.engines, pytest.mark.nixl]
 

@@ -13,17 +13,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from structlog.testing import capture_logs
 
 from kvpush.client import ChannelConfig
 from kvpush.directory import server as server_module
 from kvpush.directory.server import DirectoryConfig
+from kvpush.localstack.pki import HAVE_OPENSSL, make_pki
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, allocation, ready, register_request, result, running_directory
-from kvpush.localstack.pki import HAVE_OPENSSL, make_pki
 from tests.integration.directory.helpers import code_of, read, run, send_ready
 
 PD = grpc.StatusCode.PERMISSION_DENIED

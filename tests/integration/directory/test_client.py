@@ -9,7 +9,6 @@ import grpc
 import pytest
 import structlog.testing
 
-from kvpush.localstack.processes import free_port
 from kvpush.client import (
     ChannelConfig,
     DirectoryCallError,
@@ -19,6 +18,7 @@ from kvpush.client import (
     SyncDirectoryClient,
 )
 from kvpush.directory.state import Limits
+from kvpush.localstack.processes import free_port
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, ready, register_request, result, running_directory

@@ -309,7 +309,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         async def go():
             try:
                 await asyncio.wait_for(call.write(message), 5)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
+            except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass  # the session ended (its status is recorded by the drain task)
         self.loop.run(go())
 

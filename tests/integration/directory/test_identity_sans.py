@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvpush.localstack.pki import HAVE_OPENSSL, make_certificate, make_pki
 from kvpush.client import ChannelConfig
+from kvpush.localstack.pki import HAVE_OPENSSL, make_certificate, make_pki
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from tests.fixtures.directory import DECODE, PREFILL, register_request, running_directory

@@ -9,11 +9,11 @@ import grpc
 from kvpush.client import ChannelConfig, DirectoryClient, EngineRegistration, PrefillSession
 from kvpush.directory.server import DirectoryConfig, create_server
 from kvpush.directory.state import Limits
+from kvpush.localstack.processes import free_port
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, register_request, running_directory
 from tests.integration.directory.helpers import code_of, run, stub
-from kvpush.localstack.processes import free_port
 from tests.integration.directory.test_client import _wait_until
 
 

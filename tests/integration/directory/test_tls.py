@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from kvpush.client import ChannelConfig, DirectoryCallError, DirectoryClient
-from tests.fixtures.directory import PREFILL, register_request, running_directory
 from kvpush.localstack.pki import HAVE_OPENSSL, make_pki
+from tests.fixtures.directory import PREFILL, register_request, running_directory
 from tests.integration.directory.helpers import run
 
 pytestmark = pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl CLI")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvpush.localstack.processes import free_port
 from kvpush.directory.etcd_store import prefix_end  # noqa: F401  (the module must import)
+from kvpush.localstack.processes import free_port
 
 
 def _wait_port(port: int, timeout_s: float) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 
 import grpc
-from collections import defaultdict
 
 from kvpush.client import (
     ChannelConfig,

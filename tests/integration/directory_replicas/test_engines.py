@@ -15,10 +15,10 @@ import time
 
 import pytest
 
+from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.localstack.client import call
 from kvpush.localstack.processes import EngineSpec, free_port, launch_engine, start_directory, start_gateway
 from kvpush.localstack.stack import DECODE_ENGINE_ARGS, DECODE_ENGINE_ID, PREFILL_ENGINE_ID, kv_transfer_config
-from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import settled_transfer
 

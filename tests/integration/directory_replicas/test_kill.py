@@ -16,6 +16,7 @@ from kvpush.v1 import types_pb2 as tpb
 from tests.integration.directory_replicas.conftest import LEASE_TTL_S, SESSION_TTL_S
 from tests.integration.directory_replicas.harness import Engines, wait_all_owned
 
+
 def test_sigkill_one_replica_mid_transfer(etcd, replica_set):
     asyncio.run(_sigkill_one_replica_mid_transfer(etcd, replica_set))
 

@@ -21,11 +21,11 @@ from datetime import datetime
 
 import pytest
 
-from kvpush.localstack.netns import PDNetwork
 from kvpush.client import ChannelConfig, DirectoryClient
 from kvpush.directory.etcd_store import EtcdStore
-from tests.integration.directory.helpers import run
+from kvpush.localstack.netns import PDNetwork
 from kvpush.localstack.processes import free_port
+from tests.integration.directory.helpers import run
 from tests.integration.directory_replicas.conftest import _wait_port
 from tests.integration.directory_replicas.harness import wait_all_owned
 

@@ -9,7 +9,6 @@ must never be lost (their etcd leases move from replica to replica with the rene
 from __future__ import annotations
 
 import asyncio
-import time
 
 from kvpush.v1 import types_pb2 as tpb
 from tests.integration.directory.helpers import run

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
+from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.localstack.client import call
 from kvpush.localstack.processes import EngineSpec, free_port, launch_engine
 from kvpush.localstack.stack import FIRST_TOKEN_FLAG_ARGS, kv_transfer_config
-from kvpush.client import ChannelConfig, SyncDirectoryClient
 
 pytestmark = pytest.mark.engines
 

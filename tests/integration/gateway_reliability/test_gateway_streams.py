@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvpush.localstack.client import call, stream_completion
 from kvpush.client import SyncDirectoryClient
+from kvpush.localstack.client import call, stream_completion
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.metrics import scrape, value
 from tests.integration.gateway_reliability.conftest import FIRST_BYTE_BOUND_S

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from kvpush.client import ChannelConfig, SyncDirectoryClient
 
+from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from kvpush.localstack.processes import (

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.client import SyncDirectoryClient
 from kvpush.localstack.client import call
 from kvpush.localstack.processes import ManagedProcess, free_port, tcp_open
-from kvpush.client import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 
 pytestmark = pytest.mark.engines

@@ -18,8 +18,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpush.localstack.client import call
 from kvpush.client import SyncDirectoryClient
+from kvpush.localstack.client import call
 from kvpush.v1 import types_pb2 as tpb
 
 pytestmark = pytest.mark.engines

@@ -10,12 +10,11 @@ import random
 import grpc
 import pytest
 
+from kvpush.client import ChannelConfig, DirectoryCallError, SyncDirectoryClient
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.stack import PREFILL_ENGINE_ID
-from kvpush.client import ChannelConfig, DirectoryCallError, SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import settled_transfer
-
 
 pytestmark = pytest.mark.engines
 

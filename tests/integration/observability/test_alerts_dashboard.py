@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kvpush.client import ChannelConfig, DirectoryClient
 
+from kvpush.client import ChannelConfig, DirectoryClient
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.model import TinyModelSpec
 from kvpush.localstack.stack import DECODE_ENGINE_ID, LocalStack

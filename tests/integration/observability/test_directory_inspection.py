@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from google.protobuf import timestamp_pb2
 
-from kvpush.localstack.processes import free_port, start_directory
 from kvpush.client import ChannelConfig, DirectoryCallError, DirectoryClient, EngineRegistration, PrefillSession
+from kvpush.localstack.processes import free_port, start_directory
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, make_layout, ready, register_request
-from tests.integration.directory.helpers import run
 from tests.fixtures.metrics import scrape, value
+from tests.integration.directory.helpers import run
 
 TRACEPARENT = "00-6bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

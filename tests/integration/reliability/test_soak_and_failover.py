@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvpush.localstack.client import call, stream_completion
 from kvpush.client import SyncDirectoryClient
+from kvpush.localstack.client import call, stream_completion
 
 pytestmark = pytest.mark.engines
 

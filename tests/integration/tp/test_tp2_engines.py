@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.client.config import ChannelConfig
+from kvpush.client.sync import SyncDirectoryClient
 from kvpush.localstack.client import call
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from kvpush.localstack.processes import EngineSpec, free_port, launch_engine, start_directory, start_gateway
 from kvpush.localstack.stack import DIRECTORY_ARGS, kv_transfer_config
 from kvpush.localstack.vllm_bench import wait_kv_usage_zero
-from kvpush.client.config import ChannelConfig
-from kvpush.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 
 TP = 2

@@ -17,7 +17,7 @@ def _page(ttft_sum: float, ttft_count: int, queue_sum: float, prefill_sum: float
         f'vllm:request_queue_time_seconds_count{{engine="0",model_name="tiny"}} {count}',
         f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="tiny"}} {prefill_sum}',
         f'vllm:request_prefill_time_seconds_count{{engine="0",model_name="tiny"}} {count}',
-        f'vllm:request_prefill_time_seconds_created{{engine="0",model_name="tiny"}} 1.7e9',
+        'vllm:request_prefill_time_seconds_created{engine="0",model_name="tiny"} 1.7e9',
     ])
 
 

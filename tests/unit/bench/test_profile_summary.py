@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from tests.fixtures.bench_scripts import load_bench
 
-
 LINES = [
     # --subprocesses: the parent's and the child's process frames come before the thread frame.
     'process 7:"python3 -m vllm.entrypoints.openai.api_server --kv-transfer-config {\\"kv_connector_module_path\\": '

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from kvpush.localstack import up
 from kvpush.cli.main import _channel_config, build_parser
+from kvpush.localstack import up
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpush.connector.config import ConnectorConfig
 from kvpush.cli.main import main
+from kvpush.connector.config import ConnectorConfig
 from kvpush.gateway.hosted import hosted_config
 
 ROOT = Path(__file__).resolve().parents[3]

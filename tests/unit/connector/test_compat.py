@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from kvpush.connector import compat
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.scheduler.prefill import PrefillScheduler
@@ -35,7 +36,7 @@ def test_unreadable_version_fails_naming_the_range():
 def test_installed_vllm_is_supported():
     import vllm
 
-    assert compat.VLLM_RELEASE == compat.parse_release(vllm.__version__)
+    assert compat.parse_release(vllm.__version__) == compat.VLLM_RELEASE
 
 
 def test_cpu_and_gpu_defaults_differ_only_in_message_queue_pacing():

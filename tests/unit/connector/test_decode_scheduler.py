@@ -13,11 +13,11 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
+from kvpush.client.config import ChannelConfig
+from kvpush.client.sync import SyncDirectoryClient
 from kvpush.connector.directory_link import DirectoryLink
 from kvpush.connector.halves import SchedulerHalf
 from kvpush.connector.scheduler.decode import DecodeScheduler
-from kvpush.client.config import ChannelConfig
-from kvpush.client.sync import SyncDirectoryClient
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, directory_on_loopback, register_request
 from tests.unit.connector.inmemory_helpers import connector_config

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from kvpush.localstack.processes import free_port
-from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.directory_link import DirectoryLink
 from kvpush.client.config import ChannelConfig
 from kvpush.client.sync import SyncDirectoryClient
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.directory_link import DirectoryLink
+from kvpush.localstack.processes import free_port
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, directory_on_loopback, make_layout, register_request
 

@@ -10,7 +10,7 @@ import pytest
 shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
 zmq = pytest.importorskip("zmq")
 
-from kvpush.connector.engine_spin import pace_message_queue_spin  # noqa: E402
+from kvpush.connector.engine_spin import pace_message_queue_spin
 
 
 @pytest.fixture

@@ -9,9 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-from kvpush.connector.connector import KVPushConnector
-from kvpush.client.config import ChannelConfig
-from kvpush.client.sync import SyncDirectoryClient
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -19,6 +16,9 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
+from kvpush.client.config import ChannelConfig
+from kvpush.client.sync import SyncDirectoryClient
+from kvpush.connector.connector import KVPushConnector
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from tests.fixtures.directory import (
     DECODE,

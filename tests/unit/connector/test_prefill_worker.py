@@ -15,11 +15,11 @@ import time
 import structlog.testing
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.dataplane.agent import TransferAgent
 from kvpush.connector.metadata import KVPushMetadata, PrefillChunk
 from kvpush.connector.outcome import PushOutcome
 from kvpush.connector.worker.prefill import PrefillWorker
 from kvpush.connector.worker.transport import WriteDone, WriterQuiet
+from kvpush.dataplane.agent import TransferAgent
 from kvpush.v1 import directory_pb2 as dpb
 from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
 

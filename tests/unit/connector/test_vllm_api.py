@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvpush.connector import compat
 
 ROOT = Path(__file__).resolve().parents[3]

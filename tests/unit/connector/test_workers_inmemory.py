@@ -8,12 +8,12 @@ import time
 
 import torch
 
-from kvpush.connector.config import ConnectorConfig
-from kvpush.dataplane.agent import TransferAgent
-from kvpush.connector.halves import PrefillWorkerHalf, DecodeWorkerHalf, build_worker_half
-from kvpush.connector.metadata import KVPushMetadata, PrefillChunk, ReceiveStart
 from kvpush.client.config import ChannelConfig
 from kvpush.client.sync import SyncDirectoryClient
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.halves import DecodeWorkerHalf, PrefillWorkerHalf, build_worker_half
+from kvpush.connector.metadata import KVPushMetadata, PrefillChunk, ReceiveStart
+from kvpush.dataplane.agent import TransferAgent
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import PREFILL, directory_on_loopback, register_request
 from tests.unit.connector.inmemory_helpers import connector_config, new_fabric, nixl_config

@@ -58,7 +58,7 @@ class _Receive:
     """A decode request between allocation and finished_recving."""
 
     transfer_id: str
-    request: "Request"
+    request: Request
     # The directory refused this request's allocation: it owns nothing of the transfer (another request of the
     # same transfer id may), so it never cancels it, and no write targets its blocks.
     refused: bool = False
@@ -78,7 +78,7 @@ class DecodeScheduler:
         # Filled from the directory client's thread; drained by build_connector_meta on the engine thread.
         self._refusals: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         """Remember a decode-leg request's transfer; malformed params leave it a local request."""
         try:
             params = parse_transfer_params(request.kv_transfer_params)
@@ -89,7 +89,7 @@ class DecodeScheduler:
         if params is not None and not params.is_prefill_leg:
             self._legs[request.request_id] = params
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Prompt tokens past decode's own (block-aligned) prefix hit arrive by push, asynchronously."""
         if request.request_id not in self._legs:
             return 0, False
@@ -98,7 +98,7 @@ class DecodeScheduler:
             return 0, False
         return remote_tokens, True
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Report the allocation to the directory (submitted, not awaited) and queue the receive for the workers."""
         leg = self._legs.pop(request.request_id, None)
         if leg is None:
@@ -127,7 +127,7 @@ class DecodeScheduler:
 
         self._directory.report_allocation(leg.transfer_id, block_ids, prompt_tokens, prefix_hit, on_refused)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPushMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         """Hand new receives, cancellations and refused allocations to the workers."""
         meta = KVPushMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0)
         meta.receives, self._pending_receives = self._pending_receives, []
@@ -142,7 +142,7 @@ class DecodeScheduler:
                 meta.failed_receives.append((request_id, reason))
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """On an abort while waiting, cancel the transfer and keep the blocks until the workers confirm."""
         request_id = request.request_id
         leg = self._legs.pop(request_id, None)
@@ -166,7 +166,7 @@ class DecodeScheduler:
         return any(receive.transfer_id == transfer_id and not receive.refused and other != request_id
                    for other, receive in self._receiving.items())
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Attach prefill's first tokens; forget receives the workers reported finished (completed, failed or
         cancelled)."""
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -187,7 +187,7 @@ class DecodeScheduler:
         return len(self._receiving)
 
 
-def attach_first_token(request: "Request", token: int) -> None:
+def attach_first_token(request: Request, token: int) -> None:
     """Make `token` the request's first sampled token: `kv_transfer_params.first_token_id`, read by the
     `ForcePrefillFirstToken` logits processor when the request joins the batch.
 

@@ -20,7 +20,6 @@ keep reporting) after its last request finished. Nothing here touches the networ
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ _TIMELINE_KEYS = tuple(PushTimeline().as_dict())
 class _TrackedPrefill:
     """What the scheduler half remembers about one prefill-leg request."""
 
-    request: "Request"
+    request: Request
     transfer_id: str
     traceparent: str
     chunks_sent: int = 0
@@ -86,7 +85,7 @@ class PrefillScheduler:
         self._processed_step_seq = 0
         self.on_output_leaving: Callable[[int], None] | None = None
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         """Track a prefill-leg request by its transfer id."""
         try:
             params = parse_transfer_params(request.kv_transfer_params)
@@ -100,14 +99,14 @@ class PrefillScheduler:
                                                             sends_first_token=params.first_token_from_prefill,
                                                             plan_in_flight=params.plan_in_flight)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """A prefill engine never loads external KV."""
         return 0, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         """Nothing to do: a prefill engine loads no external KV (its chunks' blocks come with each step)."""
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPushMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         """Describe this step's prefill chunks, new holds and preemptions for the workers."""
         self._step_seq += 1
         meta = KVPushMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0, step_seq=self._step_seq)
@@ -132,7 +131,7 @@ class PrefillScheduler:
             if self.on_output_leaving is not None:
                 self.on_output_leaving(self._processed_step_seq)
 
-    def _track_block_ids(self, scheduler_output: "SchedulerOutput") -> None:
+    def _track_block_ids(self, scheduler_output: SchedulerOutput) -> None:
         """Bring each tracked request's block ids up to this step (KV-cache group 0: one group only)."""
         for new_request in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new_request.req_id)
@@ -150,7 +149,7 @@ class PrefillScheduler:
             else:
                 tracked.block_ids.extend(new_block_ids[0])
 
-    def _add_chunks(self, scheduler_output: "SchedulerOutput", meta: KVPushMetadata) -> None:
+    def _add_chunks(self, scheduler_output: SchedulerOutput, meta: KVPushMetadata) -> None:
         now = time.time()
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tracked.get(request_id)
@@ -186,7 +185,7 @@ class PrefillScheduler:
             tracked.chunks_sent += 1
             tracked.timeline["chunk_count"] = tracked.chunks_sent
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks while pushes may still read them; return the transfer id and push timeline."""
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
@@ -212,7 +211,7 @@ class PrefillScheduler:
         self._response_params[request.request_id] = params
         return True, params
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Release holds the workers reported done; merge their push timelines into tracked requests."""
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, KVPushWorkerMetadata):

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.worker.inbox import run_queued_actions, wait_for_actions
 from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
 from kvpush.connector.outcome import ReceiveOutcome
 from kvpush.connector.tracing import TransferSpan
+from kvpush.connector.worker.inbox import run_queued_actions, wait_for_actions
 from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb

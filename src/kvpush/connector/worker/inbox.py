@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-def wait_for_actions(inbox: "queue.SimpleQueue[Callable[[], None]] | queue.Queue", timeout_s: float, log: Any,
+def wait_for_actions(inbox: queue.SimpleQueue[Callable[[], None]] | queue.Queue, timeout_s: float, log: Any,
                      role: str) -> bool:
     """Block up to `timeout_s` (0: not at all) for the first queued action, then run it and every other;
     True if one came."""
@@ -28,7 +28,7 @@ def wait_for_actions(inbox: "queue.SimpleQueue[Callable[[], None]] | queue.Queue
     return True
 
 
-def run_queued_actions(inbox: "queue.SimpleQueue[Callable[[], None]] | queue.Queue", log: Any, role: str) -> None:
+def run_queued_actions(inbox: queue.SimpleQueue[Callable[[], None]] | queue.Queue, log: Any, role: str) -> None:
     """Run every queued action now; one that raises is logged and skipped, never stops the engine thread."""
     while True:
         try:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.dataplane import KVLayoutSpec, NixlConfig
 from kvpush.connector.outcome import PushOutcome
 from kvpush.connector.worker.push_state import PlannedWrite
+from kvpush.dataplane import KVLayoutSpec, NixlConfig
 from kvpush.observability import get_logger
 
 _log = get_logger("connector.worker.transport")

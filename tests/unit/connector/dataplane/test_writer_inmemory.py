@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
-from kvpush.dataplane.writer import PushWriter, WriteRequest
 from kvpush.connector.outcome import PushOutcome
+from kvpush.dataplane.writer import PushWriter, WriteRequest
 from tests.integration.dataplane.kvbuffers import block_bytes, make_kv
 from tests.unit.connector.inmemory_helpers import new_fabric, started_agent
 

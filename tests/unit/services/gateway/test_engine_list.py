@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from kvpush.localstack.processes import start_directory
 from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.gateway import routing
 from kvpush.gateway.config import GatewayConfig
 from kvpush.gateway.errors import GatewayError
+from kvpush.localstack.processes import start_directory
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.test_gateway import _layout

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.processes import free_port, start_directory, start_gateway, tail
-from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.standin import StandInEngine

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.processes import group_cpu_seconds, start_directory, start_gateway
-from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.standin import StandInEngine, default_behaviour

@@ -18,11 +18,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvpush.localstack.client import call, stream_completion
-from kvpush.localstack.processes import free_port, start_directory, tcp_open
 from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.gateway.dispatch import HOSTED_PLAN_WAIT_S
 from kvpush.gateway.hosted import ARGS_ENV, HostedGateway, hosted_config
+from kvpush.localstack.client import call, stream_completion
+from kvpush.localstack.processes import free_port, start_directory, tcp_open
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.standin import StandInEngine

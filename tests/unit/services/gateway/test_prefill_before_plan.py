@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.localstack.client import call
 from kvpush.localstack.processes import start_directory, start_gateway
-from kvpush.client import ChannelConfig, SyncDirectoryClient
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.unit.services.gateway.standin import StandInEngine
