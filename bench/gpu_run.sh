@@ -59,7 +59,9 @@ cd /tmp
 status=0
 # Bounded: the device tool's call limit is 10 minutes, and a vLLM engine that dies at start-up can leave its
 # parent waiting forever (../shared/gpu/README.md).
-timeout "${KVPUSH_GPU_TIMEOUT_S:-560}" python3 "$repo/bench/gpu_e2e.py" "$command" --log-dir "$log_dir" "$@" \
+# KVPUSH_GPU_LAUNCHER: words put before python3, e.g. a profiler (bench/gpu_nsys.sh runs it under nsys).
+# shellcheck disable=SC2086
+timeout "${KVPUSH_GPU_TIMEOUT_S:-560}" ${KVPUSH_GPU_LAUNCHER:-} python3 "$repo/bench/gpu_e2e.py" "$command" --log-dir "$log_dir" "$@" \
   > "$out/$command${KVPUSH_GPU_TAG:-}.log" 2>&1 || status=$?
 grep -v "waiting [0-9]* s\|Writing model shards" "$out/$command${KVPUSH_GPU_TAG:-}.log" | tail -40
 echo "exit $status; engine logs in $log_dir"
