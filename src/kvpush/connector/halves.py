@@ -180,13 +180,14 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_
     """
     from kvpush.connector.directory_link import DirectoryLink
     from kvpush.connector.worker import transport
+    from kvpush.connector.worker.layout_wire import layout_to_proto
     from kvpush.v1 import types_pb2 as tpb
 
     agent = (create_agent or transport.create_agent)(config, kv_caches, block_size_tokens, num_kv_heads, head_size,
                                                      agent_name)
     link = DirectoryLink(config, f"kvpush-worker{tp_rank}-directory")
     on_gpu = next(iter(kv_caches.values())).device.type == "cuda"
-    layout = agent.layout.to_proto()
+    layout = layout_to_proto(agent.layout)
     if compatibility_hash is not None:
         layout.compatibility_hash = compatibility_hash(agent)
     lease_lost = metrics.on_lease_lost if metrics is not None else None

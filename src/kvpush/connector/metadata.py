@@ -191,7 +191,7 @@ def combine_rank_timelines(by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]
 
 
 def _state_severity(state: str) -> int:
-    from kvpush.connector.outcome import PushOutcome
+    from kvpush.api.outcome import PushOutcome
 
     try:
         return PushOutcome(state).severity

@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from kvpush.connector.outcome import PushOutcome
+from kvpush.api.outcome import PushOutcome
 from kvpush.observability import get_logger
 
 _log = get_logger("connector.metrics")

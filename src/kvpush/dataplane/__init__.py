@@ -1,20 +1,21 @@
 """kvpush's NIXL data plane: registers KV memory, plans descriptors, posts and tracks WRITEs.
 
 Usable on its own and driven by the vLLM connector. Import-light: numpy only; NIXL is imported
-when an agent is created, torch never (tensors are duck-typed).
+when an agent is created, torch never (tensors are duck-typed). It speaks no protobuf and imports nothing of
+the directory, its client or the connector: outcomes are `kvpush.api.outcome`'s.
 
 Life cycle of a push (prefill P writes into decode D):
 1. Each worker: `agent = TransferAgent(name, NixlConfig(...))`, `agent.register(kv_caches,
    block_size, kv_heads, head_size)` -> `KVLayoutSpec`; publish `agent.agent_metadata()` and
-   `agent.layout.to_proto()` (the directory forwards them); `agent.start()`.
+   `agent.layout` (the connector sends its wire form, which the directory forwards); `agent.start()`.
 2. D: `NotificationListener(agent, on_notification)`; nothing else is needed to receive.
-3. P: `agent.add_peer(d_name, d_metadata, KVLayoutSpec.from_proto(d_layout))` once per D worker,
+3. P: `agent.add_peer(d_name, d_metadata, d_layout)` (a `KVLayoutSpec`) once per D worker,
    `writer = PushWriter(agent, on_request_done, on_transfer_done)`, then per layer (group) as it
    becomes ready: `writer.submit(WriteRequest(transfer_id, d_name, layers, src_blocks, dst_blocks,
    token_start, token_end, notify=b"..." on the last, ready_event=cuda_event))`.
 4. `agent.remove_peer(d_name)` when D leaves; `agent.stop()` at shutdown.
 
-Modules: `layout` (KVLayoutSpec, proto mapping), `describe` (vLLM tensors -> layout), `plan`
+Modules: `layout` (KVLayoutSpec), `describe` (vLLM tensors -> layout), `plan`
 (descriptor maths, pure), `config` (NixlConfig, agent construction), `peers` (prepared tables),
 `agent` (TransferAgent, the I/O thread), `writer` (PushWriter), `listener` (NotificationListener).
 """
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name == "TransferAgent":
         from kvpush.dataplane.agent import TransferAgent
 

@@ -1,9 +1,10 @@
 """KV layout descriptions: where every (layer, block, plane, segment, token) of a worker's KV lies.
 
 Life cycle: a worker builds a `KVLayoutSpec` from its KV tensors (`describe.describe_kv_caches`),
-validates it, sends it to the directory as `types_pb2.KVLayout` (`to_proto`), and the directory
-forwards it to the peers that will write into that worker; they rebuild it (`from_proto`) and derive
-NIXL descriptors from it (`plan`). The spec is immutable and pure data: no NIXL, no torch.
+validates it, sends it to the directory (the connector turns it into the wire's `KVLayout`:
+`kvpush.connector.worker.layout_wire`), and the directory forwards it to the peers that will write into that
+worker; they rebuild it and derive NIXL descriptors from it (`plan`). The spec is immutable and pure data: no
+NIXL, no torch, no protobuf.
 
 Addressing (same as the proto's `KVPlane` comment): token t of block b in plane p, segment s starts at
 
@@ -18,12 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpush.v1 import types_pb2
-
 MEMORY_DRAM = "DRAM"
 MEMORY_VRAM = "VRAM"
-_MEMORY_TO_PROTO = {MEMORY_DRAM: types_pb2.MEMORY_KIND_DRAM, MEMORY_VRAM: types_pb2.MEMORY_KIND_VRAM}
-_PROTO_TO_MEMORY = {v: k for k, v in _MEMORY_TO_PROTO.items()}
+MEMORY_KINDS = (MEMORY_DRAM, MEMORY_VRAM)
 
 
 class LayoutError(ValueError):
@@ -40,7 +38,7 @@ def _require_positive(spec: object, prefix: str, *names: str) -> None:
 
 @dataclass(frozen=True)
 class KVPlaneSpec:
-    """One plane (K, V, or fused KV) of every block of a layer; mirrors `types_pb2.KVPlane`."""
+    """One plane (K, V, or fused KV) of every block of a layer; mirrors the wire's `KVPlane`."""
 
     offset_bytes: int
     block_stride_bytes: int
@@ -91,35 +89,10 @@ class KVPlaneSpec:
         """True when consecutive tokens of one segment are adjacent, so a token run is one descriptor."""
         return self.token_stride_bytes == self.segment_bytes_per_token
 
-    def to_proto(self) -> types_pb2.KVPlane:
-        """Return the wire form."""
-        return types_pb2.KVPlane(
-            offset_bytes=self.offset_bytes,
-            block_stride_bytes=self.block_stride_bytes,
-            block_bytes=self.block_bytes,
-            segment_count=self.segment_count,
-            segment_stride_bytes=self.segment_stride_bytes,
-            token_stride_bytes=self.token_stride_bytes,
-            segment_bytes_per_token=self.segment_bytes_per_token,
-        )
-
-    @classmethod
-    def from_proto(cls, msg: types_pb2.KVPlane) -> KVPlaneSpec:
-        """Build from the wire form (not validated; call `KVLayoutSpec.validate`)."""
-        return cls(
-            offset_bytes=msg.offset_bytes,
-            block_stride_bytes=msg.block_stride_bytes,
-            block_bytes=msg.block_bytes,
-            segment_count=msg.segment_count,
-            segment_stride_bytes=msg.segment_stride_bytes,
-            token_stride_bytes=msg.token_stride_bytes,
-            segment_bytes_per_token=msg.segment_bytes_per_token,
-        )
-
 
 @dataclass(frozen=True)
 class KVLayoutSpec:
-    """How one worker's KV cache lies in memory; mirrors `types_pb2.KVLayout`.
+    """How one worker's KV cache lies in memory; mirrors the wire's `KVLayout`.
 
     `memory_kind` is "DRAM" or "VRAM" (NIXL's names). `layer_base_addresses` are addresses in the
     owning process; a peer only uses them to build remote descriptors.
@@ -147,7 +120,7 @@ class KVLayoutSpec:
         """Raise LayoutError unless every field is consistent; return self for chaining."""
         _require_positive(self, "", "layer_count", "block_size_tokens", "block_count", "block_bytes_per_layer",
                           "layer_region_bytes")
-        if self.memory_kind not in _MEMORY_TO_PROTO:
+        if self.memory_kind not in MEMORY_KINDS:
             raise LayoutError(f"memory_kind must be DRAM or VRAM, got {self.memory_kind!r}")
         if self.device_id < 0:
             raise LayoutError(f"device_id must be >= 0, got {self.device_id}")
@@ -257,46 +230,6 @@ class KVLayoutSpec:
             else:
                 merged.append([start, end])
         return [(start, end - start) for start, end in merged]
-
-    # ---- wire form --------------------------------------------------------------------------
-    def to_proto(self) -> types_pb2.KVLayout:
-        """Return the wire form sent to the directory."""
-        return types_pb2.KVLayout(
-            layer_count=self.layer_count,
-            block_size_tokens=self.block_size_tokens,
-            block_count=self.block_count,
-            block_bytes_per_layer=self.block_bytes_per_layer,
-            dtype=self.dtype,
-            memory_kind=_MEMORY_TO_PROTO[self.memory_kind],
-            device_id=self.device_id,
-            planes=[p.to_proto() for p in self.planes],
-            layer_base_addresses=list(self.layer_base_addresses),
-            layer_region_bytes=self.layer_region_bytes,
-            layer_names=list(self.layer_names),
-            compatibility_hash=self.compatibility_hash,
-            block_atomic=self.block_atomic,
-        )
-
-    @classmethod
-    def from_proto(cls, msg: types_pb2.KVLayout) -> KVLayoutSpec:
-        """Build from the wire form and validate it (LayoutError on anything malformed)."""
-        if msg.memory_kind not in _PROTO_TO_MEMORY:
-            raise LayoutError(f"memory_kind {msg.memory_kind} is not DRAM or VRAM")
-        return cls(
-            layer_count=msg.layer_count,
-            block_size_tokens=msg.block_size_tokens,
-            block_count=msg.block_count,
-            block_bytes_per_layer=msg.block_bytes_per_layer,
-            dtype=msg.dtype,
-            memory_kind=_PROTO_TO_MEMORY[msg.memory_kind],
-            device_id=msg.device_id,
-            planes=tuple(KVPlaneSpec.from_proto(p) for p in msg.planes),
-            layer_base_addresses=tuple(msg.layer_base_addresses),
-            layer_region_bytes=msg.layer_region_bytes,
-            layer_names=tuple(msg.layer_names),
-            compatibility_hash=msg.compatibility_hash,
-            block_atomic=msg.block_atomic,
-        ).validate()
 
 
 def check_compatible(src: KVLayoutSpec, dst: KVLayoutSpec) -> None:

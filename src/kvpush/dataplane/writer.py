@@ -43,7 +43,7 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kvpush.connector.outcome import PushOutcome
+from kvpush.api.outcome import PushOutcome, PushStop, StopCause
 from kvpush.dataplane.agent import TransferAgent
 from kvpush.dataplane.plan import LayerPlanCache, WritePlan, WriteRequestError
 from kvpush.observability import get_logger, get_tracer
@@ -124,12 +124,12 @@ class WriteOutcome:
         return self.outcome is PushOutcome.DONE
 
 
-_CANCELLED = "cancelled"
+# What `cancel` ends a transfer with: its dropped writes and its end are CANCELLED, every other stop FAILED.
+_CANCEL = PushStop(StopCause.CANCELLED, "cancelled")
 
 
-def _failure_outcome(reason: str) -> PushOutcome:
-    """CANCELLED for what `cancel` ended (its reason, and the writes it dropped), FAILED otherwise."""
-    return PushOutcome.CANCELLED if reason in (_CANCELLED, f"dropped: {_CANCELLED}") else PushOutcome.FAILED
+def _failed(reason: str) -> PushStop:
+    return PushStop(StopCause.WRITE_FAILED, reason)
 
 
 @dataclass
@@ -170,9 +170,9 @@ class _Transfer:
     peer: str
     queued: int = 0
     in_flight: list[_Write] = field(default_factory=list)
-    failed: str | None = None
-    closing: _Write | None = None
-    closed_for_submit: bool = False
+    stop: PushStop | None = None          # the first failure, or the cancel: no write is accepted after it
+    closing: _Write | None = None         # the landed write that carried (or makes the writer send) the notification
+    last_accepted_closes: bool = False    # the latest accepted write closes the transfer: none may follow it
     bytes: int = 0
     descriptors: int = 0
     post_seconds: float = 0.0
@@ -260,12 +260,12 @@ class PushWriter:
         def do() -> None:
             transfer = self._transfers.get(transfer_id)
             if transfer is None:
-                self._remember_ended(transfer_id, _CANCELLED)
-                future.set_result(WriteOutcome(transfer_id, PushOutcome.CANCELLED, 0, 0, 0.0, 0.0, _CANCELLED,
+                self._remember_ended(transfer_id, _CANCEL.detail)
+                future.set_result(WriteOutcome(transfer_id, PushOutcome.CANCELLED, 0, 0, 0.0, 0.0, _CANCEL.detail,
                                                write_count=0))
                 return
             transfer.waiters.append(future)
-            self._fail_transfer(transfer, _CANCELLED)
+            self._fail_transfer(transfer, _CANCEL)
 
         self._agent.call_soon(do)
         return future
@@ -282,7 +282,7 @@ class PushWriter:
     def on_peer_leaving(self, peer: str, reason: str) -> None:
         """Fail every transfer to `peer`; their in-flight handles finish or time out."""
         for transfer in [t for t in self._transfers.values() if t.peer == peer]:
-            self._fail_transfer(transfer, reason)
+            self._fail_transfer(transfer, _failed(reason))
             for write in transfer.in_flight:
                 self._report_failure(write, reason)
 
@@ -293,7 +293,7 @@ class PushWriter:
     def shutdown(self, reason: str) -> None:
         """Fail every transfer; queued writes are dropped and reported."""
         for transfer in list(self._transfers.values()):
-            self._fail_transfer(transfer, reason)
+            self._fail_transfer(transfer, _failed(reason))
 
     # ---- I/O thread internals -------------------------------------------------------------------
     def _stamp_completed_events(self) -> None:
@@ -324,13 +324,13 @@ class PushWriter:
         if transfer.peer != req.peer_agent:
             self._report_failure(write, f"transfer writes to {transfer.peer!r}, not {req.peer_agent!r}")
             return
-        if transfer.closed_for_submit:
+        if transfer.last_accepted_closes:
             self._report_failure(write, "transfer already has its closing write")
             return
-        if transfer.failed is not None:
-            self._report_failure(write, transfer.failed)
+        if transfer.stop is not None:
+            self._report_failure(write, transfer.stop.detail, transfer.stop.outcome)
             return
-        transfer.closed_for_submit = req.closes_transfer
+        transfer.last_accepted_closes = req.closes_transfer
         transfer.writes += 1
         transfer.queued += 1
         self._pending.append(write)
@@ -418,18 +418,18 @@ class PushWriter:
         req = write.request
         if write.error is not None:
             self._report_failure(write, write.error)
-            self._fail_transfer(transfer, write.error)
+            self._fail_transfer(transfer, _failed(write.error))
             return
         peer = self._agent.peer(req.peer_agent)
         if peer is None or peer.leaving:
             reason = peer.leaving_reason if peer is not None else f"peer {req.peer_agent!r} is not loaded"
             self._report_failure(write, reason)
-            self._fail_transfer(transfer, reason)
+            self._fail_transfer(transfer, _failed(reason))
             return
         refused = req.post_guard() if req.post_guard is not None and not write.hold_done else None
         if refused is not None:
             self._report_failure(write, f"not posted: {refused}")
-            self._fail_transfer(transfer, f"not posted: {refused}")
+            self._fail_transfer(transfer, _failed(f"not posted: {refused}"))
             return
         if not write.hold_done:
             transfer.posts += len(write.members)  # writes, not handles: ready writes may share one
@@ -494,7 +494,7 @@ class PushWriter:
             if write.open_handles:
                 transfer.in_flight.append(write)
             self._report_failure(write, reason)
-            self._fail_transfer(transfer, reason)
+            self._fail_transfer(transfer, _failed(reason))
             return
         write.post_seconds = time.perf_counter() - started
         transfer.post_seconds += write.post_seconds
@@ -526,7 +526,7 @@ class PushWriter:
                         write.open_handles.remove(handle)
                         self._release(handle)
                         self._report_failure(write, detail)
-                        self._fail_transfer(transfer, detail)
+                        self._fail_transfer(transfer, _failed(detail))
                     elif now - write.posted_at > self._config.transfer_timeout_s:
                         # The bound every posted WRITE is held to (max_write_s): release the handle (NIXL cancels
                         # its UCX requests) and drop the peer's endpoint (a forced close ends what the NIC may
@@ -535,7 +535,7 @@ class PushWriter:
                         self._release(handle)
                         reason = f"transfer not done within {self._config.transfer_timeout_s}s"
                         self._report_failure(write, reason)
-                        self._fail_transfer(transfer, reason)
+                        self._fail_transfer(transfer, _failed(reason))
                         self._agent.remove_peer(transfer.peer, f"a write to it was aborted: {reason}")
                 if write.open_handles:
                     any_open = True
@@ -555,7 +555,7 @@ class PushWriter:
             transfer.in_flight.remove(write)
             reason = f"transfer not done within {self._config.transfer_timeout_s}s"
             self._report_failure(write, reason)
-            self._fail_transfer(transfer, reason)
+            self._fail_transfer(transfer, _failed(reason))
             return False
         if now < write.held_until:
             return True
@@ -622,8 +622,8 @@ class PushWriter:
             self._span(member, outcome, write.wall_start_ns)
             self._emit(self._on_request_done, outcome)
 
-    def _report_failure(self, write: _Write, reason: str) -> None:
-        """Report the write (and every write on its handle) failed, once."""
+    def _report_failure(self, write: _Write, reason: str, outcome: PushOutcome = PushOutcome.FAILED) -> None:
+        """Report the write (and every write on its handle) failed (or CANCELLED: dropped by `cancel`), once."""
         elapsed = time.monotonic() - write.posted_at if write.posted_at else 0.0
         for member in write.members:
             if member.reported:
@@ -632,7 +632,7 @@ class PushWriter:
             member.error = reason
             req = member.request
             outcome = WriteOutcome(
-                req.transfer_id, _failure_outcome(reason), 0, 0, write.post_seconds, elapsed, reason, req.peer_agent, 1,
+                req.transfer_id, outcome, 0, 0, write.post_seconds, elapsed, reason, req.peer_agent, 1,
                 tuple(int(x) for x in req.layers),
             )
             _log.warning("write_failed", transfer_id=req.transfer_id, peer=req.peer_agent, error=reason)
@@ -640,14 +640,14 @@ class PushWriter:
             self._emit(self._on_request_done, outcome)
         write.error = write.error or reason
 
-    def _fail_transfer(self, transfer: _Transfer, reason: str) -> None:
-        if transfer.failed is None:
-            transfer.failed = reason
+    def _fail_transfer(self, transfer: _Transfer, stop: PushStop) -> None:
+        if transfer.stop is None:
+            transfer.stop = stop
         if transfer.queued:
             keep: deque[_Write] = deque()
             for write in self._pending:
                 if write.request.transfer_id == transfer.transfer_id:
-                    self._report_failure(write, f"dropped: {reason}")
+                    self._report_failure(write, f"dropped: {stop.detail}", stop.outcome)
                 else:
                     keep.append(write)
             self._pending = keep
@@ -659,11 +659,11 @@ class PushWriter:
             return  # already finished
         if transfer.in_flight or transfer.queued:
             return
-        if transfer.failed is None and transfer.closing is None:
+        if transfer.stop is None and transfer.closing is None:
             return
         notified = False
-        error = transfer.failed
-        if error is None and transfer.closing is not None:
+        stop = transfer.stop
+        if stop is None and transfer.closing is not None:
             closing = transfer.closing
             notified = closing.notif_attached
             notify = next((m.request.notify for m in closing.members if m.request.notify is not None), None)
@@ -672,10 +672,11 @@ class PushWriter:
                     self._agent.nixl.send_notif(transfer.peer, notify)
                     notified = True
                 except Exception as exc:
-                    error = f"send_notif failed: {exc!r}"
+                    stop = _failed(f"send_notif failed: {exc!r}")
+        error = stop.detail if stop is not None else None
         outcome = WriteOutcome(
             transfer.transfer_id,
-            PushOutcome.DONE if error is None else _failure_outcome(error),
+            PushOutcome.DONE if stop is None else stop.outcome,
             transfer.bytes,
             transfer.descriptors,
             transfer.post_seconds,

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
+from kvpush.connector.worker.layout_wire import layout_to_proto
 from kvpush.dataplane.config import NixlConfig
 from tests.integration.dataplane.kvbuffers import make_kv
 
@@ -42,7 +43,7 @@ def decode_peer_main(conn: Connection, spec: PeerSpec) -> None:
     notes: list[tuple[str, bytes]] = []
     if spec.listener:
         NotificationListener(agent, lambda name, msg: notes.append((name, msg)))
-    conn.send((agent.agent_metadata(), layout.to_proto().SerializeToString()))
+    conn.send((agent.agent_metadata(), layout_to_proto(layout).SerializeToString()))
     while True:
         cmd, arg = conn.recv()
         if cmd == "dump":

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+from kvpush.connector.worker.layout_wire import layout_from_proto
 from kvpush.dataplane import (
     KVLayoutSpec,
     NixlConfig,
@@ -58,7 +59,7 @@ def decode_peer(spec: PeerSpec) -> Iterator[Peer]:
         process.kill()
         raise AssertionError("decode peer did not start")
     metadata, layout_bytes = parent.recv()
-    layout = KVLayoutSpec.from_proto(types_pb2.KVLayout.FromString(layout_bytes))
+    layout = layout_from_proto(types_pb2.KVLayout.FromString(layout_bytes))
     try:
         yield Peer(process, parent, metadata, layout, spec)
     finally:

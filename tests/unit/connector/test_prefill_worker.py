@@ -16,7 +16,7 @@ import structlog.testing
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, PrefillChunk
-from kvpush.connector.outcome import PushOutcome
+from kvpush.api.outcome import PushOutcome
 from kvpush.connector.worker.prefill import PrefillWorker
 from kvpush.connector.worker.transport import WriteDone, WriterQuiet
 from kvpush.dataplane.agent import TransferAgent

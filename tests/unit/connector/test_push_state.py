@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.connector.outcome import PushOutcome
+from kvpush.api.outcome import PushOutcome
 from kvpush.connector.worker.push_state import PushTransfer
 
 BS = 128

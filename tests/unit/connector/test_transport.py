@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from kvpush.connector.outcome import PushOutcome
+from kvpush.api.outcome import PushOutcome
+from kvpush.connector.worker.layout_wire import layout_to_proto
 from kvpush.connector.worker.push_state import PlannedWrite
 from kvpush.connector.worker.transport import PushTransport
 from tests.integration.dataplane.kvbuffers import block_bytes, make_kv
@@ -49,7 +50,7 @@ def test_writes_land_and_each_reports_its_layer_then_the_transfer_is_quiet():
     try:
         with pytest.raises(ValueError, match="no metadata"):
             transport.ensure_peer(decode.agent_name, b"", None)
-        transport.ensure_peer(decode.agent_name, decode.agent_metadata(), decode.layout.to_proto())
+        transport.ensure_peer(decode.agent_name, decode.agent_metadata(), layout_to_proto(decode.layout))
         transport.ensure_peer(decode.agent_name, b"", None)  # known now: nothing to load
         for layer in range(LAYERS):
             write = PlannedWrite(layer, 0, 2 * BS, (1, 4), (6, 2), notify=layer == LAYERS - 1)

@@ -13,6 +13,7 @@ from kvpush.client.sync import SyncDirectoryClient
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.halves import DecodeWorkerHalf, PrefillWorkerHalf, build_worker_half
 from kvpush.connector.metadata import KVPushMetadata, PrefillChunk, ReceiveStart
+from kvpush.connector.worker.layout_wire import layout_to_proto
 from kvpush.dataplane.agent import TransferAgent
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import PREFILL, directory_on_loopback, register_request
@@ -152,7 +153,7 @@ def test_a_receive_past_its_bound_is_cancelled_then_released_as_load_errors():
         client = SyncDirectoryClient(ChannelConfig(address=address))
         try:
             # A prefill engine that never pushes (registered only, with decode's layout so they are paired).
-            client.register_engine(register_request("p", PREFILL, layout=decode.agent.layout.to_proto()))
+            client.register_engine(register_request("p", PREFILL, layout=layout_to_proto(decode.agent.layout)))
             prompt = 40
             transfer_id = client.plan_transfer(prompt_token_count=prompt).transfer.transfer_id
             decode.link.report_allocation(transfer_id, [4, 5, 6], prompt, 16, lambda reason: None)

@@ -42,7 +42,7 @@ from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, ReceiveStart
-from kvpush.connector.outcome import ReceiveOutcome
+from kvpush.connector.outcome import ReceiveOutcome, receive_outcome_of
 from kvpush.connector.tracing import TransferSpan
 from kvpush.connector.worker.inbox import run_queued_actions, wait_for_actions
 from kvpush.observability import get_logger
@@ -113,7 +113,7 @@ class DecodeWorker:
 
     def on_event(self, event: dpb.TransferEvent) -> None:
         """Directory client thread: a transfer of this engine reached a terminal state."""
-        outcome = ReceiveOutcome.from_transfer_state(event.state)
+        outcome = receive_outcome_of(event.state)
         if outcome is None:
             return
         signal = _Signal(outcome, event.reason, "event", time.monotonic(),
@@ -318,7 +318,7 @@ class DecodeWorker:
                                          "lookup", now, not_before=now + self._lease_ttl_s() + self._config.max_write_s)
                         self._inbox.put(lambda: self._signal(transfer_id, signal))
                     return  # other errors: the deadline still bounds the wait
-                outcome = ReceiveOutcome.from_transfer_state(transfer.state)
+                outcome = receive_outcome_of(transfer.state)
                 if outcome is not None:
                     signal = _Signal(outcome, transfer.failure_reason, "lookup", time.monotonic(),
                                      first_token_id=transfer.first_token_id if transfer.HasField("first_token_id")

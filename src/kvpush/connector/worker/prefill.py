@@ -59,7 +59,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, PrefillChunk
-from kvpush.connector.outcome import PushOutcome
+from kvpush.connector.outcome import PushOutcome, write_result_status
 from kvpush.connector.tracing import TransferSpan
 from kvpush.connector.worker.push_state import PlannedWrite, PushTimeline, PushTransfer
 from kvpush.connector.worker.step_gap import StepGapWatch
@@ -867,7 +867,7 @@ class PushOwner:
                      first_token_id: int | None = None, dropped_agent: str = "") -> None:
         if self._directory.session is None:
             return
-        result = dpb.WriteResult(transfer_id=transfer_id, status=outcome.write_result_status,
+        result = dpb.WriteResult(transfer_id=transfer_id, status=write_result_status(outcome),
                                  error_message=error[:1000], layers_written_count=layers_written,
                                  bytes_written=bytes_written, dropped_decode_agent_name=dropped_agent)
         if first_token_id is not None:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.connector.outcome import PUSH_ACTIVE, PushOutcome
+from kvpush.api.outcome import PUSH_ACTIVE, PushOutcome
 
 
 @dataclass(frozen=True)

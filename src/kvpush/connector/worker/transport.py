@@ -15,10 +15,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from kvpush.api.outcome import PushOutcome
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.outcome import PushOutcome
+from kvpush.connector.worker.layout_wire import layout_from_proto
 from kvpush.connector.worker.push_state import PlannedWrite
-from kvpush.dataplane import KVLayoutSpec, NixlConfig
+from kvpush.dataplane import NixlConfig
 from kvpush.observability import get_logger
 
 _log = get_logger("connector.worker.transport")
@@ -99,7 +100,7 @@ class PushTransport:
             return
         if not metadata or layout_proto is None:
             raise ValueError(f"decode agent {agent_name!r} is unknown here and the instruction carries no metadata")
-        loading = self._agent.add_peer(agent_name, bytes(metadata), KVLayoutSpec.from_proto(layout_proto))
+        loading = self._agent.add_peer(agent_name, bytes(metadata), layout_from_proto(layout_proto))
 
         def loaded(future: Future[str]) -> None:
             error = None if future.cancelled() else future.exception()

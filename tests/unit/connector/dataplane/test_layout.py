@@ -7,19 +7,20 @@ import dataclasses
 import numpy as np
 import pytest
 
+from kvpush.connector.worker.layout_wire import layout_from_proto, layout_to_proto
 from kvpush.dataplane.describe import describe_kv_caches
-from kvpush.dataplane.layout import KVLayoutSpec, LayoutError, check_compatible
+from kvpush.dataplane.layout import LayoutError, check_compatible
 from kvpush.v1 import types_pb2
 from tests.integration.dataplane.kvbuffers import NumpyTensor, make_kv
 
 
 class TestKVLayoutSpec:
     def test_proto_round_trip_keeps_every_field(self):
-        """to_proto / from_proto is lossless, block_atomic included."""
+        """layout_to_proto / layout_from_proto is lossless, block_atomic included."""
         for hint in ("kv_first", "cpu_attn", "fused_kv", "blocks_first", "mla"):
             layout, _, _ = make_kv(3, 8, 16, 2, 32, hint)
-            wire = types_pb2.KVLayout.FromString(layout.to_proto().SerializeToString())
-            assert KVLayoutSpec.from_proto(wire) == layout
+            wire = types_pb2.KVLayout.FromString(layout_to_proto(layout).SerializeToString())
+            assert layout_from_proto(wire) == layout
 
     @pytest.mark.parametrize(
         "change,message",
@@ -49,10 +50,10 @@ class TestKVLayoutSpec:
     def test_from_proto_refuses_unspecified_memory(self):
         """MEMORY_KIND_UNSPECIFIED on the wire is refused."""
         layout, _, _ = make_kv(1, 8, 16, 2, 32, "kv_first")
-        wire = layout.to_proto()
+        wire = layout_to_proto(layout)
         wire.memory_kind = types_pb2.MEMORY_KIND_UNSPECIFIED
         with pytest.raises(LayoutError, match="not DRAM or VRAM"):
-            KVLayoutSpec.from_proto(wire)
+            layout_from_proto(wire)
 
     def test_block_and_token_addresses_are_bounds_checked(self):
         """block_descriptor / token_segment_descriptor refuse out-of-range layers, blocks and tokens."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvpush.connector.outcome import PushOutcome
+from kvpush.api.outcome import PushOutcome
 from kvpush.dataplane.writer import PushWriter, WriteRequest
 from tests.integration.dataplane.kvbuffers import block_bytes, make_kv
 from tests.unit.connector.inmemory_helpers import new_fabric, started_agent
