@@ -19,14 +19,38 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-
-from kvpush.localstack.stack import HOSTED_GATEWAY_MIDDLEWARE, kv_transfer_config
+from typing import Any
 
 # vLLM's own API port default; engines of one host need one each.
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
 FORMATS = ("words", "shell", "json")
+# What a prefill engine loads to host a gateway in its API server (kvpush.gateway.hosted).
+HOSTED_GATEWAY_MIDDLEWARE = "kvpush.gateway.hosted.HostedGateway"
+
+
+def kv_transfer_config(connector: str, role: str, *, engine_id: str | None = None, directory_address: str = "",
+                       engine_endpoint: str = "", extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`--kv-transfer-config` for `connector` in {"kvpush", "nixl-pull", "nixl-push"}, role "prefill"/"decode"."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be prefill or decode, got {role!r}")
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    if connector == "kvpush":
+        if not directory_address or not engine_endpoint:
+            raise ValueError("kvpush engines need directory_address and engine_endpoint")
+        config: dict[str, Any] = {
+            "kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.connector", "kv_role": kv_role,
+            "kv_connector_extra_config": {"directory_address": directory_address, "engine_endpoint": engine_endpoint,
+                                          **(extra or {})}}
+    elif connector in ("nixl-pull", "nixl-push"):
+        name = "NixlConnector" if connector == "nixl-pull" else "NixlPushConnector"
+        config = {"kv_connector": name, "kv_role": kv_role, "kv_connector_extra_config": dict(extra or {})}
+    else:
+        raise ValueError(f"unknown connector {connector!r}: use kvpush, nixl-pull or nixl-push")
+    if engine_id:
+        config["engine_id"] = engine_id
+    return config
 
 
 @dataclass(frozen=True)
@@ -44,15 +68,15 @@ class EngineArgs:
     nixl_num_threads: int | None = None
     metrics_port: int | None = None
     hosted_gateway: bool = False
-    extra_config: dict = field(default_factory=dict)
+    extra_config: dict[str, Any] = field(default_factory=dict)
 
     def endpoint(self) -> str:
         """The URL the gateway sends this engine's legs to."""
         return self.engine_endpoint or f"http://{self.advertise_host}:{self.port}"
 
-    def connector_extra(self) -> dict:
+    def connector_extra(self) -> dict[str, Any]:
         """kv_connector_extra_config beyond directory_address and engine_endpoint."""
-        extra: dict = {}
+        extra: dict[str, Any] = {}
         if self.nixl_backends:
             extra["nixl_backends"] = list(self.nixl_backends)
         if self.nixl_num_threads is not None:
@@ -85,7 +109,7 @@ class EngineArgs:
         return argv
 
 
-def _check_connector_config(config: dict, role: str) -> None:
+def _check_connector_config(config: Mapping[str, Any], role: str) -> None:
     """Refuse here what the connector would refuse at the engine's start (unknown keys, bad address, ...)."""
     from kvpush.connector.config import ConnectorConfig, ConnectorConfigError
 

@@ -132,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="bring a local P/D stack up (CPU and the tiny model by default) until "
                                         "Ctrl-C")
-    from kvpush.localstack import up as local_up
+    from kvpush.cli import up as up_command
 
-    local_up.add_arguments(up)
+    up_command.add_arguments(up)
 
     engine_args = commands.add_parser("engine-args", help="print the `vllm serve` arguments of a prefill or decode "
                                                           "engine with KVPushConnector")
@@ -150,7 +150,7 @@ def _channel_config(args: argparse.Namespace) -> ChannelConfig:
         "client_cert_file": args.tls_client_cert, "client_key_file": args.tls_client_key,
         "timeout_s": args.timeout_s}.items() if value not in (None, "")}
     if "address" not in overrides and not os.environ.get("KVPUSH_DIRECTORY_ADDRESS"):
-        from kvpush.localstack.up import read_state
+        from kvpush.cli.up import read_state
 
         state = read_state()  # a running `kvpush up`: its directory, without flags
         if state is not None:
@@ -351,15 +351,27 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    """`kvpush up`: the local stack, imported here alone (the runtime never needs it; it needs the dev extra)."""
+    from kvpush.cli.up import LocalStackUnavailable, require_local_stack
+
+    try:
+        require_local_stack()
+    except LocalStackUnavailable as error:
+        print(f"kvpush up: {error}", file=sys.stderr)
+        return 1
+    from kvpush.localstack.up import run
+
+    return run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
     if args.command == "directory":
         return _serve(args)
     if args.command == "up":
-        from kvpush.localstack.up import run
-
-        return run(args)
+        return _up(args)
     if args.command == "engine-args":
         from kvpush.cli.engine_args import run as print_engine_args
 

@@ -1,8 +1,8 @@
 """Engine configurations for the three P/D connectors, and a whole loopback stack for the demo and tests.
 
-`kv_transfer_config(...)` builds `--kv-transfer-config` for kvpush's KVPushConnector and for vLLM's
-NixlConnector (pull) / NixlPushConnector (push), so the demo, the tests and the benchmark launch
-engines the same way.
+`kv_transfer_config(...)` (from kvpush.cli.engine_args, which `kvpush engine-args` prints) builds
+`--kv-transfer-config` for kvpush's KVPushConnector and for vLLM's NixlConnector (pull) / NixlPushConnector
+(push), so the demo, the tests and the benchmark launch engines the same way.
 
 `LocalStack` life cycle (all on 127.0.0.1, ports picked free):
   1. `start()`: tiny model -> directory -> prefill, decode and colocated engines launched together
@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The runtime's (what `kvpush engine-args` prints); tests and benchmarks import them from here too.
+from kvpush.cli.engine_args import HOSTED_GATEWAY_MIDDLEWARE, kv_transfer_config
 from kvpush.client import ChannelConfig
 from kvpush.gateway.hosted import ARGS_ENV
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
@@ -56,8 +58,6 @@ DECODE_ENGINE_ID = "decode-0"
 FIRST_TOKEN_PROCESSOR = "kvpush.connector.first_token:ForcePrefillFirstToken"
 FIRST_TOKEN_FLAG_ARGS = ("--logits-processors", FIRST_TOKEN_PROCESSOR)
 DECODE_ENGINE_ARGS: tuple[str, ...] = ()
-# What a prefill engine loads to host a gateway in its API server (kvpush.gateway.hosted).
-HOSTED_GATEWAY_MIDDLEWARE = "kvpush.gateway.hosted.HostedGateway"
 
 
 def hosted_gateway_env(port: int, directory_address: str, prefill_engine_id: str,
@@ -70,28 +70,6 @@ def hosted_gateway_env(port: int, directory_address: str, prefill_engine_id: str
 
 NIXL_PREFILL_SIDE_CHANNEL_PORT = 5611
 NIXL_DECODE_SIDE_CHANNEL_PORT = 5622
-
-
-def kv_transfer_config(connector: str, role: str, *, engine_id: str | None = None, directory_address: str = "",
-                       engine_endpoint: str = "", extra: dict | None = None) -> dict:
-    """`--kv-transfer-config` for `connector` in {"kvpush", "nixl-pull", "nixl-push"}, role "prefill"/"decode"."""
-    if role not in ("prefill", "decode"):
-        raise ValueError(f"role must be prefill or decode, got {role!r}")
-    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    if connector == "kvpush":
-        if not directory_address or not engine_endpoint:
-            raise ValueError("kvpush engines need directory_address and engine_endpoint")
-        config = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.connector",
-                  "kv_role": kv_role, "kv_connector_extra_config": {
-                      "directory_address": directory_address, "engine_endpoint": engine_endpoint, **(extra or {})}}
-    elif connector in ("nixl-pull", "nixl-push"):
-        name = "NixlConnector" if connector == "nixl-pull" else "NixlPushConnector"
-        config = {"kv_connector": name, "kv_role": kv_role, "kv_connector_extra_config": dict(extra or {})}
-    else:
-        raise ValueError(f"unknown connector {connector!r}: use kvpush, nixl-pull or nixl-push")
-    if engine_id:
-        config["engine_id"] = engine_id
-    return config
 
 
 def nixl_side_channel_env(host: str, port: int) -> dict[str, str]:

@@ -4,9 +4,9 @@ Steps:
   1. build (or reuse) the tiny model, or take `--model PATH`; start the directory, a prefill and a decode vLLM
      engine with KVPushConnector (and, with --colocated, a reference engine without one) and the gateway, printing
      progress. The gateway requires an API key, generated here (`--no-api-key`: none);
-  2. write the stack's addresses and the key to the state file (`state_path()`, readable by the user alone), which
-     `kvpush engines`, `transfers`, `trace` and `health` read when given no address; print every URL (gateway,
-     engines, directory, metrics, logs), the key, once, and ready-to-paste curl and `openai` examples;
+  2. write the stack's addresses and the key to the state file (`kvpush.cli.up.state_path()`, readable by the user
+     alone), which `kvpush engines`, `transfers`, `trace` and `health` read when given no address; print every URL
+     (gateway, engines, directory, metrics, logs), the key, once, and ready-to-paste curl and `openai` examples;
   3. wait for SIGINT (Ctrl-C) or SIGTERM; then stop every process (each stop bounded), remove the state file and
      exit 0.
 A signal during start-up stops what had started. `make run` stays the checked demo (`kvpush.localstack.demo`).
@@ -15,9 +15,6 @@ A signal during start-up stops what had started. `make run` stays the checked de
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import json
 import os
 import secrets
 import signal
@@ -25,66 +22,13 @@ import sys
 import threading
 from pathlib import Path
 
+from kvpush.cli.up import UpState, add_arguments, remove_state, state_path
 from kvpush.localstack.model import TinyModelSpec
 from kvpush.localstack.stack import LocalStack
 from kvpush.observability import configure_logging
 
 # The tiny model's name at the gateway; a `--model` folder is served under its folder name.
 TINY_MODEL_NAME = "tiny"
-
-
-def state_path() -> Path:
-    """Where a running `kvpush up` keeps its addresses: $XDG_RUNTIME_DIR/kvpush/up.json (a per-user, memory-backed
-    folder on most Linux systems), else ~/.cache/kvpush/up.json."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    root = Path(runtime) if runtime else Path.home() / ".cache"
-    return root / "kvpush" / "up.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class UpState:
-    """What a running `kvpush up` tells the inspection commands and the user's tools."""
-
-    pid: int
-    directory_address: str
-    gateway_url: str
-    model: str
-    api_key: str  # empty with --no-api-key
-    log_dir: str
-    engines: dict[str, str]  # name -> URL
-
-    def write(self, path: Path) -> None:
-        """Write atomically, readable and writable by the user alone (it holds the API key)."""
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.{self.pid}")
-        descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(descriptor, 0o600)  # a file left from an earlier run keeps its mode through O_CREAT
-        with os.fdopen(descriptor, "w") as handle:
-            json.dump(dataclasses.asdict(self), handle, indent=2)
-        os.replace(staging, path)
-
-
-def read_state(path: Path | None = None) -> UpState | None:
-    """The state of the `kvpush up` that runs now, or None (no file, unreadable, or its process is gone)."""
-    path = path or state_path()
-    try:
-        state = UpState(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-    try:
-        os.kill(state.pid, 0)
-    except ProcessLookupError:
-        return None  # left behind by a `kvpush up` that was killed
-    except PermissionError:
-        pass  # alive, another user's
-    return state
-
-
-def _remove_state(path: Path) -> None:
-    """Remove the state file if it is this process's (a later `kvpush up` may have replaced it)."""
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        if json.loads(path.read_text()).get("pid") == os.getpid():
-            path.unlink()
 
 
 def _say(message: str) -> None:
@@ -139,36 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `kvpush up`."""
-    parser.add_argument("--model", type=Path, metavar="PATH",
-                        help="serve this local Hugging Face model folder (config.json, weights, tokenizer) instead of "
-                             "the generated tiny model; it must be one kvpush supports (README.md)")
-    parser.add_argument("--served-model-name", default="",
-                        help="the name clients put in \"model\" (default: tiny, or the --model folder's name)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: engines run eager with a 1 GiB KV cache each (vLLM's CPU build); cuda: engines "
-                             "capture CUDA graphs (a CUDA build of vLLM; give every engine a "
-                             "--gpu-memory-utilization share when they share a card) (default %(default)s)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="vLLM's --tensor-parallel-size for every engine; prefill and decode use the same "
-                             "(default %(default)s)")
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        help="vLLM's --gpu-memory-utilization for every engine (e.g. 0.3 when prefill, decode and "
-                             "the colocated engine share one GPU)")
-    parser.add_argument("--max-model-len", type=int, default=4096,
-                        help="vLLM's --max-model-len for every engine (default %(default)s)")
-    parser.add_argument("--colocated", action="store_true", help="also start a reference engine without a connector")
-    parser.add_argument("--gateway-port", type=int, default=0, help="gateway port (default: a free one)")
-    parser.add_argument("--hosted-gateway", action="store_true",
-                        help="also serve a gateway from the prefill engine's API server (docs/gateway.md)")
-    parser.add_argument("--no-api-key", action="store_true",
-                        help="serve the gateway without an API key (by default one is generated, printed once and "
-                             "kept in the state file)")
-    parser.add_argument("--engine-timeout", type=float, default=600.0, help="seconds for the engines to load")
-    parser.add_argument("--no-metrics", action="store_true", help="do not serve /metrics on the directory and engines")
-
-
 def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The vLLM flags `kvpush up` adds to every engine's (they follow the stack's, so they win)."""
     flags = ["--max-model-len", str(args.max_model_len)]
@@ -197,7 +111,8 @@ def _build_stack(args: argparse.Namespace, api_key: str) -> LocalStack:
     engine_env = {"UCX_NET_DEVICES": "lo", **(key_env if args.hosted_gateway else {})}
     return LocalStack(spec=TinyModelSpec(), model_dir=args.model.resolve() if args.model is not None else None,
                       engine_args=engine_args(args), served_model_name=served_model_name(args),
-                      progress=lambda m: _say("  " + m), engine_timeout_s=args.engine_timeout, with_colocated=args.colocated,
+                      progress=lambda m: _say("  " + m), engine_timeout_s=args.engine_timeout,
+                      with_colocated=args.colocated,
                       serve_metrics=not args.no_metrics, gateway_port=args.gateway_port or None,
                       hosted_gateway=args.hosted_gateway, service_env=key_env, engine_env=engine_env)
 
@@ -248,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         _say(f"\n{signal.Signals(received[0]).name}: stopping the stack ...")
         return 0
     finally:
-        _remove_state(path)
+        remove_state(path)
         stack.stop()
         _say("stopped.")
 

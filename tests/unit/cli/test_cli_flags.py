@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from kvpush.cli.main import _channel_config, build_parser
+from kvpush.cli import up as up_command
+from kvpush.cli.main import _channel_config, build_parser, main
 from kvpush.localstack import up
 
 
@@ -93,8 +94,8 @@ def test_up_gateway_gets_the_key_from_its_environment():
     assert up._build_stack(_up_args(), api_key="").service_env == {}
 
 
-def _state(pid: int) -> up.UpState:
-    return up.UpState(pid=pid, directory_address="127.0.0.1:45678", gateway_url="http://127.0.0.1:45679",
+def _state(pid: int) -> up_command.UpState:
+    return up_command.UpState(pid=pid, directory_address="127.0.0.1:45678", gateway_url="http://127.0.0.1:45679",
                       model="tiny", api_key="k3y", log_dir="/tmp/x", engines={"prefill": "http://127.0.0.1:1"})
 
 
@@ -102,26 +103,26 @@ def test_state_file_is_the_users_alone_and_read_back(tmp_path, monkeypatch):
     """Written under $XDG_RUNTIME_DIR/kvpush, mode 0600 in a 0700 folder; read back equal; a dead process's is
     ignored; removed only by the process that wrote it."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    path = up.state_path()
+    path = up_command.state_path()
     assert path == tmp_path / "kvpush" / "up.json"
     _state(os.getpid()).write(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    assert up.read_state() == _state(os.getpid())
+    assert up_command.read_state() == _state(os.getpid())
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(30)
     _state(gone.pid).write(path)
-    assert up.read_state() is None
-    up._remove_state(path)
+    assert up_command.read_state() is None
+    up_command.remove_state(path)
     assert path.exists()  # another process's file stays
     _state(os.getpid()).write(path)
-    up._remove_state(path)
+    up_command.remove_state(path)
     assert not path.exists()
 
 
 def test_state_path_without_runtime_dir_is_in_the_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert up.state_path() == tmp_path / ".cache" / "kvpush" / "up.json"
+    assert up_command.state_path() == tmp_path / ".cache" / "kvpush" / "up.json"
 
 
 @pytest.mark.parametrize("command", ["engines", "transfers", "health", "trace"])
@@ -129,10 +130,50 @@ def test_inspection_commands_default_to_the_running_up(tmp_path, monkeypatch, co
     """Without --address or KVPUSH_DIRECTORY_ADDRESS the running `kvpush up`'s directory is used; either one wins."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.delenv("KVPUSH_DIRECTORY_ADDRESS", raising=False)
-    _state(os.getpid()).write(up.state_path())
+    _state(os.getpid()).write(up_command.state_path())
     argv = [command, *(["t-1"] if command == "trace" else [])]
     parser = build_parser()
     assert _channel_config(parser.parse_args(argv)).address == "127.0.0.1:45678"
     assert _channel_config(parser.parse_args([*argv, "--address", "h:1"])).address == "h:1"
     monkeypatch.setenv("KVPUSH_DIRECTORY_ADDRESS", "e:2")
     assert _channel_config(parser.parse_args(argv)).address == "e:2"
+
+
+# ---------------------------------------------------------------- without the local stack's packages
+
+
+def test_up_without_transformers_fails_with_one_line_naming_the_install(monkeypatch, capsys):
+    """A missing transformers (None in sys.modules: its import raises ImportError) stops `kvpush up` before the stack
+    is imported or started: exit 1 and one line on stderr that names the package and the install command."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    started: list[argparse.Namespace] = []
+    monkeypatch.setattr(up, "run", started.append)
+    code = main(["up", "--no-api-key"])
+    out, err = capsys.readouterr()
+    assert (code, out, started) == (1, "", [])
+    assert err.count("\n") == 1, err
+    assert "transformers" in err and "pip install 'kvpush[dev]'" in err and err.startswith("kvpush up: ")
+
+
+def test_up_with_its_packages_runs_the_local_stack(monkeypatch):
+    """With transformers and tokenizers importable the same call reaches the local stack's `run`."""
+    started: list[argparse.Namespace] = []
+    monkeypatch.setattr(up, "run", lambda args: started.append(args) or 0)
+    assert main(["up", "--no-api-key"]) == 0
+    assert [args.no_api_key for args in started] == [True]
+
+
+def test_help_and_inspection_commands_never_import_the_local_stack():
+    """`kvpush --help` of every subcommand and an inspection command's configuration import no kvpush.localstack
+    module (a fresh interpreter, so nothing the tests imported counts)."""
+    probe = ("import sys, contextlib, io\n"
+             "from kvpush.cli.main import build_parser, _channel_config\n"
+             "parser = build_parser()\n"
+             "for argv in (['--help'], ['up', '--help'], ['engine-args', '--help'], ['engines', '--help']):\n"
+             "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+             "        parser.parse_args(argv)\n"
+             "_channel_config(parser.parse_args(['engines']))\n"
+             "print(sorted(m for m in sys.modules if m.startswith('kvpush.localstack')))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
