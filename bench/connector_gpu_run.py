@@ -67,7 +67,6 @@ import argparse
 import hashlib
 import importlib
 import importlib.util
-import json
 import os
 import secrets
 import socket
@@ -82,6 +81,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from bench_io import write_result  # bench/, this script's folder
+
 LAYER_NAME = "model.layers.{}.self_attn.attn"
 PREFILL_ENGINE = "prefill-0"
 DECODE_ENGINE = "decode-0"
@@ -807,8 +809,7 @@ def run_main(args: argparse.Namespace) -> int:
                     proc.kill()
         for log in logs:
             log.close()
-    path = out_dir / args.out_name
-    path.write_text(json.dumps(result, indent=1))
+    path = write_result(out_dir / args.out_name, result, indent=1, echo=False)
     print_table(result)
     print(f"wrote {path}")
     return 0 if result.get("all_ok") else 1

@@ -36,11 +36,11 @@ reuses the receiver and the cases with torch tensors on two GPUs.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -53,6 +53,9 @@ from kvpush.dataplane import KVLayoutSpec, NixlConfig, PushWriter, TransferAgent
 from kvpush.v1 import types_pb2
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parent))
+from bench_io import write_result  # bench/, this script's folder
+
 LAYOUT_HINT = "kv_first"
 
 
@@ -497,9 +500,7 @@ def main() -> None:
     if after.gib_s_median > cases[0].gib_s_median:
         cases[0] = after
     summarise(results, cases)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "dataplane_bench.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    write_result(RESULTS / "dataplane_bench.json", results)
 
 
 def mismatch_case(shape: KVShape, config: dict[str, Any], receiver: Receiver, args, ceiling) -> CaseResult:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_io import write_result  # bench/, this script's folder
 from dataplane_bench import (
     LAYOUT_HINT,
     CaseResult,
@@ -320,8 +321,7 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     results["poll_max_us"], results["notif_poll_us"] = args.poll_max_us, args.notif_poll_us
-    (out_dir / args.out_name).write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    write_result(out_dir / args.out_name, results)
     print(f"torch peer copy: {ceiling} GiB/s median")
     for row in table:
         print(" | ".join(str(x) for x in row))

@@ -36,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_io import emit
 
 from kvpush.localstack.client import stream_completion
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
@@ -122,18 +124,12 @@ def main(argv=None) -> int:
         result["tpot_mean_x_plain_by_round"] = [
             round(r["tpot_ms"]["mean"] / b["tpot_ms"]["mean"], 3)
             for r, b in zip(result["rounds"], (results.get("plain") or {}).get("rounds", []))]
-    out = {"bench": "decode_step", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "command": " ".join(["python", "bench/decode_step_bench.py", *(argv or sys.argv[1:])]),
+    out = {"bench": "decode_step",
            "config": {"model": "tiny (localstack TinyModelSpec, float32)", "isl": args.isl, "osl": args.osl,
                       "requests": args.requests, "concurrency": args.concurrency, "cpus": args.cpus,
                       "rounds": args.rounds},
            "variants": results}
-    text = json.dumps(out, indent=2)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decode-step-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    path.write_text(text + "\n")
-    print(f"wrote {path}", file=sys.stderr)
+    print(f"wrote {emit(out, args.out, 'decode-step')}", file=sys.stderr)
     return 0
 
 

@@ -37,7 +37,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import pstats
 import shutil
 import signal
@@ -59,6 +58,9 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parent))
+from bench_io import write_result  # bench/, this script's folder
+
 BLOCK_SIZE = 16
 DECODE_BLOCKS = 1_000_000
 
@@ -597,7 +599,6 @@ def main() -> None:
         "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),
         "command": "python " + " ".join(sys.argv),
-        "machine": {"cpus": cores, "python": platform.python_version(), "platform": platform.platform()},
         "directory_pinned_core": directory_core,
         "load_pinned_core": args.load_core if pin else None,
         "event_loop": "asyncio" if args.no_uvloop else "uvloop",
@@ -618,9 +619,7 @@ def main() -> None:
     if args.auth_modes != "off":
         name += "_auth"
     suffix = "_realtime" if args.realtime else f"_nice{args.nice}" if args.nice else ""
-    out = RESULTS / f"{name}{suffix}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    write_result(RESULTS / f"{name}{suffix}.json", report)
 
 
 # ---------------------------------------------------------------------------- replicas on etcd
@@ -797,18 +796,15 @@ def replicas_main(args) -> None:
                     "plan_p50": round(row["unary_cost"]["plan_ms_p50"] - baseline["unary_cost"]["plan_ms_p50"], 3),
                     "allocation_p50": round(row["unary_cost"]["allocation_ms_p50"]
                                             - baseline["unary_cost"]["allocation_ms_p50"], 3)}
-    report = {"benchmark": "directory_replicas", "command": "python " + " ".join(sys.argv),
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    report = {"benchmark": "directory_replicas",
               "load_average_at_start": os.getloadavg(),
               "workload_per_replica": {"prefill_workers": args.prefill, "decode_engines": args.decode,
                                        "in_flight_per_worker": args.in_flight, "layers": args.layers,
                                        "chunks": args.chunks, "duration_s": args.duration_s,
                                        "paced_rate_total": args.paced_rate},
               "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "directory_replicas_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_result(RESULTS / "directory_replicas_bench.json", report)
     _plot_replicas(report, RESULTS / "directory_replicas_bench.png")
-    print(json.dumps(report, indent=2))
 
 
 def _plot_replicas(report: dict, path: Path) -> None:

@@ -25,8 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from bench.bench_io import emit
+from bench_io import emit
+
 from kvpush.localstack.client import stream_completion
 
 VARIANTS = {"preload": True, "on_instruction": False}

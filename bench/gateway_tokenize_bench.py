@@ -16,11 +16,11 @@ Prints JSON and writes bench/results/gateway_tokenize_bench.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +31,9 @@ from kvpush.localstack.stack import LocalStack
 from kvpush.observability import configure_logging
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parent))
+from bench_io import write_result  # bench/, this script's folder
+
 WORDS = ["prefill", "engine", "writes", "every", "layer", "of", "the", "key", "and", "value", "cache", "into", "blocks", "that", "decode", "allocated", "before", "the", "prompt", "was", "computed", "while", "the", "directory", "watches", "each", "transfer"]
 
 
@@ -90,8 +93,8 @@ def main() -> None:
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                "model": "tiny (2 layers, CPU)", "control_a_a": args.control, "cases": cases}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / ("gateway_tokenize_bench_control.json" if args.control else "gateway_tokenize_bench.json")).write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    write_result(RESULTS / ("gateway_tokenize_bench_control.json" if args.control else "gateway_tokenize_bench.json"),
+                 results)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_io import write_result  # bench/, this script's folder
 from google.protobuf.json_format import MessageToDict
 
 from kvpush.localstack.client import call, stream_completion
@@ -568,7 +569,7 @@ def run_e2e(args: argparse.Namespace) -> int:
         report["failures"] = failures
         report["wall_s"] = time.monotonic() - started
         name = f"gpu_e2e{'_eager' if args.eager else ''}{'' if stack.on_gpu else '_cpu'}.json"
-        (out_dir() / name).write_text(json.dumps(report, indent=1, default=str))
+        write_result(out_dir() / name, report, indent=1, echo=False)
         say(f"wrote {out_dir() / name}; failures: {failures or 'none'}")
         stack.stop()
     return 1 if failures else 0
@@ -631,10 +632,10 @@ def run_serve(args: argparse.Namespace) -> int:
                     say(f"{connector} ISL {isl} rate {rate}: " + json.dumps(
                         {k: point.get(k) for k in ("completed", "failed", "mean_ttft_ms", "p99_ttft_ms",
                                                    "mean_tpot_ms", "p99_tpot_ms", "exposed_tail_ms", "error")}))
-                    results_path.write_text(json.dumps(report, indent=1))
+                    write_result(results_path, report, indent=1, echo=False)
         finally:
             stack.stop()
-    results_path.write_text(json.dumps(report, indent=1))
+    write_result(results_path, report, indent=1, echo=False)
     say(f"wrote {results_path}")
     return 0
 
@@ -706,8 +707,8 @@ def run_hops(args: argparse.Namespace) -> int:
                                     for hop in hops_bench.HOPS}} if receiver is not None else {}),
         "pairs": pairs,
     }
-    path = out_dir() / f"gpu_hops{'' if stack.on_gpu else '_cpu'}{args.tag}.json"
-    path.write_text(json.dumps(report, indent=1))
+    path = write_result(out_dir() / f"gpu_hops{'' if stack.on_gpu else '_cpu'}{args.tag}.json", report, indent=1,
+                        echo=False)
     say("median ms: " + json.dumps(report["median_ms"]))
     if "span_hops_median_ms" in report:
         say("span hops, median ms: " + json.dumps(report["span_hops_median_ms"]))

@@ -64,6 +64,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_io import emit
 
 from kvpush.localstack.client import call, stream_completion
 
@@ -407,12 +410,7 @@ def main(argv=None) -> int:
         "first_token_before_transfer_end_median_ms": _median(p["first_token_before_transfer_end_ms"] for p in pairs),
         "pairs": pairs,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"hops-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    path.write_text(text + "\n")
-    print(f"wrote {path}", file=sys.stderr)
+    print(f"wrote {emit(result, args.out, 'hops')}", file=sys.stderr)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import statistics
 import sys
 import threading
@@ -24,6 +23,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_io import write_result  # bench/, this script's folder
 
 _SIZE = 4096
 
@@ -123,8 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     result = probe(args.descriptors, args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

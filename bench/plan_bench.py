@@ -23,9 +23,8 @@ Prints JSON and writes bench/results/NAME (plan_bench.json by default).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +35,8 @@ from kvpush.dataplane.layout import KVLayoutSpec
 from kvpush.dataplane.plan import LayerPlanCache, plan_write
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parent))
+from bench_io import write_result  # bench/, this script's folder
 
 
 class AddressOnlyTensor:
@@ -223,13 +224,9 @@ def main() -> None:
     # As the connector does at load (INFO unless KVPUSH_LOG_LEVEL says otherwise): unconfigured structlog prints
     # every per-write debug line, which would time the console instead of the worker.
     configure_logging()
-    results = {"bench": "plan", "host": platform.node(), "python": platform.python_version(),
-               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reps": args.reps,
+    results = {"bench": "plan", "reps": args.reps,
                "cases": [run_case(case, args.reps) for case in CASES], "hook": run_save_kv_layer_case(args.reps)}
-    text = json.dumps(results, indent=2)
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / args.out).write_text(text + "\n")
+    write_result(RESULTS / args.out, results)
 
 
 if __name__ == "__main__":

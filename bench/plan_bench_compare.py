@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
+sys.path.insert(0, str(REPO / "bench"))
+from bench_io import write_result  # bench/, this script's folder
+
 # Runs plan_bench.main with the kvpush packages of the tree at argv[1] (src/ on the path).
 _RUNNER = """
 import importlib.util, runpy, sys, tomllib
@@ -93,13 +94,9 @@ def main() -> None:
         old = statistics.median(r[key] for r in runs["old"])
         new = statistics.median(r[key] for r in runs["new"])
         figures[key] = {"old": old, "new": new, "ratio_new_over_old": round(new / old, 3) if old else None}
-    result = {"bench": "plan_compare", "host": platform.node(), "python": platform.python_version(),
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "old": old_sha, "new": new_sha,
+    result = {"bench": "plan_compare", "old": old_sha, "new": new_sha,
               "rounds": args.rounds, "reps": args.reps, "figures": figures}
-    text = json.dumps(result, indent=2)
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "plan_bench_compare.json").write_text(text + "\n")
+    write_result(RESULTS / "plan_bench_compare.json", result)
 
 
 if __name__ == "__main__":

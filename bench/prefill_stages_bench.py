@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import hops_bench
+from bench_io import emit
 
 from kvpush.localstack.client import stream_completion
 
@@ -153,12 +154,7 @@ def main(argv=None) -> int:
         "requests": {"p_alone": args.blocks * args.per_block, "p_leg": args.blocks * args.per_block},
         "blocks": blocks,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"prefill-stages-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    path.write_text(text + "\n")
-    print(f"wrote {path}", file=sys.stderr)
+    print(f"wrote {emit(result, args.out, 'prefill-stages')}", file=sys.stderr)
     return 0
 
 

@@ -20,6 +20,9 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_io import write_result  # bench/, this script's folder
+
 _PROCESS = re.compile(r'^process (\d+):"([^"]*)')
 _THREAD = re.compile(r"^thread \((\d+)\): (.*)$")
 
@@ -76,10 +79,10 @@ def main(argv=None) -> int:
     markers = tuple(args.marker or ("kvpush/",))
     with args.profile.open() as lines:
         summary = {"profile": args.profile.name, "markers": list(markers), **summarise(lines, args.top, markers)}
-    text = json.dumps(summary, indent=1)
-    print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        write_result(args.out, summary, indent=1)
+    else:
+        print(json.dumps(summary, indent=1))
     return 0
 
 

@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ttft_bench
+from bench_io import write_result
 
 from kvpush.localstack.model import BENCH_MODEL_SPEC, TinyModelSpec, ensure_tiny_model
 from kvpush.localstack.netns import PDNetwork
@@ -256,7 +257,7 @@ def main(argv=None) -> int:
     add_ratios(result)
     out = Path(args.out) if args.out else RESULTS_DIR / f"serve-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, echo=False)
     plot(result, out.with_suffix(".png"))
     print(json.dumps(result, indent=2))
     say(f"wrote {out} and {out.with_suffix('.png')}")

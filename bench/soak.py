@@ -74,6 +74,9 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS_DIR.parent))
+from bench_io import write_result  # bench/, this script's folder
+
 FAULTS = ("decode-kill", "prefill-kill", "directory-kill", "lease-expiry", "decode-freeze", "oversized",
           "invalid-flood")
 LEASE_TTL_S = 30.0  # the stack's directory (kvpush.localstack.stack.DIRECTORY_ARGS)
@@ -1008,7 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
     result["command"] = "python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result["log_dir"] = str(log_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out, result, indent=1, echo=False)
     plot(result, out.with_suffix(".png"))
     summary = {k: result[k] for k in ("outcomes", "corrupt", "hung", "leaked", "fault_counts", "duration_s",
                                       "served_rate")}

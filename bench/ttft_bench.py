@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import signal
@@ -69,6 +68,9 @@ from kvpush.localstack.stack import (
 )
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS_DIR.parent))
+from bench_io import write_result  # bench/, this script's folder
+
 # kvpush phases: the connector's kv_connector_extra_config beyond the directory and endpoint.
 KVPUSH_PHASES = {"kvpush": {}, "kvpush-progthread": {"nixl_enable_prog_thread": True},
                  "kvpush-poll5ms": {"nixl_poll_max_s": 0.005, "nixl_notif_poll_s": 0.005},
@@ -511,8 +513,7 @@ def main(argv=None) -> int:
     add_ratios(result)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else RESULTS_DIR / f"ttft-{stamp}.json"
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    write_result(out, result)
     say(f"wrote {out}")
     return 0
 

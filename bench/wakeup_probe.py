@@ -28,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_io import write_result
 
 from kvpush.localstack.processes import ManagedProcess, free_port, tcp_open
 
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
               "requests": args.requests, "cpu_count": len(os.sched_getaffinity(0)),
               "cpuidle_driver": idle_driver.read_text().strip() if idle_driver.exists() else None, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1, echo=False)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

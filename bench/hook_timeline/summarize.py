@@ -24,8 +24,12 @@ import argparse
 import bisect
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_io import write_result  # bench/, the folder above
 
 STAGES = ("to_bind", "forward", "first_layer", "after_first_layer", "save_hooks", "save_calls",
           "io_thread_during_forward", "io_commands_during_forward", "writes_posted", "wait_for_save", "to_update",
@@ -154,7 +158,7 @@ def main() -> int:
     print(json.dumps({k: {s: v for s, v in m.items() if s != "layer_gaps"} for k, m in summary["median_ms"].items()},
                      indent=1))
     if args.out:
-        args.out.write_text(json.dumps(summary, indent=1))
+        write_result(args.out, summary, indent=1, echo=False)
     return 0
 
 
