@@ -11,7 +11,8 @@ What every kvpush gateway does (the reference one, `kvpush.gateway`, adds stream
 SageMaker routes, validation, metrics and tracing):
   1. `PlanTransfer` at the directory: it picks a prefill and a decode engine and mints a transfer id.
   2. Send the prefill leg (max_tokens=1) and the decode leg (the client's request) AT THE SAME TIME, each
-     with `kv_transfer_params` naming the transfer: prefill pushes KV into the blocks decode allocates.
+     with `kv_transfer_params` naming the transfer (`kvpush.api.params.TransferParams` builds both): prefill
+     pushes KV into the blocks decode allocates.
   3. Return decode's answer. If either leg fails, cancel the other and `CancelTransfer` so both engines
      free their blocks now rather than when the transfer's deadline passes.
 """
@@ -26,6 +27,7 @@ import uuid
 import aiohttp
 from aiohttp import web
 
+from kvpush.api.params import TransferParams
 from kvpush.client import ChannelConfig, DirectoryCallError, DirectoryClient
 
 LEG_TIMEOUT = aiohttp.ClientTimeout(total=120, connect=5)
@@ -51,10 +53,9 @@ async def completions(request: web.Request) -> web.Response:
     except DirectoryCallError as error:  # e.g. RESOURCE_EXHAUSTED: no decode engine with free blocks
         raise web.HTTPServiceUnavailable(text=f"no engines: {error.code.name}: {error.details}") from error
     transfer_id = plan.transfer.transfer_id
-    common = {"transfer_id": transfer_id}
     prefill = {**body, "max_tokens": 1, "stream": False,
-               "kv_transfer_params": {**common, "do_remote_decode": True, "do_remote_prefill": False}}
-    decode = {**body, "kv_transfer_params": {**common, "do_remote_prefill": True, "do_remote_decode": False}}
+               "kv_transfer_params": TransferParams.prefill(transfer_id).to_dict()}
+    decode = {**body, "kv_transfer_params": TransferParams.decode(transfer_id).to_dict()}
     session = request.app["session"]
     legs = [asyncio.create_task(post(session, plan.prefill_endpoint + "/v1/completions", prefill, request_id)),
             asyncio.create_task(post(session, plan.decode_endpoint + "/v1/completions", decode, request_id))]

@@ -1,6 +1,7 @@
 """Transfer shards: which shard a transfer id falls in, and how a replica names a shard's owner.
 
-Shared by the directory replicas and the client library (no etcd, no gRPC server in here).
+Shared by the directory replicas (which answer with a redirect) and the client library (which follows it), so
+the client imports nothing of the directory: no etcd, no gRPC server in here.
 
 - `shard_of(transfer_id, shard_count)`: a stable hash (CRC-32 of the id) modulo the shard count;
   every replica and client computes the same shard for the same id.

@@ -28,9 +28,9 @@ import grpc
 from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvpush.api.shards import SHARD_NOT_OWNED, ShardRedirect, shard_of, shard_redirect
 from kvpush.client.config import ChannelConfig
 from kvpush.client.errors import DirectoryCallError
-from kvpush.directory.shards import SHARD_NOT_OWNED, ShardRedirect, shard_of, shard_redirect
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
 from kvpush.v1 import types_pb2 as tpb

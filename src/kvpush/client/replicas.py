@@ -28,11 +28,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
+from kvpush.api.shards import SHARD_NOT_OWNED, redirect_of_status, shard_of
 from kvpush.client.client import DirectoryClient
 from kvpush.client.errors import DirectoryCallError
 from kvpush.client.lease import EngineRegistration
 from kvpush.client.prefill import PrefillSession
-from kvpush.directory.shards import SHARD_NOT_OWNED, redirect_of_status, shard_of
 from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from kvpush.api.params import first_token_id_of
 from kvpush.observability import get_logger
 
 try:  # the V1 model runner's interface: vLLM 0.25 to 0.33
@@ -60,8 +61,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-# The key inside kv_transfer_params (src/kvpush/connector/params.py reads the same one).
-FIRST_TOKEN_KEY = "first_token_id"
 # The class vLLM loads, as `--logits-processors` and the entry point name it.
 PROCESSOR_FQCN = "kvpush.connector.first_token:ForcePrefillFirstToken"
 # Engine environment: "0" keeps the processor idle in this engine (it then registers forces_first_token false).
@@ -81,16 +80,11 @@ def forcing_installed() -> bool:
 def forced_first_token(params: SamplingParams | None) -> int | None:
     """The token a request's first step must produce, from `extra_args.kv_transfer_params`; None if unset.
 
-    Raises ValueError for a value that is not a non-negative integer (vLLM turns it into a 400).
+    Raises TransferParamsError (a ValueError) for a value that is not a non-negative integer (vLLM turns it into
+    a 400).
     """
     extra = getattr(params, "extra_args", None) or {}
-    transfer = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
-    if not isinstance(transfer, dict) or transfer.get(FIRST_TOKEN_KEY) is None:
-        return None
-    token = transfer[FIRST_TOKEN_KEY]
-    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-        raise ValueError(f"kv_transfer_params.{FIRST_TOKEN_KEY} must be a non-negative token id, got {token!r}")
-    return token
+    return first_token_id_of(extra.get("kv_transfer_params") if isinstance(extra, dict) else None)
 
 
 def _is_kvpush_decode(vllm_config: Any) -> bool:
@@ -207,5 +201,5 @@ class ForcePrefillFirstToken(*_INTERFACES):  # type: ignore[misc]
         return logits
 
 
-__all__ = ["FIRST_TOKEN_KEY", "FORCING_ENV", "PROCESSOR_FQCN", "ForcePrefillFirstToken", "forced_first_token",
+__all__ = ["FORCING_ENV", "PROCESSOR_FQCN", "ForcePrefillFirstToken", "forced_first_token",
            "forcing_installed"]

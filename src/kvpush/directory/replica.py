@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvpush.api.shards import SHARD_HAS_NO_OWNER, SHARD_NOT_OWNED, ShardRedirect, shard_of
 from kvpush.directory.errors import NotFound, Unavailable
 from kvpush.directory.etcd_store import Delete, EtcdStore, Put
 from kvpush.directory.records import Effects, StoredTransfer, TransferRecord
-from kvpush.directory.shards import SHARD_HAS_NO_OWNER, SHARD_NOT_OWNED, ShardRedirect, shard_of
 from kvpush.directory.state import DirectoryState
 from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb

@@ -35,6 +35,7 @@ from google.protobuf import duration_pb2
 from google.rpc import status_pb2
 from structlog.contextvars import bound_contextvars
 
+from kvpush.api.shards import SHARD_NOT_OWNED, status_trailer
 from kvpush.directory import validation as check
 from kvpush.directory.admission import StreamSlots, caller_of
 from kvpush.directory.auth import Authenticator, Principal, Unauthenticated
@@ -52,7 +53,6 @@ from kvpush.directory.errors import (
 )
 from kvpush.directory.records import UnreachableReport
 from kvpush.directory.replica import Replica, lease_key
-from kvpush.directory.shards import SHARD_NOT_OWNED, status_trailer
 from kvpush.directory.state import DirectoryState, Effects, Worker
 from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb

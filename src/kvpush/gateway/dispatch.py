@@ -45,13 +45,14 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from structlog.contextvars import bound_contextvars
 
+from kvpush.api.params import TransferParams
 from kvpush.client import PLAN_CLIENT_ID, client_id_of
 from kvpush.gateway import first_token, legs
 from kvpush.gateway.config import GatewayConfig
 from kvpush.gateway.errors import EngineUnreachable, EngineUnresponsive, GatewayError, LegTimeout, bad_gateway
 from kvpush.gateway.in_process import InProcessSession
 from kvpush.gateway.metrics import RECORD_KEY, GatewayMetrics, RequestRecord, TokenClock
-from kvpush.gateway.routing import PickRefused, PrefillPick, Route, Router, pull_decode_params
+from kvpush.gateway.routing import LegParams, PickRefused, PrefillPick, Route, Router, pull_decode_params
 from kvpush.gateway.streams import ClientGone, StreamWatch, end, error_event, event_error_status, open_client, send
 from kvpush.gateway.validation import (
     CHAT_COMPLETIONS,
@@ -446,8 +447,7 @@ class Dispatcher:
             if first_token.client_max_tokens(request) == 1:
                 leg = self._prefill(request, route, headers, outcome, want_token=True, streamed=request.stream)
             else:
-                route = dataclasses.replace(route, prefill_params={**route.prefill_params,
-                                                                   first_token.FROM_PREFILL_KEY: True})
+                route = dataclasses.replace(route, prefill_params=_first_token_from_prefill(route.prefill_params))
                 leg = self._prefill(request, route, headers, outcome, want_token=True, streamed=True)
         else:
             leg = self._prefill(request, route, headers, outcome)
@@ -493,7 +493,7 @@ class Dispatcher:
             return await self._prefill_only(http_request, request, route, outcome, prefill_task)
         started = time.monotonic()
         decode_url = route.decode_url + request.path
-        decode_params = {**route.decode_params, first_token.FROM_PREFILL_KEY: True}
+        decode_params = _first_token_from_prefill(route.decode_params)
         stream_task = asyncio.create_task(self._open_decode_stream(decode_url, request, decode_params, headers))
         try:
             answer = await _prefill_unless_decode_fails(prefill_task, stream_task)
@@ -642,7 +642,7 @@ class Dispatcher:
         await end(out)
         return out
 
-    async def _open_decode_stream(self, url: str, request: ClientRequest, params: dict,
+    async def _open_decode_stream(self, url: str, request: ClientRequest, params: LegParams,
                                   headers: dict[str, str]) -> aiohttp.ClientResponse:
         """The first-token decode leg, opened (its engine answers the headers at once; tokens follow)."""
         with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
@@ -686,7 +686,7 @@ class Dispatcher:
         response, first_chunk = await self._first_chunk(decode_url, request, decode_params, headers)
         return await self._pass_through(http_request, response, first_chunk, route, outcome, None)
 
-    async def _decode_json(self, url: str, request: ClientRequest, params: dict,
+    async def _decode_json(self, url: str, request: ClientRequest, params: LegParams,
                            headers: dict[str, str], health_url: str) -> dict[str, Any]:
         with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("server.address", url)
@@ -695,7 +695,7 @@ class Dispatcher:
                                         self._config.decode_timeout_s, self._config.connect_timeout_s,
                                         self._config.decode_first_byte_timeout_s, health_url)
 
-    async def _first_chunk(self, url: str, request: ClientRequest, params: dict,
+    async def _first_chunk(self, url: str, request: ClientRequest, params: LegParams,
                            headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
         # The span covers the decode leg up to its first chunk (TTFT as the gateway sees it).
         with _tracer.start_as_current_span("gateway.decode_leg", kind=trace.SpanKind.CLIENT) as span:
@@ -787,12 +787,17 @@ def _stream_error(first_chunk: bytes) -> str | None:
     return None
 
 
-def _leg_params(params: dict) -> dict:
-    """A leg's kv_transfer_params: with the current (leg) span's traceparent where the route carries one, so
-    the engine's spans are children of the leg that reached it."""
-    if "traceparent" not in params:
+def _leg_params(params: LegParams) -> dict[str, Any]:
+    """A leg's kv_transfer_params as sent: kvpush's with the current (leg) span's traceparent, so the engine's
+    spans are children of the leg that reached it; a NIXL connector's as they are."""
+    if not isinstance(params, TransferParams):
         return params
-    return {**params, "traceparent": current_traceparent() or params["traceparent"]}
+    return params.replace(traceparent=current_traceparent() or params.traceparent).to_dict()
+
+
+def _first_token_from_prefill(params: LegParams) -> LegParams:
+    """A kvpush leg's params asking for first token from prefill (only kvpush routes serve it)."""
+    return params.replace(first_token_from_prefill=True) if isinstance(params, TransferParams) else params
 
 
 def _add_prefill_params_header(headers: dict[str, str], outcome: Outcome) -> None:

@@ -28,10 +28,6 @@ import orjson
 
 from kvpush.gateway.validation import CHAT_COMPLETIONS, ClientRequest
 
-# kv_transfer_params key on both legs: the token travels from prefill to decode with the transfer's completion
-# (kvpush.connector.params reads the same one).
-FROM_PREFILL_KEY = "first_token_from_prefill"
-
 
 class FirstTokenMismatch(Exception):
     """Decode's first token is not the one prefill sent (is the logits processor loaded on decode?)."""

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from kvpush.api.params import TransferParams
 from kvpush.client import ChannelConfig, DirectoryCallError, DirectoryClient
 from kvpush.gateway.config import GatewayConfig
 from kvpush.gateway.errors import GatewayError, bad_gateway, directory_reason, unavailable
@@ -39,15 +40,20 @@ CANCEL_REASON = "cancelled by the gateway"
 _CANCEL_FINAL = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT}
 
 
+# A leg's kv_transfer_params: kvpush's typed record (kvpush.api.params), or the JSON object of one of vLLM's NIXL
+# connectors (the baseline modes), passed on as it is.
+LegParams = TransferParams | dict[str, Any]
+
+
 @dataclass
 class Route:
     """Where one request's legs go, and the parameters each leg carries."""
 
     prefill_url: str
     decode_url: str
-    prefill_params: dict[str, Any]
+    prefill_params: LegParams
     # None: the decode leg waits for the prefill response and carries its kv_transfer_params (pull).
-    decode_params: dict[str, Any] | None
+    decode_params: LegParams | None
     transfer_id: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     # First token from prefill may serve this route: its decode engine registered that it forces prefill's token
@@ -58,17 +64,6 @@ class Route:
     def concurrent(self) -> bool:
         """True when both legs are sent at the same time."""
         return self.decode_params is not None
-
-
-# The prefill leg's kv_transfer_params key saying it left before its plan (kvpush.connector.params).
-PLAN_IN_FLIGHT_KEY = "plan_in_flight"
-
-
-def kvpush_params(transfer_id: str, traceparent: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The prefill and the decode leg's kv_transfer_params of a kvpush transfer."""
-    common = {"transfer_id": transfer_id, "traceparent": traceparent}
-    return ({**common, "do_remote_decode": True, "do_remote_prefill": False},
-            {**common, "do_remote_prefill": True, "do_remote_decode": False})
 
 
 @dataclass(frozen=True)
@@ -83,8 +78,8 @@ class PrefillPick:
 
     def early_route(self, traceparent: str) -> Route:
         """The route as far as the prefill leg needs it before the plan (its params say the plan is in flight)."""
-        prefill_params, _ = kvpush_params(self.transfer_id, traceparent)
-        return Route(prefill_url=self.url, decode_url="", prefill_params={**prefill_params, PLAN_IN_FLIGHT_KEY: True},
+        return Route(prefill_url=self.url, decode_url="",
+                     prefill_params=TransferParams.prefill(self.transfer_id, traceparent, plan_in_flight=True),
                      decode_params={}, transfer_id=self.transfer_id, extra={"prefill_engine_id": self.engine_id},
                      first_token_capable=self.first_token_capable)
 
@@ -281,9 +276,10 @@ class DirectoryRouter:
             raise unavailable(f"planned engines have no HTTP endpoint (prefill {transfer.prefill_engine_id!r}: "
                               f"{response.prefill_endpoint!r}, decode {transfer.decode_engine_id!r}: "
                               f"{response.decode_endpoint!r}); set engine_endpoint in kv_connector_extra_config")
-        prefill_params, decode_params = kvpush_params(transfer.transfer_id, traceparent)
         return Route(prefill_url=response.prefill_endpoint.rstrip("/"), decode_url=response.decode_endpoint.rstrip("/"),
-                     prefill_params=prefill_params, decode_params=decode_params, transfer_id=transfer.transfer_id,
+                     prefill_params=TransferParams.prefill(transfer.transfer_id, traceparent),
+                     decode_params=TransferParams.decode(transfer.transfer_id, traceparent),
+                     transfer_id=transfer.transfer_id,
                      extra={"prefill_engine_id": transfer.prefill_engine_id,
                             "decode_engine_id": transfer.decode_engine_id},
                      # A decode engine that does not force prefill's token decodes the whole answer (never a stream
@@ -452,6 +448,7 @@ def pull_decode_params(prefill_response: dict) -> dict:
 
 __all__ = [
     "DirectoryRouter",
+    "LegParams",
     "PickRefused",
     "PrefillPick",
     "Route",

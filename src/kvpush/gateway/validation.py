@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from kvpush.api.params import write_first_token_id
 from kvpush.gateway.errors import bad_request
 
 COMPLETIONS = "/v1/completions"
@@ -170,7 +171,8 @@ def decode_body(request: ClientRequest, kv_transfer_params: dict, *, first_token
     """
     body = dict(request.body)  # as in prefill_body: only top-level keys change
     if first_token_id is not None:
-        kv_transfer_params = {**kv_transfer_params, "first_token_id": first_token_id}
+        kv_transfer_params = dict(kv_transfer_params)
+        write_first_token_id(kv_transfer_params, first_token_id)
     if first_token_id is not None or want_token_ids:
         body["return_token_ids"] = True
     body["kv_transfer_params"] = kv_transfer_params

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import grpc
 
+from kvpush.api.shards import shard_of
 from kvpush.client import (
     ChannelConfig,
     DirectoryCallError,
@@ -23,7 +24,6 @@ from kvpush.client import (
     ReplicatedPrefillSession,
     watch_transfers,
 )
-from kvpush.directory.shards import shard_of
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, make_layout, register_request

@@ -15,11 +15,11 @@ import time
 import grpc
 from prometheus_client import generate_latest
 
+from kvpush.api.shards import shard_of, shard_redirect
 from kvpush.client import ChannelConfig, DirectoryClient
 from kvpush.directory.etcd_store import EtcdStore
 from kvpush.directory.replica import ReplicaConfig
 from kvpush.directory.server import DirectoryConfig, create_server
-from kvpush.directory.shards import shard_of, shard_redirect
 from kvpush.directory.state import Limits
 from kvpush.v1 import directory_pb2 as dpb
 from tests.fixtures.directory import DECODE, PREFILL, register_request

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from kvpush.api.params import Leg, TransferParams, TransferParamsError, first_token_id_of, parse, write_first_token_id
 from kvpush.connector.config import ConnectorConfig, ConnectorConfigError
-from kvpush.connector.params import TransferParamsError, parse_transfer_params
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -87,11 +87,11 @@ def test_kv_both_is_refused():
 
 def test_transfer_params_of_both_legs():
     """The prefill and decode legs parse to their side, with the trace context kept."""
-    p_leg = parse_transfer_params({"transfer_id": "t1", "do_remote_decode": True, "traceparent": TRACEPARENT})
-    d_leg = parse_transfer_params({"transfer_id": "t1", "do_remote_prefill": True})
+    p_leg = parse({"transfer_id": "t1", "do_remote_decode": True, "traceparent": TRACEPARENT})
+    d_leg = parse({"transfer_id": "t1", "do_remote_prefill": True})
     assert p_leg.is_prefill_leg and p_leg.traceparent == TRACEPARENT
     assert not d_leg.is_prefill_leg and d_leg.transfer_id == "t1"
-    assert parse_transfer_params(None) is None and parse_transfer_params({"other": 1}) is None
+    assert parse(None) is None and parse({"other": 1}) is None
 
 
 @pytest.mark.parametrize("params, match", [
@@ -103,12 +103,12 @@ def test_transfer_params_of_both_legs():
 def test_malformed_transfer_params_are_refused(params, match):
     """A leg without a usable transfer id, or claiming both sides, raises TransferParamsError."""
     with pytest.raises(TransferParamsError, match=match):
-        parse_transfer_params(params)
+        parse(params)
 
 
 def test_a_bad_traceparent_only_drops_tracing():
     """A malformed traceparent never fails the request: it is ignored."""
-    assert parse_transfer_params({"transfer_id": "t", "do_remote_prefill": True, "traceparent": "junk"}).traceparent == ""
+    assert parse({"transfer_id": "t", "do_remote_prefill": True, "traceparent": "junk"}).traceparent == ""
 
 
 def test_package_imports_without_vllm_and_exposes_the_class_lazily():
@@ -126,31 +126,56 @@ def test_package_imports_without_vllm_and_exposes_the_class_lazily():
 
 def test_decode_leg_first_token_id_is_parsed_strictly():
     """first_token_id is read on the decode leg, refused on the prefill leg and when not a token id."""
-    assert parse_transfer_params({"transfer_id": "t", "do_remote_prefill": True, "first_token_id": 17}).first_token_id == 17
-    assert parse_transfer_params({"transfer_id": "t", "do_remote_prefill": True}).first_token_id is None
+    assert parse({"transfer_id": "t", "do_remote_prefill": True, "first_token_id": 17}).first_token_id == 17
+    assert parse({"transfer_id": "t", "do_remote_prefill": True}).first_token_id is None
     for bad in ({"transfer_id": "t", "do_remote_decode": True, "first_token_id": 1},
                 {"transfer_id": "t", "do_remote_prefill": True, "first_token_id": -1},
                 {"transfer_id": "t", "do_remote_prefill": True, "first_token_id": True},
                 {"transfer_id": "t", "do_remote_prefill": True, "first_token_id": "7"}):
         with pytest.raises(TransferParamsError, match="first_token_id"):
-            parse_transfer_params(bad)
+            parse(bad)
 
 
 def test_first_token_from_prefill_is_a_boolean_on_either_leg():
     """first_token_from_prefill is read on both legs and refused when not a boolean."""
     for leg in ("do_remote_prefill", "do_remote_decode"):
-        assert parse_transfer_params({"transfer_id": "t", leg: True, "first_token_from_prefill": True}) \
+        assert parse({"transfer_id": "t", leg: True, "first_token_from_prefill": True}) \
             .first_token_from_prefill
-        assert not parse_transfer_params({"transfer_id": "t", leg: True}).first_token_from_prefill
+        assert not parse({"transfer_id": "t", leg: True}).first_token_from_prefill
         with pytest.raises(TransferParamsError, match="first_token_from_prefill"):
-            parse_transfer_params({"transfer_id": "t", leg: True, "first_token_from_prefill": "yes"})
+            parse({"transfer_id": "t", leg: True, "first_token_from_prefill": "yes"})
 
 
 def test_plan_in_flight_is_a_boolean_of_the_prefill_leg():
     """plan_in_flight (the leg left before its PlanTransfer returned) is read on the prefill leg only."""
-    assert parse_transfer_params({"transfer_id": "t", "do_remote_decode": True, "plan_in_flight": True}).plan_in_flight
-    assert not parse_transfer_params({"transfer_id": "t", "do_remote_decode": True}).plan_in_flight
+    assert parse({"transfer_id": "t", "do_remote_decode": True, "plan_in_flight": True}).plan_in_flight
+    assert not parse({"transfer_id": "t", "do_remote_decode": True}).plan_in_flight
     for bad in ({"transfer_id": "t", "do_remote_decode": True, "plan_in_flight": 1},
                 {"transfer_id": "t", "do_remote_prefill": True, "plan_in_flight": True}):
         with pytest.raises(TransferParamsError, match="plan_in_flight"):
-            parse_transfer_params(bad)
+            parse(bad)
+
+
+@pytest.mark.parametrize("leg", [
+    TransferParams.prefill("t1", TRACEPARENT),
+    TransferParams.prefill("t1", plan_in_flight=True).replace(first_token_from_prefill=True),
+    TransferParams.decode("t1", TRACEPARENT).replace(first_token_from_prefill=True),
+    TransferParams.decode("t1").replace(first_token_id=17),
+])
+def test_every_leg_the_gateway_sends_parses_back_to_itself(leg):
+    """What the gateway sends (`to_dict`) is what the connector reads (`parse`), field for field, through JSON."""
+    import json
+
+    wire = json.loads(json.dumps(leg.to_dict()))
+    assert parse(wire) == leg
+    assert wire["do_remote_decode"] is (leg.leg is Leg.PREFILL) and wire["do_remote_prefill"] is (leg.leg is Leg.DECODE)
+
+
+def test_first_token_id_is_read_and_written_in_place():
+    """The logits processor reads the decode request's token, the scheduler writes it into the same dict."""
+    params = TransferParams.decode("t").to_dict()
+    assert first_token_id_of(params) is None and first_token_id_of(None) is None
+    write_first_token_id(params, 5)
+    assert first_token_id_of(params) == 5 and parse(params).first_token_id == 5
+    with pytest.raises(TransferParamsError, match="first_token_id"):
+        first_token_id_of({"first_token_id": -3})

@@ -27,10 +27,10 @@ import queue
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvpush.api import params as transfer_params
+from kvpush.api.params import TransferParams
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.first_token import FIRST_TOKEN_KEY
 from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, ReceiveStart
-from kvpush.connector.params import TransferParams, TransferParamsError, parse_transfer_params
 from kvpush.observability import get_logger
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class AllocationReporter(Protocol):
 
 
 @dataclass
-class _Receive:
+class _ScheduledReceive:
     """A decode request between allocation and finished_recving."""
 
     transfer_id: str
@@ -72,7 +72,7 @@ class DecodeScheduler:
         self._block_size = block_size_tokens
         self._directory = directory
         self._legs: dict[str, TransferParams] = {}      # remote-prefill requests not yet allocated
-        self._receiving: dict[str, _Receive] = {}        # allocated, not yet reported finished by the workers
+        self._receiving: dict[str, _ScheduledReceive] = {}  # allocated, not yet reported finished by the workers
         self._pending_receives: list[ReceiveStart] = []
         self._pending_cancels: list[str] = []
         # Filled from the directory client's thread; drained by build_connector_meta on the engine thread.
@@ -81,8 +81,8 @@ class DecodeScheduler:
     def on_new_request(self, request: Request) -> None:
         """Remember a decode-leg request's transfer; malformed params leave it a local request."""
         try:
-            params = parse_transfer_params(request.kv_transfer_params)
-        except TransferParamsError as exc:
+            params = transfer_params.parse(request.kv_transfer_params)
+        except transfer_params.TransferParamsError as exc:
             _log.error("kv_transfer_params refused; decode computes the prompt itself",
                        request_id=request.request_id, error=str(exc))
             return
@@ -116,7 +116,7 @@ class DecodeScheduler:
                 f"request {request.request_id} has {len(block_ids)} blocks for {prompt_tokens} prompt tokens")
         block_ids = list(block_ids[:needed_blocks])
         request_id = request.request_id
-        self._receiving[request_id] = _Receive(leg.transfer_id, request)
+        self._receiving[request_id] = _ScheduledReceive(leg.transfer_id, request)
         self._pending_receives.append(ReceiveStart(
             request_id=request_id, transfer_id=leg.transfer_id, block_ids=tuple(block_ids),
             prompt_token_count=prompt_tokens, prefix_hit_token_count=prefix_hit, trace_context=leg.traceparent,
@@ -197,4 +197,4 @@ def attach_first_token(request: Request, token: int) -> None:
     params = request.kv_transfer_params
     if not isinstance(params, dict):  # never for a decode leg: on_new_request parsed this dict
         return
-    params[FIRST_TOKEN_KEY] = token
+    transfer_params.write_first_token_id(params, token)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvpush.api import params as transfer_params
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import (
     KVPushMetadata,
@@ -33,7 +34,6 @@ from kvpush.connector.metadata import (
     combine_rank_timelines,
     update_snapshot,
 )
-from kvpush.connector.params import TransferParamsError, parse_transfer_params
 from kvpush.connector.worker.push_state import PushTimeline
 from kvpush.observability import get_logger
 
@@ -72,9 +72,9 @@ class PrefillScheduler:
         self._tracked: dict[str, _TrackedPrefill] = {}
         # Requests whose blocks we hold for pushes, until finished_sending.
         self._held: dict[str, float] = {}
-        # The kv_transfer_params dicts handed to vLLM for held requests: vLLM serializes the response only
-        # after update_from_output returns, so timelines the workers report in that same step still land.
-        self._response_params: dict[str, dict[str, Any]] = {}
+        # The push timelines inside the kv_transfer_params handed to vLLM for held requests: vLLM serializes the
+        # response only after update_from_output returns, so timelines the workers report in that same step still land.
+        self._response_timelines: dict[str, dict[str, Any]] = {}
         self._newly_held: list[str] = []
         self._newly_held_first_tokens: dict[str, int] = {}
         # Each rank's latest push timeline of a request, until its blocks are released.
@@ -88,8 +88,8 @@ class PrefillScheduler:
     def on_new_request(self, request: Request) -> None:
         """Track a prefill-leg request by its transfer id."""
         try:
-            params = parse_transfer_params(request.kv_transfer_params)
-        except TransferParamsError as exc:
+            params = transfer_params.parse(request.kv_transfer_params)
+        except transfer_params.TransferParamsError as exc:
             _log.error("kv_transfer_params refused; request runs without a push", request_id=request.request_id,
                        error=str(exc))
             return
@@ -110,7 +110,7 @@ class PrefillScheduler:
         """Describe this step's prefill chunks, new holds and preemptions for the workers."""
         self._step_seq += 1
         meta = KVPushMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0, step_seq=self._step_seq)
-        self._response_params.clear()  # responses of earlier steps are being serialized: hands off
+        self._response_timelines.clear()  # responses of earlier steps are being serialized: hands off
         for request_id in scheduler_output.preempted_req_ids or ():
             tracked = self._tracked.get(request_id)
             if tracked is not None and tracked.chunks_sent:
@@ -194,7 +194,7 @@ class PrefillScheduler:
         # Every key the workers may fill is present from the start, so a late merge never resizes the dict.
         timeline = {key: None for key in _TIMELINE_KEYS}
         timeline.update(tracked.timeline)
-        params = {"transfer_id": tracked.transfer_id, "push_timeline": timeline}
+        params = transfer_params.prefill_response_params(tracked.transfer_id, timeline)
         if tracked.chunks_sent == 0:
             # Nothing ever reached the workers: no write can read these blocks. The transfer ends by its TTL
             # at the directory (or decode's cancellation).
@@ -208,7 +208,7 @@ class PrefillScheduler:
             outputs = list(request.output_token_ids or ())
             if outputs and isinstance(outputs[0], int) and outputs[0] >= 0:
                 self._newly_held_first_tokens[request.request_id] = outputs[0]
-        self._response_params[request.request_id] = params
+        self._response_timelines[request.request_id] = timeline
         return True, params
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -225,11 +225,11 @@ class PrefillScheduler:
                 tracked = self._tracked.get(request_id)
                 if tracked is not None:
                     tracked.timeline.update(combined)
-                params = self._response_params.get(request_id)
-                if params is not None:
-                    params["push_timeline"].update(combined)
+                response_timeline = self._response_timelines.get(request_id)
+                if response_timeline is not None:
+                    response_timeline.update(combined)
         # Only the step that finished a request can still change its response; later timelines are logged.
-        self._response_params.clear()
+        self._response_timelines.clear()
         for request_id in connector_output.finished_sending or ():
             _log.debug("blocks released", request_id=request_id)
             self._held.pop(request_id, None)

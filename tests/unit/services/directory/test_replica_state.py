@@ -10,9 +10,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvpush.directory.errors import FailedPrecondition, NotFound
-from kvpush.directory.records import Allocation, StoredTransfer
-from kvpush.directory.shards import (
+from kvpush.api.shards import (
     SHARD_NOT_OWNED,
     STATUS_DETAILS_KEY,
     ShardRedirect,
@@ -20,6 +18,8 @@ from kvpush.directory.shards import (
     shard_of,
     status_trailer,
 )
+from kvpush.directory.errors import FailedPrecondition, NotFound
+from kvpush.directory.records import Allocation, StoredTransfer
 from kvpush.directory.state import DirectoryState, Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
