@@ -66,7 +66,8 @@ _RUN_FIRST = ("tests/integration/localstack/", "tests/integration/reliability/",
 
 
 def pytest_configure(config):
-    """Turn SIGTERM (CI's or `timeout`'s stop) into KeyboardInterrupt so fixtures tear down and no engine outlives pytest."""
+    """Turn SIGTERM (CI's or `timeout`'s stop) into KeyboardInterrupt so fixtures tear down and no engine outlives
+    pytest."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 

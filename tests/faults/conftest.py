@@ -1,6 +1,7 @@
 """Real-engine fault fixtures: a directory with short leases and vLLM CPU engines whose failures tests inject.
 
-One package-scoped `FaultStack` (tests/conftest.py runs this suite first, then tears it down) starts, in parallel, on 127.0.0.1 (the tiny 4-layer float32 model):
+One package-scoped `FaultStack` (tests/conftest.py runs this suite first, then tears it down) starts, in parallel,
+on 127.0.0.1 (the tiny 4-layer float32 model):
   * `prefill`: a plain KVPushConnector prefill engine;
   * `holder`: a prefill engine whose data plane holds every posted WRITE after a transfer's first for
     HOLD_S before its bytes move (`fault_hold_posted_write_s`): a WRITE stuck in the network, in flight
@@ -59,7 +60,8 @@ TERMINAL = TERMINAL_STATES
 
 
 def _args(prefix_caching: bool) -> list[str]:
-    return ["--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--max-num-seqs", "16"]
+    return ["--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
+            "--max-num-seqs", "16"]
 
 
 def _spec(name: str, role: str | None, engine_id: str, model_dir: Path, directory: str, *, extra: dict | None = None,

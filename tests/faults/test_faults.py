@@ -61,7 +61,8 @@ def _reuse_and_check(fault_stack, seed: int) -> None:
 
 
 def test_stalled_write_past_expiry_never_lands_in_reused_blocks(fault_stack):
-    """EXPIRED while a posted WRITE is stalled: decode is told only after it landed; the next request reusing the blocks is exact."""
+    """EXPIRED while a posted WRITE is stalled: decode is told only after it landed; the next request reusing the
+    blocks is exact."""
     prompt = prompt_of(5 * BLOCK_SIZE + 40, seed=901)
     fault_stack.reference(prompt_of(FILL_PROMPT_LEN, seed=902), FILL_MAX_TOKENS)  # warm the reference first
     p_leg, d_leg, transfer_id, started = fault_stack.legs(prompt, MAX_TOKENS, fault_stack.holder, HOLDER_ID, ttl_s=3.0)
@@ -131,9 +132,10 @@ def test_duplicate_transfer_ids(fault_stack):
 
 
 def test_decode_engine_sigkilled_mid_transfer_and_the_write_fails(fault_stack):
-    """The decode engine dies while prefill's WRITE is stalled: the WRITE fails (remote agent gone), prefill frees its blocks."""
+    """The decode engine dies while prefill's WRITE is stalled: the WRITE fails (remote agent gone), prefill frees its
+    blocks."""
     prompt = prompt_of(4 * BLOCK_SIZE + 11, seed=941)
-    p_leg, d_leg, transfer_id, started = fault_stack.legs(prompt, MAX_TOKENS, fault_stack.holder, HOLDER_ID,
+    p_leg, d_leg, transfer_id, _started = fault_stack.legs(prompt, MAX_TOKENS, fault_stack.holder, HOLDER_ID,
                                                           decode=fault_stack.decode_victim, decode_id=VICTIM_ID)
     streaming = fault_stack.wait_transfer(transfer_id, {tpb.TRANSFER_STATE_STREAMING} | TERMINAL, timeout_s=30)
     assert streaming.state == tpb.TRANSFER_STATE_STREAMING
@@ -157,9 +159,10 @@ PUSH_BOUND_S = HOLD_S + MAX_WRITE_S + SLACK_S
 
 
 def test_directory_sigkilled_mid_transfer_and_restarted(fault_stack):
-    """SIGKILL of the directory mid-push, restart on its port: the request ends within TTL + max_write_s, then P/D works again."""
+    """SIGKILL of the directory mid-push, restart on its port: the request ends within TTL + max_write_s, then P/D
+    works again."""
     prompt = prompt_of(5 * BLOCK_SIZE + 2, seed=951)
-    p_leg, d_leg, transfer_id, started = fault_stack.legs(prompt, MAX_TOKENS, fault_stack.holder, HOLDER_ID)
+    p_leg, d_leg, transfer_id, _started = fault_stack.legs(prompt, MAX_TOKENS, fault_stack.holder, HOLDER_ID)
     streaming = fault_stack.wait_transfer(transfer_id, {tpb.TRANSFER_STATE_STREAMING} | TERMINAL, timeout_s=30)
     assert streaming.state == tpb.TRANSFER_STATE_STREAMING
     old = fault_stack.directory
@@ -187,7 +190,7 @@ def test_directory_sigkilled_mid_transfer_and_restarted(fault_stack):
 def test_prefill_killed_mid_push(fault_stack):
     """The prefill engine dies with a WRITE stalled: decode learns at its lease expiry + max_write_s, not before."""
     prompt = prompt_of(5 * BLOCK_SIZE + 33, seed=961)
-    p_leg, d_leg, transfer_id, started = fault_stack.legs(prompt, MAX_TOKENS, fault_stack.holder, HOLDER_ID)
+    p_leg, d_leg, transfer_id, _started = fault_stack.legs(prompt, MAX_TOKENS, fault_stack.holder, HOLDER_ID)
     streaming = fault_stack.wait_transfer(transfer_id, {tpb.TRANSFER_STATE_STREAMING} | TERMINAL, timeout_s=30)
     assert streaming.state == tpb.TRANSFER_STATE_STREAMING
     p_leg.result(timeout=60)

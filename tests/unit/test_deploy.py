@@ -351,7 +351,7 @@ def test_gateway_image_entry_command_answers_ping_and_invocations(tmp_path, argv
 
 def test_sagemaker_serve_starts_the_gateway_on_port_8080() -> None:
     """`serve` without SAGEMAKER_BIND_TO_PORT runs the gateway on 0.0.0.0:8080 with flags the gateway accepts."""
-    line = [ln for ln in (DEPLOY / "sagemaker" / "serve").read_text().splitlines() if ln.startswith("exec ")][0]
+    line = next(ln for ln in (DEPLOY / "sagemaker" / "serve").read_text().splitlines() if ln.startswith("exec "))
     argv = shlex.split(line.replace('"${SAGEMAKER_BIND_TO_PORT:-8080}"', "8080"))[4:-1]  # drop exec python -m M, "$@"
     gateway = parse_gateway_args([*argv, "--directory", "d:50051"])
     assert (gateway.host, gateway.port) == ("0.0.0.0", 8080)

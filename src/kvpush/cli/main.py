@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     transfers = commands.add_parser("transfers", help="list transfers, or show one")
     client_flags(transfers)
     transfers.add_argument("transfer_id", nargs="?", help="show this transfer only")
-    transfers.add_argument("--state", help="filter: planned, allocated, streaming, complete, failed, cancelled, expired")
+    transfers.add_argument("--state",
+                           help="filter: planned, allocated, streaming, complete, failed, cancelled, expired")
     transfers.add_argument("--engine", default="", help="filter: transfers of this engine (either side)")
     transfers.add_argument("--limit", type=int, default=100, help="at most this many (newest first)")
 
@@ -164,7 +165,7 @@ def _ts(timestamp) -> str:
     return datetime.fromtimestamp(timestamp.ToNanoseconds() / 1e9, UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
-def _table(headers: Sequence[str], rows: list[Sequence[object]]) -> str:
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
@@ -208,7 +209,7 @@ async def _transfers(args: argparse.Namespace) -> int:
     state = 0
     if args.state:
         name = f"TRANSFER_STATE_{args.state.upper()}"
-        if name not in tpb.TransferState.keys():
+        if name not in tpb.TransferState.DESCRIPTOR.values_by_name:
             print(f"kvpush: unknown state {args.state!r}", file=sys.stderr)
             return 2
         state = tpb.TransferState.Value(name)

@@ -27,7 +27,9 @@ from kvpush.localstack.pki import HAVE_OPENSSL
 from kvpush.localstack.stack import LocalStack
 from kvpush.observability import configure_logging
 
-_WORDS = ["the", "prefill", "engine", "writes", "every", "layer", "of", "the", "key", "and", "value", "cache", "into", "blocks", "that", "the", "decode", "engine", "allocated", "before", "the", "prompt", "was", "computed", "while", "the", "directory", "watches", "each", "transfer"]
+_WORDS = ["the", "prefill", "engine", "writes", "every", "layer", "of", "the", "key", "and", "value", "cache", "into",
+          "blocks", "that", "the", "decode", "engine", "allocated", "before", "the", "prompt", "was", "computed",
+          "while", "the", "directory", "watches", "each", "transfer"]
 
 
 def _prompt(word_count: int) -> str:
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             disaggregated = call("POST", gateway_url + path, body, timeout_s=args.request_timeout)
             took_ms = (time.perf_counter() - started) * 1000
+            assert stack.colocated is not None
             reference = call("POST", stack.colocated.url + path, body, timeout_s=args.request_timeout)
             if disaggregated.status != 200:
                 failures.append(f"{label}: answered HTTP {disaggregated.status}: {disaggregated.text[:300]}")

@@ -143,8 +143,8 @@ class ManagedProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"\n==== {time.strftime('%H:%M:%S')} start {self.name}: {' '.join(self.full_argv())}\n".encode())
             log.flush()
-            self.popen = subprocess.Popen(self.full_argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=env, cwd=self.cwd, start_new_session=True)
+            self.popen = subprocess.Popen(self.full_argv(), stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env, cwd=self.cwd, start_new_session=True)
         with _live_lock:
             _live.add(self)
         _log.info("process started", process=self.name, pid=self.popen.pid, log=str(self.log_path))

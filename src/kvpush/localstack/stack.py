@@ -155,6 +155,7 @@ class LocalStack:
             self._say(f"[stack] gateway ready at {self.gateway.url} ({time.monotonic() - started:.0f} s in all)")
             if self.hosted_gateway:
                 url = self.hosted_gateway_url
+                assert self.prefill is not None
                 self.prefill.process.wait_ready(lambda: http_ok(url + "/health"), 60.0, progress=self.progress)
                 self._say(f"[stack] gateway hosted in the prefill engine's API server ready at {url}")
         except BaseException:
@@ -248,7 +249,8 @@ class LocalStack:
         is named here, not in a test's scrape later (its log says why, e.g. 'metrics port unavailable')."""
         for name, url in self.metrics_urls().items():
             if not http_ok(url, timeout_s=30.0):
-                raise RuntimeError(f"{name}'s metrics at {url} do not answer within 30 s: see {self.log_dir}/{name}.log")
+                raise RuntimeError(f"{name}'s metrics at {url} do not answer within 30 s: "
+                                   f"see {self.log_dir}/{name}.log")
 
     def processes(self) -> list:
         """Every ManagedProcess started so far (directory, engines, gateway)."""

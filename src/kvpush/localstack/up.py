@@ -37,6 +37,7 @@ def _say(message: str) -> None:
 
 def usage_text(stack: LocalStack, *, model: str, api_key: str, state_file: Path) -> str:
     """The URLs of a started stack, its API key and examples to paste."""
+    assert stack.directory is not None and stack.prefill is not None and stack.decode is not None, "not started"
     lines = ["", "kvpush stack is up.", f"  gateway (OpenAI API)  {stack.gateway_url}/v1",
              f"  directory (gRPC)      {stack.directory.address}",
              f"  prefill engine        {stack.prefill.url}", f"  decode engine         {stack.decode.url}"]
@@ -151,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         started.set()
         model = served_model_name(args)
+        assert stack.directory is not None
         UpState(pid=os.getpid(), directory_address=stack.directory.address, gateway_url=stack.gateway_url,
                 model=model, api_key=api_key, log_dir=str(stack.log_dir),
                 engines={e.spec.name: e.url for e in stack.engines()}).write(path)

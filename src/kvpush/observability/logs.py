@@ -38,7 +38,8 @@ def remember_transfer(transfer_id: str, request_id: str, span: trace.Span | None
     if not transfer_id:
         return
     context = span.get_span_context() if span is not None else None
-    ids = (f"{context.trace_id:032x}", f"{context.span_id:016x}") if context is not None and context.is_valid else ("", "")
+    ids = ((f"{context.trace_id:032x}", f"{context.span_id:016x}") if context is not None and context.is_valid
+           else ("", ""))
     with _transfers_lock:
         _transfers[transfer_id] = (request_id, *ids)
         _transfers.move_to_end(transfer_id)

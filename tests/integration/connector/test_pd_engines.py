@@ -148,7 +148,8 @@ def test_abort_on_decode_cancels_the_transfer(connector_stack):
 
 
 def test_prefill_killed_mid_transfer_ends_decode_request(connector_stack):
-    """Prefill killed with a half-written push: the directory fails it, decode recomputes (policy), matches colocated."""
+    """Prefill killed with a half-written push: the directory fails it, decode recomputes (policy), matches
+    colocated."""
     prompt = prompt_of(5 * BLOCK_SIZE + 17, seed=81)
     transfer_id = connector_stack.plan(len(prompt), prefill_id=VICTIM_ID)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

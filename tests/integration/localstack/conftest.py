@@ -2,11 +2,11 @@
 
 `local_stack` is a `LocalStack` (directory, prefill + decode with KVPushConnector, colocated engine,
 gateway, and a second gateway hosted in the prefill engine's API server; every process exporting spans to the
-session's OTLP receiver, each engine's connector serving /metrics) started once for this package and stopped when its last test ends, so its three engines are
-gone before other suites start theirs (tests/conftest.py runs this folder first): the 24 GiB machine
-cannot hold every suite's engines at once (~3 GiB each). The stack runs with mutual TLS and per-engine
-identities (when the openssl CLI is there to make certificates), so every test here also proves the whole
-P/D path works with security on.
+session's OTLP receiver, each engine's connector serving /metrics) started once for this package and stopped when
+its last test ends, so its three engines are gone before other suites start theirs (tests/conftest.py runs this
+folder first): the 24 GiB machine cannot hold every suite's engines at once (~3 GiB each). The stack runs with
+mutual TLS and per-engine identities (when the openssl CLI is there to make certificates), so every test here also
+proves the whole P/D path works with security on.
 """
 
 from __future__ import annotations

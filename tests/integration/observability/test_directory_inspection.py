@@ -94,7 +94,8 @@ def test_kvpush_trace_prints_the_timeline(directory):
     assert shown.returncode == 0, shown.stderr
     out = shown.stdout
     assert f"transfer {tid}  COMPLETE" in out and "6bf92f3577b34da6a3ce929d0e0e4736" in out
-    events = [re.sub(r"^\s*[+-][\d.]+ ms\s+", "", line) for line in out.splitlines() if re.match(r"^\s*[+-][\d.]+ ms", line)]
+    events = [re.sub(r"^\s*[+-][\d.]+ ms\s+", "", line) for line in out.splitlines()
+              if re.match(r"^\s*[+-][\d.]+ ms", line)]
     order = ["planned", "decode allocated 3 blocks", "layer 0 ready", "push instruction sent to prefill",
              "layer 1 ready", "complete"]
     assert [e for e in events if e in order] == order, out

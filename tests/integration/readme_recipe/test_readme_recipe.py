@@ -37,7 +37,8 @@ HEADING = "## Using it with your own vLLM engines"
 # machine; --dtype float32: the tiny model's own (vLLM's "auto" runs a float32 checkpoint in bfloat16 on CPU,
 # where chunk-dependent rounding flips the random model's near-ties that a token-for-token comparison would report).
 VLLM_SHIM = ('vllm() { [ "$1" = serve ] || return 64; shift; local model="$1"; shift; '
-             'exec python -m vllm.entrypoints.openai.api_server --model "$model" "$@" --enforce-eager --dtype float32; }')
+             'exec python -m vllm.entrypoints.openai.api_server --model "$model" "$@" '
+             '--enforce-eager --dtype float32; }')
 ENGINE_TIMEOUT_S = 600.0
 
 
@@ -156,8 +157,8 @@ def test_the_readme_request_is_answered(running_recipe):
     """The block's own curl command, as written, gets a completion of the model through the gateway."""
     assert shutil.which("curl"), "the README's request is a curl command: install curl (Debian: apt-get install curl)"
     for command in running_recipe.recipe.commands:
-        done = subprocess.run(["bash", "-c", _substitute_ports(command, running_recipe.ports)], capture_output=True, text=True,
-                              env=running_recipe.env, timeout=180)
+        done = subprocess.run(["bash", "-c", _substitute_ports(command, running_recipe.ports)], capture_output=True,
+                              text=True, env=running_recipe.env, timeout=180)
         assert done.returncode == 0, done.stderr
         answer = json.loads(done.stdout)
         assert answer["model"] == running_recipe.model, answer

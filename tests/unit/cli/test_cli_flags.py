@@ -79,7 +79,7 @@ def test_up_passes_gpu_flags_to_every_engine(tmp_path):
 
 def test_up_refuses_a_model_folder_without_config(tmp_path):
     """A --model that is not a Hugging Face folder is refused before anything starts."""
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         up._build_stack(_up_args("--model", str(tmp_path)), api_key="k")
 
 

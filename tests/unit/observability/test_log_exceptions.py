@@ -62,7 +62,7 @@ def test_a_logged_exception_shows_no_locals(output):
 
 def test_exc_info_given_as_an_exception_is_rendered_the_same_way(output):
     """`exc_info=error` outside the except block: the same summary, no locals."""
-    fmt, buffer = output
+    _fmt, buffer = output
     try:
         _fail_holding_secrets()
     except ConnectionResetError as caught:
