@@ -10,9 +10,11 @@
 - `SyncDirectoryClient`: all of the above from threads, on a private event-loop thread.
 - `DirectoryCallError`: the exception every refused call raises (`.code`, `.details`).
 - `client_id_of`, `PLAN_CLIENT_ID`: the client a plan serves (the directory bounds each client's share of an engine).
+- `incarnation_of`: which directory process answered a response (its ResponseHeader; the deprecated field of an
+  older directory).
 """
 
-from kvpush.client.client import PLAN_CLIENT_ID, DirectoryClient, client_id_of
+from kvpush.client.client import PLAN_CLIENT_ID, DirectoryClient, client_id_of, incarnation_of
 from kvpush.client.config import ChannelConfig
 from kvpush.client.errors import DirectoryCallError
 from kvpush.client.lease import EngineRegistration
@@ -31,6 +33,7 @@ __all__ = [
     "ReplicatedPrefillSession",
     "SyncDirectoryClient",
     "client_id_of",
+    "incarnation_of",
     "watch_replicas",
     "watch_transfers",
 ]

@@ -23,6 +23,7 @@ import contextvars
 import hashlib
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
 
 import grpc
 from google.protobuf import duration_pb2
@@ -39,6 +40,22 @@ from kvpush.v1 import types_pb2 as tpb
 # once per incoming request, in the request's task, so every plan made for that request names its client.
 PLAN_CLIENT_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvpush_plan_client_id", default="")
 _NOT_ID = re.compile("[^A-Za-z0-9._:@+=~-]")
+
+
+class _Answer(Protocol):
+    """A directory response: it names the process that answered (ResponseHeader, and the deprecated field)."""
+
+    @property
+    def header(self) -> dpb.ResponseHeader: ...
+
+    @property
+    def directory_incarnation_id(self) -> str: ...
+
+
+def incarnation_of(response: _Answer) -> str:
+    """The incarnation of the directory process that answered: the response header's, else (a directory that
+    predates the header) the response's deprecated `directory_incarnation_id`; "" when neither is set."""
+    return response.header.directory_incarnation_id or response.directory_incarnation_id
 
 
 def client_id_of(api_key: str = "", peer: str = "") -> str:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvpush.client.client import DirectoryClient
+from kvpush.client.client import DirectoryClient, incarnation_of
 from kvpush.client.errors import DirectoryCallError
 from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
@@ -95,7 +95,7 @@ class EngineRegistration:
         sent = time.monotonic()
         response = await self.client.register_engine(self.request)
         self.lease_id = response.lease_id
-        self.directory_incarnation_id = response.directory_incarnation_id
+        self.directory_incarnation_id = incarnation_of(response)
         self.ttl_s = response.ttl.ToNanoseconds() / 1e9 or self.ttl_s
         self.registration_count += 1  # first: a write of the previous lease checks the count, then the time
         self.valid_until = sent + self.ttl_s
@@ -146,9 +146,9 @@ class EngineRegistration:
                     if response is grpc.aio.EOF:
                         raise DirectoryCallError("RenewLease", await call.code(), await call.details() or "")
                     # (Replicas share leases through etcd: another replica renewing ours is a takeover.)
-                    if (response.directory_incarnation_id and self.directory_incarnation_id
-                            and len(self.client.addresses) == 1
-                            and response.directory_incarnation_id != self.directory_incarnation_id):
+                    renewed_by = incarnation_of(response)
+                    if (renewed_by and self.directory_incarnation_id and len(self.client.addresses) == 1
+                            and renewed_by != self.directory_incarnation_id):
                         # Another process renewed a lease it never granted: treat it as forgotten.
                         raise DirectoryCallError("RenewLease", grpc.StatusCode.NOT_FOUND, "the directory restarted")
                     last_renewal = loop.time()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kvpush.client.client import incarnation_of
 from kvpush.client.errors import DirectoryCallError
 from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
@@ -73,7 +74,7 @@ async def watch_one(client: DirectoryClient, engine_id: str, after_sequence_numb
         try:
             async for response in call:
                 attempt = 0
-                current = response.directory_incarnation_id
+                current = incarnation_of(response)
                 if current and current != incarnation:
                     if replay:
                         if current != gap_incarnation:

@@ -16,8 +16,8 @@ Streams:
 
 Authorisation: each handler resolves the caller's principal (`auth.Authenticator`) and checks it
 acts for the engine it names, or is a party of the transfer, or is the operator (auth.py). Every
-response carries `incarnation_id`. Bounds: a session's queued rejections are capped per session and
-globally (RESOURCE_EXHAUSTED ends the session); refusals are logged rate-limited and counted.
+response carries a `ResponseHeader` (incarnation, replica) and the deprecated `directory_incarnation_id`.
+Bounds: a session's queued rejections are capped per session and globally (RESOURCE_EXHAUSTED ends the session); refusals are logged rate-limited and counted.
 
 Shutdown: `begin_shutdown()` wakes every stream; each flushes what is queued and ends with
 UNAVAILABLE ("directory shutting down") without failing transfers, so clients reconnect elsewhere.
@@ -226,6 +226,12 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
 
     # ---------------------------------------------------------------- plumbing
 
+    def header(self) -> dpb.ResponseHeader:
+        """Every response's header: this process's incarnation and, with replicas, its replica id. The deprecated
+        `directory_incarnation_id` of each response is filled beside it for clients that predate the header."""
+        return dpb.ResponseHeader(directory_incarnation_id=self.incarnation_id,
+                                  replica_id=self.replica.replica_id if self.replica is not None else "")
+
     def deliver(self, effects: Effects) -> None:
         """Wake the prefill sessions and watchers named by `effects`."""
         for key in effects.prefill_outboxes:
@@ -302,7 +308,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             self.deliver(effects)
             log.info("engine registered", role=tpb.EngineRole.Name(worker.role), agent_name=worker.agent_name)
             return dpb.RegisterEngineResponse(lease_id=lease_id, ttl=_duration(self.limits.lease_ttl_s),
-                                              directory_incarnation_id=self.incarnation_id)
+                                              header=self.header(), directory_incarnation_id=self.incarnation_id)
 
     async def DeregisterEngine(self, request, context):
         """Remove one worker; its engine's transfers fail towards the peers."""
@@ -320,7 +326,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 await self._abort(context, error)
             self.deliver(effects)
             log.info("engine deregistered")
-            return dpb.DeregisterEngineResponse(directory_incarnation_id=self.incarnation_id)
+            return dpb.DeregisterEngineResponse(header=self.header(), directory_incarnation_id=self.incarnation_id)
 
     @contextlib.asynccontextmanager
     async def _stream_slot(self, context: grpc.aio.ServicerContext, kind: str):
@@ -396,7 +402,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 except DirectoryError as error:
                     self.refusals.info("renewal", "renewal refused", code=status_of(error).name, error=str(error))
                     await self._abort(context, error)
-                await context.write(dpb.RenewLeaseResponse(lease_id=request.lease_id, ttl=ttl,
+                await context.write(dpb.RenewLeaseResponse(lease_id=request.lease_id, ttl=ttl, header=self.header(),
                                                            directory_incarnation_id=self.incarnation_id))
             context.set_code(grpc.StatusCode.UNAVAILABLE)
             context.set_details(_SHUTDOWN_DETAILS)
@@ -417,7 +423,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         active = self.state.active_transfer_count(request.engine_id)
         unreachable = self.state.unreachable_report(request.engine_id)
         return dpb.GetEngineResponse(workers=[worker_to_proto(w, active, unreachable) for w in workers],
-                                     directory_incarnation_id=self.incarnation_id)
+                                     header=self.header(), directory_incarnation_id=self.incarnation_id)
 
     async def ListEngines(self, request, context):
         """One page of workers by (engine id, rank)."""
@@ -430,7 +436,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             workers, token = self.state.list_workers(page_size, request.page_token, request.role)
         except DirectoryError as error:
             await self._abort(context, error)
-        response = dpb.ListEnginesResponse(directory_incarnation_id=self.incarnation_id)
+        response = dpb.ListEnginesResponse(header=self.header(), directory_incarnation_id=self.incarnation_id)
         size = 0  # a running total: re-measuring the growing response would make a page quadratic
         for index, worker in enumerate(workers):
             entry = worker_to_proto(worker, self.state.active_transfer_count(worker.engine_id),
@@ -460,14 +466,15 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 await self._abort(context, error)
             log.warning("engine reported unreachable" if marked else "unreachable report about an earlier "
                         "registration ignored", reason=request.reason)
-            return dpb.ReportEngineUnreachableResponse(marked=marked, directory_incarnation_id=self.incarnation_id)
+            return dpb.ReportEngineUnreachableResponse(marked=marked, header=self.header(),
+                                                       directory_incarnation_id=self.incarnation_id)
     async def GetReplicas(self, request, context):
         """The replica set and shard map (this process alone, one shard, without replicas)."""
         try:
             self._principal(context)
         except DirectoryError as error:
             await self._abort(context, error)
-        response = dpb.GetReplicasResponse(directory_incarnation_id=self.incarnation_id)
+        response = dpb.GetReplicasResponse(header=self.header(), directory_incarnation_id=self.incarnation_id)
         replica = self.replica
         if replica is None:
             response.shard_count = 1
@@ -512,7 +519,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         return dpb.PlanTransferResponse(transfer=record.to_proto(), prefill_endpoint=prefill.endpoint,
                                         decode_endpoint=decode.endpoint,
                                         decode_forces_first_token=all(w.forces_first_token for w in decode_ranks),
-                                        directory_incarnation_id=self.incarnation_id)
+                                        header=self.header(), directory_incarnation_id=self.incarnation_id)
 
     async def ReportAllocation(self, request, context):
         """Record decode's blocks; may dispatch the push instructions."""
@@ -530,7 +537,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 await self._abort(context, error)
             self.deliver(effects)
             return dpb.ReportAllocationResponse(transfer=record.to_proto(),
-                                                directory_incarnation_id=self.incarnation_id)
+                                                header=self.header(), directory_incarnation_id=self.incarnation_id)
 
     async def CancelTransfer(self, request, context):
         """Cancel a transfer (no-op on a terminal one)."""
@@ -546,7 +553,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 await self._abort(context, error)
             self.deliver(effects)
             log.info("transfer cancel requested", state=tpb.TransferState.Name(record.state), reason=reason)
-            return dpb.CancelTransferResponse(transfer=record.to_proto(), directory_incarnation_id=self.incarnation_id)
+            return dpb.CancelTransferResponse(transfer=record.to_proto(), header=self.header(),
+                                              directory_incarnation_id=self.incarnation_id)
 
     async def GetTransfer(self, request, context):
         """One retained transfer."""
@@ -555,7 +563,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             record = self._require_party(context, request.transfer_id)
         except DirectoryError as error:
             await self._abort(context, error)
-        return dpb.GetTransferResponse(transfer=record.to_proto(), directory_incarnation_id=self.incarnation_id)
+        return dpb.GetTransferResponse(transfer=record.to_proto(), header=self.header(),
+                                       directory_incarnation_id=self.incarnation_id)
 
     async def _store(self, record) -> None:
         """Store a live transfer in etcd (replicas); when that fails it ends CANCELLED here: Unavailable."""
@@ -592,7 +601,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                                                        request.engine_id)
         except DirectoryError as error:
             await self._abort(context, error)
-        response = dpb.ListTransfersResponse(directory_incarnation_id=self.incarnation_id)
+        response = dpb.ListTransfersResponse(header=self.header(), directory_incarnation_id=self.incarnation_id)
         size = 0
         for index, record in enumerate(records):
             entry = record.to_proto()
@@ -627,7 +636,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             if request.directory_incarnation_id and request.directory_incarnation_id != self.incarnation_id:
                 raise OutOfRange(
                     f"after_sequence_number counts events of directory incarnation "
-                    f"{request.directory_incarnation_id}; this is {self.incarnation_id}: it restarted, re-read transfers")
+                    f"{request.directory_incarnation_id}; this is {self.incarnation_id}: it restarted, "
+                    "re-read transfers")
             if request.replay_retained:
                 last = 0
             else:
@@ -640,7 +650,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         watchers.add(wake)
         try:
             # Sent at once: the client learns which process it follows before any event.
-            yield dpb.WatchTransfersResponse(directory_incarnation_id=self.incarnation_id)
+            yield dpb.WatchTransfersResponse(header=self.header(), directory_incarnation_id=self.incarnation_id)
             while True:
                 try:
                     events = self.state.watch_events(request.engine_id, last)
@@ -649,6 +659,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 if events:
                     for start in range(0, len(events), WATCH_EVENTS_PER_MESSAGE):
                         yield dpb.WatchTransfersResponse(events=events[start:start + WATCH_EVENTS_PER_MESSAGE],
+                                                         header=self.header(),
                                                          directory_incarnation_id=self.incarnation_id)
                     last = events[-1].sequence_number
                     continue
@@ -717,7 +728,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         """The session's only writer: flush queued messages whenever woken, until the session ends."""
         await context.write(dpb.StreamPrefillResponse(
             opened=dpb.SessionOpened(directory_incarnation_id=self.incarnation_id),
-            directory_incarnation_id=self.incarnation_id))
+            header=self.header(), directory_incarnation_id=self.incarnation_id))
         while True:
             await session.wake.wait()
             session.wake.clear()
@@ -730,6 +741,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 if message.WhichOneof("message") == "instruction":
                     session.sent_agents.strip_delivered(message.instruction)
                 message.directory_incarnation_id = self.incarnation_id
+                message.header.CopyFrom(self.header())
                 await context.write(message)
             if session.end_status is not None:
                 session.end_reason = session.end_status[1]
@@ -753,7 +765,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                     session.end_reason = "prefill stream closed by the worker"
                     return
                 if isinstance(message, check.Undecodable):
-                    session.end_status = (grpc.StatusCode.INVALID_ARGUMENT, f"stream message does not decode: {message}")
+                    session.end_status = (grpc.StatusCode.INVALID_ARGUMENT,
+                                          f"stream message does not decode: {message}")
                     return
                 if message.ByteSize() > self.max_message_bytes:
                     session.end_status = (grpc.StatusCode.INVALID_ARGUMENT,
@@ -771,7 +784,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 elif kind == "result":
                     self._apply_result(session, message.result)
                 else:
-                    self._reject(session, "", InvalidArgument(f"unexpected {kind or 'empty'} message in an open session"))
+                    self._reject(session, "",
+                                 InvalidArgument(f"unexpected {kind or 'empty'} message in an open session"))
                 if session.end_status is not None:
                     return
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
@@ -834,6 +848,6 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         session.rejections.append(dpb.StreamPrefillResponse(rejection=dpb.EventRejection(
             transfer_id=transfer_id[:self.limits.max_id_length],
             status=_rejection_status(code, error)),
-            directory_incarnation_id=self.incarnation_id))
+            header=self.header(), directory_incarnation_id=self.incarnation_id))
         self.pending_rejection_count += 1
         session.wake.set()

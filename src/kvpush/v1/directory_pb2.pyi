@@ -26,6 +26,14 @@ WRITE_RESULT_STATUS_DONE: WriteResultStatus
 WRITE_RESULT_STATUS_FAILED: WriteResultStatus
 WRITE_RESULT_STATUS_CANCELLED: WriteResultStatus
 
+class ResponseHeader(_message.Message):
+    __slots__ = ("directory_incarnation_id", "replica_id")
+    DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    directory_incarnation_id: str
+    replica_id: str
+    def __init__(self, directory_incarnation_id: _Optional[str] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
 class GetReplicasRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -39,18 +47,20 @@ class DirectoryReplica(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("replicas", "shard_count", "shard_owner_replica_ids", "replica_id", "directory_incarnation_id")
+    __slots__ = ("replicas", "shard_count", "shard_owner_replica_ids", "replica_id", "directory_incarnation_id", "header")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     SHARD_OWNER_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[DirectoryReplica]
     shard_count: int
     shard_owner_replica_ids: _containers.RepeatedScalarFieldContainer[str]
     replica_id: str
     directory_incarnation_id: str
-    def __init__(self, replicas: _Optional[_Iterable[_Union[DirectoryReplica, _Mapping]]] = ..., shard_count: _Optional[int] = ..., shard_owner_replica_ids: _Optional[_Iterable[str]] = ..., replica_id: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, replicas: _Optional[_Iterable[_Union[DirectoryReplica, _Mapping]]] = ..., shard_count: _Optional[int] = ..., shard_owner_replica_ids: _Optional[_Iterable[str]] = ..., replica_id: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("engine_id", "role", "tp_rank", "tp_size", "agent_name", "agent_metadata", "layout", "endpoint", "model", "forces_first_token")
@@ -77,14 +87,16 @@ class RegisterEngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., model: _Optional[str] = ..., forces_first_token: _Optional[bool] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl", "directory_incarnation_id")
+    __slots__ = ("lease_id", "ttl", "directory_incarnation_id", "header")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     ttl: _duration_pb2.Duration
     directory_incarnation_id: str
-    def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class DeregisterEngineRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "lease_id")
@@ -97,10 +109,12 @@ class DeregisterEngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class DeregisterEngineResponse(_message.Message):
-    __slots__ = ("directory_incarnation_id",)
+    __slots__ = ("directory_incarnation_id", "header")
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     directory_incarnation_id: str
-    def __init__(self, directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "load")
@@ -111,14 +125,16 @@ class RenewLeaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., load: _Optional[_Union[_types_pb2.EngineLoad, _Mapping]] = ...) -> None: ...
 
 class RenewLeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl", "directory_incarnation_id")
+    __slots__ = ("lease_id", "ttl", "directory_incarnation_id", "header")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     ttl: _duration_pb2.Duration
     directory_incarnation_id: str
-    def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, lease_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class PlanTransferRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_count", "prefill_engine_id", "decode_engine_id", "trace_context", "ttl", "model", "transfer_id", "client_id")
@@ -143,18 +159,20 @@ class PlanTransferRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., trace_context: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ..., transfer_id: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class PlanTransferResponse(_message.Message):
-    __slots__ = ("transfer", "prefill_endpoint", "decode_endpoint", "decode_forces_first_token", "directory_incarnation_id")
+    __slots__ = ("transfer", "prefill_endpoint", "decode_endpoint", "decode_forces_first_token", "directory_incarnation_id", "header")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_FORCES_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     transfer: _types_pb2.Transfer
     prefill_endpoint: str
     decode_endpoint: str
     decode_forces_first_token: bool
     directory_incarnation_id: str
-    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., decode_forces_first_token: _Optional[bool] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., decode_forces_first_token: _Optional[bool] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class ReportAllocationRequest(_message.Message):
     __slots__ = ("transfer_id", "engine_id", "block_ids", "prompt_token_count", "prefix_hit_token_count")
@@ -171,12 +189,14 @@ class ReportAllocationRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ...) -> None: ...
 
 class ReportAllocationResponse(_message.Message):
-    __slots__ = ("transfer", "directory_incarnation_id")
+    __slots__ = ("transfer", "directory_incarnation_id", "header")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     transfer: _types_pb2.Transfer
     directory_incarnation_id: str
-    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class LayerReady(_message.Message):
     __slots__ = ("transfer_id", "layer_start", "layer_end", "token_start", "token_end", "source_block_ids", "prompt_token_count", "plan_in_flight")
@@ -309,20 +329,22 @@ class SessionOpened(_message.Message):
     def __init__(self, directory_incarnation_id: _Optional[str] = ...) -> None: ...
 
 class StreamPrefillResponse(_message.Message):
-    __slots__ = ("instruction", "cancellation", "rejection", "opened", "peer", "directory_incarnation_id")
+    __slots__ = ("instruction", "cancellation", "rejection", "opened", "peer", "directory_incarnation_id", "header")
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     CANCELLATION_FIELD_NUMBER: _ClassVar[int]
     REJECTION_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     instruction: PushInstruction
     cancellation: Cancellation
     rejection: EventRejection
     opened: SessionOpened
     peer: PeerAnnouncement
     directory_incarnation_id: str
-    def __init__(self, instruction: _Optional[_Union[PushInstruction, _Mapping]] = ..., cancellation: _Optional[_Union[Cancellation, _Mapping]] = ..., rejection: _Optional[_Union[EventRejection, _Mapping]] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., peer: _Optional[_Union[PeerAnnouncement, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, instruction: _Optional[_Union[PushInstruction, _Mapping]] = ..., cancellation: _Optional[_Union[Cancellation, _Mapping]] = ..., rejection: _Optional[_Union[EventRejection, _Mapping]] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., peer: _Optional[_Union[PeerAnnouncement, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class WatchTransfersRequest(_message.Message):
     __slots__ = ("engine_id", "after_sequence_number", "directory_incarnation_id", "replay_retained")
@@ -353,12 +375,14 @@ class TransferEvent(_message.Message):
     def __init__(self, sequence_number: _Optional[int] = ..., transfer_id: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.TransferState, str]] = ..., reason: _Optional[str] = ..., bytes_written: _Optional[int] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class WatchTransfersResponse(_message.Message):
-    __slots__ = ("events", "directory_incarnation_id")
+    __slots__ = ("events", "directory_incarnation_id", "header")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[TransferEvent]
     directory_incarnation_id: str
-    def __init__(self, events: _Optional[_Iterable[_Union[TransferEvent, _Mapping]]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, events: _Optional[_Iterable[_Union[TransferEvent, _Mapping]]] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class CancelTransferRequest(_message.Message):
     __slots__ = ("transfer_id", "reason")
@@ -369,12 +393,14 @@ class CancelTransferRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CancelTransferResponse(_message.Message):
-    __slots__ = ("transfer", "directory_incarnation_id")
+    __slots__ = ("transfer", "directory_incarnation_id", "header")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     transfer: _types_pb2.Transfer
     directory_incarnation_id: str
-    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class GetTransferRequest(_message.Message):
     __slots__ = ("transfer_id",)
@@ -383,12 +409,14 @@ class GetTransferRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class GetTransferResponse(_message.Message):
-    __slots__ = ("transfer", "directory_incarnation_id")
+    __slots__ = ("transfer", "directory_incarnation_id", "header")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     transfer: _types_pb2.Transfer
     directory_incarnation_id: str
-    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class ListTransfersRequest(_message.Message):
     __slots__ = ("page_size", "page_token", "state", "engine_id")
@@ -403,14 +431,16 @@ class ListTransfersRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.TransferState, str]] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class ListTransfersResponse(_message.Message):
-    __slots__ = ("transfers", "next_page_token", "directory_incarnation_id")
+    __slots__ = ("transfers", "next_page_token", "directory_incarnation_id", "header")
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     transfers: _containers.RepeatedCompositeFieldContainer[_types_pb2.Transfer]
     next_page_token: str
     directory_incarnation_id: str
-    def __init__(self, transfers: _Optional[_Iterable[_Union[_types_pb2.Transfer, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, transfers: _Optional[_Iterable[_Union[_types_pb2.Transfer, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class GetEngineRequest(_message.Message):
     __slots__ = ("engine_id",)
@@ -419,12 +449,14 @@ class GetEngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class GetEngineResponse(_message.Message):
-    __slots__ = ("workers", "directory_incarnation_id")
+    __slots__ = ("workers", "directory_incarnation_id", "header")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.EngineWorker]
     directory_incarnation_id: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.EngineWorker, _Mapping]]] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.EngineWorker, _Mapping]]] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
     __slots__ = ("page_size", "page_token", "role")
@@ -437,14 +469,16 @@ class ListEnginesRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.EngineRole, str]] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
-    __slots__ = ("workers", "next_page_token", "directory_incarnation_id")
+    __slots__ = ("workers", "next_page_token", "directory_incarnation_id", "header")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.EngineWorker]
     next_page_token: str
     directory_incarnation_id: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.EngineWorker, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, workers: _Optional[_Iterable[_Union[_types_pb2.EngineWorker, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class ReportEngineUnreachableRequest(_message.Message):
     __slots__ = ("engine_id", "transfer_id", "reason")
@@ -457,9 +491,11 @@ class ReportEngineUnreachableRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReportEngineUnreachableResponse(_message.Message):
-    __slots__ = ("marked", "directory_incarnation_id")
+    __slots__ = ("marked", "directory_incarnation_id", "header")
     MARKED_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     marked: bool
     directory_incarnation_id: str
-    def __init__(self, marked: _Optional[bool] = ..., directory_incarnation_id: _Optional[str] = ...) -> None: ...
+    header: ResponseHeader
+    def __init__(self, marked: _Optional[bool] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...

@@ -35,7 +35,8 @@ class KVDirectoryServiceStub:
     certificates: docs/security.md) every caller is an engine principal or the operator: an engine
     acts only as itself (its engine_id) and only on transfers it takes part in, else PERMISSION_DENIED;
     PlanTransfer, ListTransfers (unfiltered) and ListEngines are the operator's.
-    Every response carries directory_incarnation_id, so a client sees a directory restart.
+    Every response carries a ResponseHeader (header), so a client sees a directory restart; the header's fields
+    are also in each response's own directory_incarnation_id field, deprecated, which older clients read.
     A refused request (any non-OK status) changes nothing.
     """
 
@@ -127,7 +128,8 @@ class KVDirectoryServiceServicer:
     certificates: docs/security.md) every caller is an engine principal or the operator: an engine
     acts only as itself (its engine_id) and only on transfers it takes part in, else PERMISSION_DENIED;
     PlanTransfer, ListTransfers (unfiltered) and ListEngines are the operator's.
-    Every response carries directory_incarnation_id, so a client sees a directory restart.
+    Every response carries a ResponseHeader (header), so a client sees a directory restart; the header's fields
+    are also in each response's own directory_incarnation_id field, deprecated, which older clients read.
     A refused request (any non-OK status) changes nothing.
     """
 
@@ -358,7 +360,8 @@ class KVDirectoryService:
     certificates: docs/security.md) every caller is an engine principal or the operator: an engine
     acts only as itself (its engine_id) and only on transfers it takes part in, else PERMISSION_DENIED;
     PlanTransfer, ListTransfers (unfiltered) and ListEngines are the operator's.
-    Every response carries directory_incarnation_id, so a client sees a directory restart.
+    Every response carries a ResponseHeader (header), so a client sees a directory restart; the header's fields
+    are also in each response's own directory_incarnation_id field, deprecated, which older clients read.
     A refused request (any non-OK status) changes nothing.
     """
 

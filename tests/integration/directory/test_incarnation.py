@@ -120,3 +120,43 @@ def test_a_watch_naming_another_incarnation_is_out_of_range():
             assert response.workers[0].role == tpb.ENGINE_ROLE_DECODE
             await channel.close()
     run(body())
+
+
+def test_every_response_carries_the_header_and_the_deprecated_field_alike():
+    """Each RPC's response names the answering process in its ResponseHeader and in the deprecated field, the same id."""
+    async def body():
+        async with running_directory() as directory:
+            incarnation = directory.server.servicer.incarnation_id
+            channel, s = stub(directory.address)
+            registered = await s.RegisterEngine(register_request("p1", PREFILL))
+            await s.RegisterEngine(register_request("d1", DECODE))
+            plan = await s.PlanTransfer(dpb.PlanTransferRequest(prompt_token_count=16))
+            transfer_id = plan.transfer.transfer_id
+            renew = s.RenewLease()
+            await renew.write(dpb.RenewLeaseRequest(lease_id=registered.lease_id))
+            watch = s.WatchTransfers(dpb.WatchTransfersRequest(engine_id="d1"))
+            session = s.StreamPrefill()
+            await session.write(dpb.StreamPrefillRequest(hello=dpb.Hello(engine_id="p1", lease_id=registered.lease_id)))
+            responses = [
+                registered, plan, await renew.read(), await watch.read(), await session.read(),
+                await s.ReportAllocation(dpb.ReportAllocationRequest(
+                    transfer_id=transfer_id, engine_id="d1", block_ids=[0], prompt_token_count=16)),
+                await s.GetTransfer(dpb.GetTransferRequest(transfer_id=transfer_id)),
+                await s.ListTransfers(dpb.ListTransfersRequest()),
+                await s.GetEngine(dpb.GetEngineRequest(engine_id="d1")),
+                await s.ListEngines(dpb.ListEnginesRequest()),
+                await s.GetReplicas(dpb.GetReplicasRequest()),
+                await s.ReportEngineUnreachable(dpb.ReportEngineUnreachableRequest(engine_id="d1")),
+                await s.CancelTransfer(dpb.CancelTransferRequest(transfer_id=transfer_id)),
+                await s.DeregisterEngine(dpb.DeregisterEngineRequest(engine_id="p1", lease_id=registered.lease_id)),
+            ]
+            for call in (renew, watch, session):
+                call.cancel()
+            for response in responses:
+                name = type(response).__name__
+                assert response.HasField("header"), name
+                assert response.header.directory_incarnation_id == incarnation, name
+                assert response.directory_incarnation_id == incarnation, name
+                assert response.header.replica_id == "", name  # one directory, no replicas
+            await channel.close()
+    run(body())
