@@ -3,7 +3,8 @@
 Every result file starts with the same fields, so a figure can be traced back and rerun:
   command   the command line as typed (`python -m bench plan run --reps 30`), the interpreter shown as `python`
             and paths inside the checkout relative to it;
-  commit    `git rev-parse HEAD` of the checkout, and `dirty` (uncommitted changes to tracked files);
+  commit    `git rev-parse HEAD` of the checkout, and `dirty` (uncommitted changes to tracked files); a copy without
+            .git takes KVPUSH_BENCH_COMMIT (`KVPUSH_BENCH_COMMIT=$(git rev-parse HEAD)` where it was copied from);
   machine   what the figure depends on, nothing that names the host: CPU model, core count, GPU names, Python,
             torch / vLLM / NIXL versions;
   date      UTC, ISO 8601.
@@ -83,7 +84,9 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """command, commit, dirty, machine and date of the run in progress."""
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"command": command_line(argv), "commit": commit or "unknown", "dirty": bool(status) if commit else None,
+    if commit is None:  # a copy of the checkout without .git (the GPU machine's) says which commit it is
+        commit = os.environ.get("KVPUSH_BENCH_COMMIT") or "unknown"
+    return {"command": command_line(argv), "commit": commit, "dirty": bool(status) if status is not None else None,
             "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine (the device tool's copy of this checkout): install the CUDA vLLM 0.25 wheel set once per
+# On the GPU machine (a copy of this checkout there): install the CUDA vLLM 0.25 wheel set once per
 # machine (../shared/gpu/README.md; its three parts already copied to /tmp/carry-parts), install kvpush itself
 # whenever its sources changed, then run bench/gpu_e2e.py from /tmp (outside the checkout, so the installed
 # kvpush package is imported rather than the source folder).
@@ -9,13 +9,14 @@
 #   KVPUSH_GPU_TIMEOUT_S=250 KVPUSH_GPU_TAG=_eager bash bench/gpu_run.sh e2e --eager   (bound and log name)
 #   KVPUSH_GPU_WHEEL='dist/kvpush-*.whl' bash bench/gpu_run.sh e2e   (the built wheel instead of the sources)
 #
-# Results land in $OUT (the device tool's folder that comes back); engine logs under /tmp/kvpush-gpu-logs.
+# Results land in $OUT (the folder collected after the run); engine logs under /tmp/kvpush-gpu-logs. A copy of the
+# checkout without .git records its commit from KVPUSH_BENCH_COMMIT (bench/bench_io.py).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/kvpush-gpu-out}
 mkdir -p "$out"
 if [ ! -f /tmp/site/.kvpush-carry ]; then
-  # The last part's call carries install.sh (.gpu-carry/p2 of three parts, or q3 of four: docs/benchmarks.md).
+  # The last part carries install.sh (.gpu-carry/p2 of three parts, or q3 of four: docs/development.md).
   install=$(ls "$repo"/.gpu-carry/*/install.sh 2>/dev/null | head -1)
   [ -n "$install" ] || { echo "wheel set not installed and no .gpu-carry/*/install.sh carried" >&2; exit 2; }
   bash "$install" > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
@@ -57,7 +58,7 @@ command=$1; shift
 log_dir=/tmp/kvpush-gpu-logs/$command-$(date +%H%M%S)
 cd /tmp
 status=0
-# Bounded: the device tool's call limit is 10 minutes, and a vLLM engine that dies at start-up can leave its
+# Bounded: one remote command may run 10 minutes at most, and a vLLM engine that dies at start-up can leave its
 # parent waiting forever (../shared/gpu/README.md).
 # KVPUSH_GPU_LAUNCHER: words put before python3, e.g. a profiler (bench/gpu_nsys.sh runs it under nsys).
 # shellcheck disable=SC2086

@@ -52,7 +52,7 @@ def _bench_commands() -> list[str]:
     for page in PAGES:
         text = page.read_text().replace("\\\n", " ")
         for match in re.finditer(r"python -m bench ([^`\n|]*)", text):
-            words = match.group(1).split(" and ")[0].split(";")[0]
+            words = match.group(1).split(" and ")[0].split(";")[0].split(" #")[0]
             commands.append(f"{page.name}: {words.strip()}")
     return commands
 
