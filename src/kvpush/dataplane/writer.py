@@ -631,13 +631,13 @@ class PushWriter:
             member.reported = True
             member.error = reason
             req = member.request
-            outcome = WriteOutcome(
+            failed = WriteOutcome(
                 req.transfer_id, outcome, 0, 0, write.post_seconds, elapsed, reason, req.peer_agent, 1,
                 tuple(int(x) for x in req.layers),
             )
             _log.warning("write_failed", transfer_id=req.transfer_id, peer=req.peer_agent, error=reason)
-            self._span(member, outcome, write.wall_start_ns)
-            self._emit(self._on_request_done, outcome)
+            self._span(member, failed, write.wall_start_ns)
+            self._emit(self._on_request_done, failed)
         write.error = write.error or reason
 
     def _fail_transfer(self, transfer: _Transfer, stop: PushStop) -> None:

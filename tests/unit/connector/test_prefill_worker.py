@@ -40,6 +40,8 @@ class _Session:
 
 
 class _Directory:
+    registration = None
+
     def __init__(self) -> None:
         self.session = _Session()
 
@@ -297,7 +299,7 @@ def test_gpu_prefill_end_is_when_the_last_layers_event_completes():
     worker.wait_for_save()
     loop.run()
     ((event, report),) = transport.watched
-    assert event == worker.owner._layer_events[len(LAYERS) - 1]
+    assert event == worker.owner.book.layer_event(len(LAYERS) - 1)
     report(1234.5)  # the NIXL I/O thread saw the event complete
     meta = worker.build_worker_meta()
     assert meta is not None and meta.timelines["r1"][0]["prefill_end_time"] == 1234.5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.api.outcome import PushOutcome
+from kvpush.api.outcome import PushOutcome, PushStop, StopCause
 from kvpush.connector.worker.push_state import PushTransfer
 
 BS = 128
@@ -157,8 +157,8 @@ def test_bad_instruction_is_refused():
 def test_stop_keeps_the_first_reason():
     """A cancellation after a failure does not overwrite the failure."""
     push = _push(300)
-    push.stop(PushOutcome.FAILED, "first")
-    push.stop(PushOutcome.CANCELLED, "second")
+    push.stop(PushStop(StopCause.WRITE_FAILED, "first"))
+    push.stop(PushStop(StopCause.CANCELLED, "second"))
     assert (push.outcome, push.reason) == (PushOutcome.FAILED, "first")
 
 

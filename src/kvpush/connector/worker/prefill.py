@@ -51,30 +51,45 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from kvpush.api.outcome import PushOutcome, PushStop, StopCause
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, PrefillChunk
-from kvpush.connector.outcome import PushOutcome, write_result_status
+from kvpush.connector.outcome import write_result_status
 from kvpush.connector.tracing import TransferSpan
-from kvpush.connector.worker.push_state import PlannedWrite, PushTimeline, PushTransfer
+from kvpush.connector.worker.ports import OwnerLoop, PostGuard, PrefillDirectory, PushTransportPort, ReadyEvent
+from kvpush.connector.worker.push_machine import (
+    Instruction,
+    LayerSaved,
+    NoticeLevel,
+    PushBook,
+    PushEffects,
+    PushResult,
+    PushRules,
+    Released,
+    TimelineChanged,
+    WriteDone,
+    WriteOrder,
+    WriterQuiet,
+)
+from kvpush.connector.worker.push_state import PushTimeline
 from kvpush.connector.worker.step_gap import StepGapWatch
-from kvpush.connector.worker.transport import WriteDone, WriterQuiet
 from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
+
+__all__ = ["LayerSaved", "PrefillWorker", "PushOwner", "Released", "StepSaved", "StepStarted", "TimelineChanged",
+           "timing_proto"]
 
 _log = get_logger("connector.worker.prefill")
 
 # EventRejection codes that mean the directory no longer knows the transfer as live.
 _TRANSFER_GONE_CODES = frozenset(code.value[0] for code in (
     grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED))
-# Remember finished transfers a while, so a late instruction for one is answered, not re-created.
-_FINISHED_MEMORY = 4096
 # How often the owner checks the held requests' push_timeout_s bounds (seconds).
 _BOUND_CHECK_S = 0.05
 # A write is posted only while the lease is held with this fraction of its TTL to spare (clock-rate slack
@@ -82,63 +97,27 @@ _BOUND_CHECK_S = 0.05
 _LEASE_MARGIN = 0.05
 
 
-class OwnerLoop(Protocol):
-    """The thread that owns push state: `TransferAgent` (its NIXL I/O thread) in production."""
-
-    def post(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the owner thread, in posting order (inline when called from it); log what it raises."""
-
-    def attach(self, participant: Any) -> None:
-        """Have the owner thread call `participant.poll(now)` on every iteration."""
+# ---------------------------------------------------------------- hook -> owner messages (LayerSaved: push_machine)
 
 
-# ---------------------------------------------------------------- hook -> owner messages
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepStarted:
     """bind_connector_metadata: the step's chunks, holds and preemptions."""
 
     meta: KVPushMetadata
 
 
-@dataclass(frozen=True)
-class LayerSaved:
-    """save_kv_layer: `layer` of this step's chunks is computed (GPU: once `event` completes)."""
-
-    layer: int
-    event: Any
-    saved_at: float  # unix seconds, on the forward thread
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepSaved:
     """wait_for_save: the step's forward is enqueued in full."""
-
-
-# ---------------------------------------------------------------- owner -> hook outbox items
-
-
-@dataclass(frozen=True)
-class Released:
-    """A held request's blocks may be freed: its transfer is settled and no write is in flight."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class TimelineChanged:
-    """The latest push timeline of a request (a snapshot: later writes make later snapshots)."""
-
-    request_id: str
-    timeline: PushTimeline
 
 
 class PrefillWorker:
     """Worker half for kv_role=kv_producer: the engine hooks (see the module docstring)."""
 
-    def __init__(self, config: ConnectorConfig, directory: Any, layer_names: list[str], block_size_tokens: int,
-                 loop: OwnerLoop, transport: Any, on_gpu: bool = False, tp_rank: int = 0) -> None:
+    def __init__(self, config: ConnectorConfig, directory: PrefillDirectory, layer_names: list[str],
+                 block_size_tokens: int, loop: OwnerLoop, transport: PushTransportPort, on_gpu: bool = False,
+                 tp_rank: int = 0) -> None:
         self._config = config
         self._tp_rank = tp_rank
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
@@ -159,7 +138,7 @@ class PrefillWorker:
         # The GPU's progress: the latest event recorded in this step, and the layer whose hook queries it next (see
         # _holds); the stride between probes grows while the GPU keeps up. A step's first layer, always posted at
         # once, sets all three.
-        self._probe_event: Any = None
+        self._probe_event: ReadyEvent | None = None
         self._next_probe_layer = 0
         self._probe_stride = 1
         # post_after_output (set by defers_to_output): a step that posted nothing while it ran hands its layers to
@@ -190,7 +169,8 @@ class PrefillWorker:
 
     def on_cancellation(self, cancellation: dpb.Cancellation) -> None:
         """Directory client thread: hand the cancellation to the owner, which applies it at once."""
-        self._post(lambda: self.owner.apply_cancellation(cancellation.transfer_id, cancellation.reason))
+        stop = PushStop(StopCause.CANCELLED, cancellation.reason or "cancelled by the directory")
+        self._post(lambda: self.owner.apply_stop(cancellation.transfer_id, stop))
 
     def on_rejection(self, rejection: dpb.EventRejection) -> None:
         """Directory client thread: a refused event; the owner stops a transfer the directory ended."""
@@ -198,8 +178,8 @@ class PrefillWorker:
         _log.warning("directory refused an event", transfer_id=rejection.transfer_id, code=status.code,
                      message=status.message)
         if status.code in _TRANSFER_GONE_CODES:
-            self._post(lambda: self.owner.apply_cancellation(
-                rejection.transfer_id, f"directory refused the transfer: {status.message}", failed=True))
+            stop = PushStop(StopCause.REJECTED, f"directory refused the transfer: {status.message}")
+            self._post(lambda: self.owner.apply_stop(rejection.transfer_id, stop))
 
     def on_session_reset(self, concerns: Callable[[str], bool] | None = None) -> None:
         """Directory client thread: the directory dropped this worker's session (the stream reconnected, or
@@ -310,7 +290,8 @@ class PrefillWorker:
         if not self._step_has_chunks:
             return
         now = time.time()
-        self._held_layers += [(layer, now) for layer in range(self._last_layer + 1) if layer not in self._saved_this_step]
+        self._held_layers += [(layer, now) for layer in range(self._last_layer + 1)
+                              if layer not in self._saved_this_step]
         # One event, recorded after the whole forward was enqueued, covers every held layer.
         held = self._held_messages(self._record_ready_event()) if self._held_layers else []
         self._step_has_chunks = False
@@ -328,7 +309,8 @@ class PrefillWorker:
         """Caller: engine thread, get_finished. Requests whose held blocks may be freed now, each once.
 
         Blocks: on the second and later of back-to-back steps that schedule no tokens while a push is unreleased,
-        up to idle_step_wait_s for the owner to publish (so vLLM does not spin empty steps). Failure: none (bounds run on the owner).
+        up to idle_step_wait_s for the owner to publish (so vLLM does not spin empty steps). Failure: none (bounds
+        run on the owner).
         """
         self._seen_finished |= finished_req_ids & (self._unreleased | self._released)
         if self._empty_step and self._unreleased:
@@ -402,26 +384,27 @@ class PrefillWorker:
             except queue.Empty:
                 return
 
-    def _held_messages(self, event: Any) -> list[LayerSaved]:
+    def _held_messages(self, event: ReadyEvent | None) -> list[LayerSaved]:
         """The held layers, in order, behind `event`; none held afterwards."""
         held, self._held_layers = sorted(self._held_layers), []
         return [LayerSaved(layer, event, saved_at) for layer, saved_at in held]
 
     @staticmethod
-    def _is_computed(event: Any) -> bool:
-        return event.query()  # cudaEventQuery: never blocks
+    def _is_computed(event: ReadyEvent | None) -> bool:
+        return event is None or bool(event.query())  # cudaEventQuery: never blocks
 
-    def _record_ready_event(self) -> Any:
+    def _record_ready_event(self) -> ReadyEvent | None:
         if not self._on_gpu:
             return None  # CPU attention wrote the KV synchronously before save_kv_layer
         import torch
 
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
-        return event
+        ready: ReadyEvent = event
+        return ready
 
 
-@dataclass
+@dataclass(slots=True)
 class _DeferredStep:
     """A launch-bound step's layers, applied once its output left (+ output_grace_s) or at `due` at the latest."""
 
@@ -432,53 +415,33 @@ class _DeferredStep:
     due: float  # monotonic
 
 
-@dataclass
-class _Live:
-    """A transfer this worker pushes, with the request that owns its source blocks."""
-
-    push: PushTransfer
-    trace_context: str
-    span: TransferSpan
-    chunks: list[tuple[int, int]] = field(default_factory=list)
-    held_since: float | None = None          # monotonic time the hold arrived (request_finished returned True)
-    settled: bool = False
-    result_sent: bool = False
-    sent_first_ready: bool = False
-    cancel_requested: bool = False
-    writer_cancelled: bool = False
-    # Set with the instruction: None to post a write, else why not (the lease it came under is gone).
-    post_guard: Callable[[], str | None] | None = None
-    sends_first_token: bool = False          # DONE waits for the hold, which carries the token (module docstring)
-    instructed_agent: str = ""               # the decode agent of the instruction received (applied or refused)
-    plan_in_flight: bool = False             # readiness may precede the plan (LayerReady.plan_in_flight)
-    first_token_id: int | None = None        # the token the request sampled after its prompt (from the hold)
-    quiet_since: float | None = None         # monotonic time the push ended with nothing in flight
-
-
 class PushOwner:
     """Every push of one prefill worker, on its owner thread (see the module docstring).
 
-    Nothing here is touched by another thread: hooks and callbacks reach it only through posts.
+    The pushes themselves are `PushBook`'s (push_machine.py, pure); this class applies each message to it and
+    delivers the effects it returns: writes to the transport, readiness and results to the directory, span events
+    and ends, the outbox. Nothing here is touched by another thread: hooks and callbacks reach it only through posts.
     """
 
-    def __init__(self, config: ConnectorConfig, directory: Any, layer_count: int, block_size_tokens: int,
-                 transport: Any, publish: Callable[[Released | TimelineChanged], None]) -> None:
+    def __init__(self, config: ConnectorConfig, directory: PrefillDirectory, layer_count: int,
+                 block_size_tokens: int, transport: PushTransportPort,
+                 publish: Callable[[Released | TimelineChanged], None]) -> None:
         self._config = config
         self._directory = directory  # DirectoryLink with an open prefill session
-        self._layer_count = layer_count
-        self._block_size = block_size_tokens
         self._transport = transport
         self._publish = publish
-        self._live: dict[str, _Live] = {}            # by request id
-        self._by_transfer: dict[str, str] = {}       # transfer id -> request id
-        self._finished_transfers: dict[str, PushOutcome] = {}  # transfer id -> outcome, bounded
-        self._step_chunks: list[PrefillChunk] = []
+        self._book = PushBook(PushRules(layer_count, block_size_tokens, config.push_timeout_s, config.max_write_s,
+                                        config.fault_stall_after_writes))
+        self._spans: dict[str, TransferSpan] = {}  # transfer id -> its push span, until the span ends
         self._pending_ready: list[dpb.LayerReady] = []
-        self._timeline_dirty: set[str] = set()
-        self._layer_events: dict[int, Any] = {}  # GPU: layer -> CUDA event of its latest save_kv_layer
         self._next_bound_check = 0.0
         self._step_gap = StepGapWatch(_log)  # where the engine is when its steps stop while pushes wait
         self._deferred: deque[_DeferredStep] = deque()  # post_after_output, oldest first
+
+    @property
+    def book(self) -> PushBook:
+        """The pushes (tests read it; only this owner changes it)."""
+        return self._book
 
     # ---------------------------------------------------------------- engine-hook messages
 
@@ -490,98 +453,34 @@ class PushOwner:
         # Deferred steps go first: those whose output left, and every one when this step changes what they
         # cover (a later chunk of their prompt, a hold, a preemption that frees their blocks).
         self._apply_deferred(now, every=bool(meta.prefill_chunks or meta.held_prefills or meta.preempted))
-        self._step_chunks = []
-        for request_id in meta.preempted:
-            live = self._live.get(request_id)
-            if live is not None:
-                self._stop(live, PushOutcome.FAILED, "prefill request was preempted; its source blocks were freed")
+        traceparents: dict[str, str] = {}
         for chunk in meta.prefill_chunks:
-            self._start_chunk(chunk)
-        for request_id in meta.held_prefills:
-            live = self._live.get(request_id)
-            if live is None:
-                self._publish(Released(request_id))  # nothing of it is pushed here (a reused transfer id)
-                continue
-            live.held_since = time.monotonic()
-            live.first_token_id = meta.first_tokens.get(request_id)
-            if not live.push.fully_computed:
-                self._stop(live, PushOutcome.FAILED, "prefill request finished before its prompt was computed")
-        for live in list(self._live.values()):
-            self._pump(live)
-
-    def _start_chunk(self, chunk: PrefillChunk) -> None:
-        live = self._live.get(chunk.request_id)
-        if live is None:
-            if chunk.transfer_id in self._by_transfer or chunk.transfer_id in self._finished_transfers:
-                _log.error("transfer id reused by another request; not pushed", transfer_id=chunk.transfer_id,
-                           request_id=chunk.request_id)
-                return
-            push = PushTransfer(chunk.transfer_id, chunk.request_id, chunk.prompt_token_count, self._layer_count,
-                                self._block_size)
-            span = TransferSpan.start("kvpush.push", chunk.transfer_id, chunk.trace_context,
-                                      {"kvpush.request_id": chunk.request_id,
-                                       "kvpush.prompt_token_count": chunk.prompt_token_count,
-                                       "kvpush.cached_token_count": chunk.cached_token_count})
-            live = _Live(push, span.traceparent() or chunk.trace_context, span,  # writes: children of the push
-                         sends_first_token=chunk.sends_first_token, plan_in_flight=chunk.plan_in_flight)
-            self._live[chunk.request_id] = live
-            self._by_transfer[chunk.transfer_id] = chunk.request_id
-        if live.push.terminal:
-            return
-        try:
-            live.push.set_source_blocks(chunk.block_ids)
-        except ValueError as exc:
-            self._stop(live, PushOutcome.FAILED, str(exc))
-            return
-        if chunk.cached_token_count > 0:
-            # This engine's prefix cache holds these tokens, never recomputed. They are pushed with each layer's
-            # save_kv_layer of this step all the same (it marks [0, token_end) ready): vLLM shares blocks that
-            # another request computes in this very step, so "cached" does not yet mean "written".
-            self._queue_ready(live, 0, chunk.cached_token_count, 0, self._layer_count)
-            live.span.event("prefix_cache_ready", {"kvpush.token_end": chunk.cached_token_count})
-        live.chunks.append((chunk.token_start, chunk.token_end))
-        self._step_chunks.append(chunk)
-        _log.debug("chunk", transfer_id=chunk.transfer_id, token_start=chunk.token_start, token_end=chunk.token_end,
-                   prompt=chunk.prompt_token_count, blocks=len(chunk.block_ids), cached=chunk.cached_token_count)
+            if self._book.opens(chunk):
+                span = TransferSpan.start("kvpush.push", chunk.transfer_id, chunk.trace_context,
+                                          {"kvpush.request_id": chunk.request_id,
+                                           "kvpush.prompt_token_count": chunk.prompt_token_count,
+                                           "kvpush.cached_token_count": chunk.cached_token_count})
+                self._spans[chunk.transfer_id] = span
+                traceparents[chunk.request_id] = span.traceparent() or chunk.trace_context  # writes: its children
+            _log.debug("chunk", transfer_id=chunk.transfer_id, token_start=chunk.token_start,
+                       token_end=chunk.token_end, prompt=chunk.prompt_token_count, blocks=len(chunk.block_ids),
+                       cached=chunk.cached_token_count)
+        held = {request_id: meta.first_tokens.get(request_id) for request_id in meta.held_prefills}
+        self._deliver(self._book.step_started(list(meta.prefill_chunks), held, list(meta.preempted), traceparents,
+                                              now))
 
     def layer_saved(self, message: LayerSaved) -> None:
         """Mark the layer ready for this step's chunks and push what became possible."""
-        layer = message.layer
-        if message.event is not None:
-            self._layer_events[layer] = message.event
-        for chunk in self._step_chunks:
-            live = self._live.get(chunk.request_id)
-            if live is None or live.push.terminal:
-                continue
-            live.push.mark_ready(layer, chunk.token_end)
-            if not live.sent_first_ready:
-                # The first readiness of a transfer goes out at once: the directory can dispatch the
-                # instruction while the remaining layers compute.
-                self._queue_ready(live, chunk.token_start, chunk.token_end, 0, layer + 1)
-                self._flush_ready()
-            if layer == self._layer_count - 1 and chunk.is_last:
-                if message.event is None:
-                    self._prefill_ended(chunk.request_id, message.saved_at)
-                else:
-                    # The host runs ahead of the GPU: prefill ends when the last layer's kernel does. The
-                    # callback runs on this (the I/O) thread.
-                    request_id = chunk.request_id
-                    self._transport.when_computed(message.event,
-                                                  lambda end, r=request_id: self._prefill_ended(r, end))
-            self._pump(live)
+        self._deliver(self._book.layer_saved(message, time.monotonic()))
 
     def layers_saved(self, layers: list[LayerSaved], step: StepSaved | None = None) -> None:
         """The step's held layers, in order, then its end when it had one (wait_for_save's one post)."""
-        for layer in layers:
-            self.layer_saved(layer)
-        if step is not None:
-            self.step_saved(step)
+        self._deliver(self._book.layers_saved(layers, step is not None, time.monotonic()))
 
     def defer_step(self, step_seq: int, layers: list[LayerSaved], step: StepSaved) -> None:
         """A launch-bound step ended (post_after_output): keep its layers until its output left."""
-        self._deferred.append(_DeferredStep(step_seq, self._step_chunks, layers, step,
+        self._deferred.append(_DeferredStep(step_seq, self._book.take_step_chunks(), layers, step,
                                             due=time.monotonic() + self._config.max_output_wait_s))
-        self._step_chunks = []
 
     def output_left(self, step_seq: int, left_at: float) -> None:
         """Steps up to `step_seq` had their output processed at `left_at`: apply them output_grace_s later."""
@@ -594,60 +493,33 @@ class PushOwner:
         """Apply deferred steps that are due (or all), oldest first, each with its own chunks."""
         while self._deferred and (every or self._deferred[0].due <= now):
             deferred = self._deferred.popleft()
-            current, self._step_chunks = self._step_chunks, deferred.chunks
-            self.layers_saved(deferred.layers, deferred.step)
-            self._step_chunks = current
+            self._deliver(self._book.apply_deferred(deferred.chunks, deferred.layers, now))
 
     def step_saved(self, message: StepSaved) -> None:
         """Queue this step's readiness (all layers of each chunk) to the directory."""
-        for chunk in self._step_chunks:
-            live = self._live.get(chunk.request_id)
-            if live is not None and not live.push.terminal:
-                self._queue_ready(live, chunk.token_start, chunk.token_end, 0, self._layer_count)
-        self._step_chunks = []
-        self._flush_ready()
+        self._deliver(self._book.layers_saved([], True, time.monotonic()))
 
     def _prefill_ended(self, request_id: str, end_time: float) -> None:
-        live = self._live.get(request_id)
-        if live is None:
-            return
-        live.push.prefill_ended(end_time)
-        live.span.event("prefill_end", {"kvpush.token_end": live.push.prompt_token_count}, time_s=end_time)
-        self._publish_timeline(live)  # at once: the request's response may be built in this very step
+        self._deliver(self._book.prefill_ended(request_id, end_time))
 
     # ---------------------------------------------------------------- directory messages
 
     def apply_instruction(self, instruction: dpb.PushInstruction) -> None:
         """Record where to write and submit the backlog of ready layers."""
-        request_id = self._by_transfer.get(instruction.transfer_id)
-        live = self._live.get(request_id) if request_id is not None else None
-        if live is None:
-            final = self._finished_transfers.get(instruction.transfer_id)
-            self._send_result(instruction.transfer_id, PushOutcome.FAILED,
-                              f"transfer is {final.value if final else 'unknown'} on this prefill worker "
-                              "(request gone or worker restarted)")
-            return
-        if live.push.terminal:
-            if live.settled and not live.result_sent:  # it ended before it was dispatched: say how
-                self._send_result(instruction.transfer_id, live.push.outcome, live.push.reason)
-                live.result_sent = True
-            return  # otherwise its result went (or goes, once quiet) to the directory in _settle
-        live.instructed_agent = instruction.decode_agent_name  # a refused instruction is answered too (_settle)
-        try:
-            self._transport.ensure_peer(instruction.decode_agent_name, instruction.decode_agent_metadata,
-                                        instruction.decode_layout if instruction.HasField("decode_layout") else None)
-            live.push.set_instruction(instruction.decode_agent_name, tuple(instruction.decode_block_ids),
-                                      instruction.skip_token_count, instruction.prompt_token_count,
-                                      bytes(instruction.notification))
-        except (ValueError, RuntimeError) as exc:
-            self._stop(live, PushOutcome.FAILED, f"instruction refused: {exc}")
-            return
-        live.post_guard = self._lease_guard()
-        live.span.event("instruction", {"kvpush.decode_engine_id": instruction.decode_engine_id,
-                                        "kvpush.skip_token_count": instruction.skip_token_count})
-        if live.push.nothing_to_write():
-            live.push.stop(PushOutcome.DONE, "decode already holds every token")
-        self._pump(live)
+        peer_error: str | None = None
+        guard: PostGuard | None = None
+        if self._book.wants_instruction(instruction.transfer_id):
+            try:
+                self._transport.ensure_peer(instruction.decode_agent_name, instruction.decode_agent_metadata,
+                                            instruction.decode_layout if instruction.HasField("decode_layout")
+                                            else None)
+            except (ValueError, RuntimeError) as exc:
+                peer_error = str(exc)
+            guard = self._lease_guard()
+        self._deliver(self._book.instruction(Instruction(
+            instruction.transfer_id, instruction.decode_agent_name, instruction.decode_engine_id,
+            tuple(instruction.decode_block_ids), instruction.skip_token_count, instruction.prompt_token_count,
+            bytes(instruction.notification)), peer_error, guard, time.monotonic()))
 
     def apply_peer(self, peer: dpb.PeerAnnouncement) -> None:
         """Load an announced decode worker's agent ahead of the first instruction to it: its wire-up (NIXL holds
@@ -659,63 +531,24 @@ class PushOwner:
             _log.warning("announced decode peer refused", peer=peer.decode_agent_name,
                          decode_engine_id=peer.decode_engine_id, error=str(exc))
 
-    def apply_cancellation(self, transfer_id: str, reason: str, failed: bool = False) -> None:
-        """Stop a transfer (CANCELLED, or FAILED for a refusal); confirm at once one that is not here."""
-        request_id = self._by_transfer.get(transfer_id)
-        live = self._live.get(request_id) if request_id is not None else None
-        if live is None:
-            if not failed:
-                # Nothing of it here (finished, or never seen): confirm no write is in flight.
-                self._send_result(transfer_id, PushOutcome.CANCELLED, "")
-            return
-        live.cancel_requested = True
-        self._stop(live, PushOutcome.FAILED if failed else PushOutcome.CANCELLED,
-                   reason or "cancelled by the directory")
+    def apply_stop(self, transfer_id: str, stop: PushStop) -> None:
+        """Stop a transfer the directory cancelled or refused; confirm at once a cancellation of one not here."""
+        self._deliver(self._book.stop_transfer(transfer_id, stop, time.monotonic()))
 
     def apply_session_reset(self, concerns: Callable[[str], bool] | None = None) -> None:
         """The directory failed every dispatched transfer of this worker (or, replicas, those `concerns` names):
         stop those, re-announce the rest."""
-        for live in list(self._live.values()):
-            if concerns is not None and not concerns(live.push.transfer_id):
-                continue
-            if live.push.has_instruction and not live.push.terminal:
-                self._stop(live, PushOutcome.FAILED, "directory session was lost; the directory failed the transfer")
-            elif not live.push.terminal:
-                live.sent_first_ready = False  # re-announce on the new session
-                for start, end in live.chunks:
-                    if end <= min(live.push.tokens_ready):
-                        self._queue_ready(live, start, end, 0, self._layer_count)
-        self._flush_ready()
+        self._deliver(self._book.session_reset(concerns, time.monotonic()))
 
     # ---------------------------------------------------------------- data-plane messages
 
     def apply_write_done(self, done: WriteDone) -> None:
         """Count one write's outcome; settle the transfer if that ended it."""
-        live = self._live_of(done.transfer_id)
-        if live is None:
-            return
-        if done.start_time is not None:
-            live.push.write_started(done.start_time, layer=done.layer)
-        self._timeline_dirty.add(live.push.request_id)
-        live.push.write_finished(done.outcome, done.error, done.end_time, done.post_duration_s,
-                                 done.descriptor_count, done.bytes_written, layer=done.layer)
-        ok = done.outcome is PushOutcome.DONE
-        live.span.event("layer_write" if ok else "layer_write_failed",
-                        {"kvpush.layer": done.layer, "kvpush.bytes": done.bytes_written,
-                         "kvpush.descriptor_count": done.descriptor_count,
-                         **({"kvpush.error": done.error} if done.error else {})}, time_s=done.end_time)
-        # A failed write failed the transfer in the writer too (it drops the rest and reports it quiet).
-        self._settle_if_ended(live)
+        self._deliver(self._book.write_done(done, time.monotonic()))
 
     def apply_writer_quiet(self, quiet: WriterQuiet) -> None:
         """The data plane holds no handle of the transfer any more."""
-        live = self._live_of(quiet.transfer_id)
-        if live is None:
-            return
-        live.push.writer_is_quiet()
-        if quiet.outcome is not PushOutcome.DONE and not live.push.terminal:
-            self._stop(live, PushOutcome.FAILED, quiet.error or "data plane failed the transfer")
-        self._settle_if_ended(live)
+        self._deliver(self._book.writer_quiet(quiet, time.monotonic()))
 
     # ---------------------------------------------------------------- owner-loop participant
 
@@ -727,15 +560,11 @@ class PushOwner:
         """
         if self._deferred:
             self._apply_deferred(now)
-        if self._timeline_dirty:
-            for request_id in self._timeline_dirty:
-                live = self._live.get(request_id)
-                if live is not None:
-                    self._publish_timeline(live)
-            self._timeline_dirty.clear()
+        self._deliver(self._book.publish_changed_timelines())
         if now >= self._next_bound_check:
             self._next_bound_check = now + _BOUND_CHECK_S
-            self._enforce_bounds(now)
+            self._step_gap.check(now, self._book.live_count)
+            self._deliver(self._book.enforce_bounds(now))
         return False
 
     def on_peer_leaving(self, peer: str, reason: str) -> None:
@@ -748,142 +577,88 @@ class PushOwner:
     def shutdown(self, reason: str) -> None:
         """Nothing to fail: the writer reports every write it held."""
 
-    # ---------------------------------------------------------------- internals
+    # ---------------------------------------------------------------- delivering effects
 
-    def _live_of(self, transfer_id: str) -> _Live | None:
-        request_id = self._by_transfer.get(transfer_id)
-        return self._live.get(request_id) if request_id is not None else None
+    def _deliver(self, effects: PushEffects) -> None:
+        """Carry out what the book decided, in its order (PushEffects)."""
+        for ready in effects.ready:
+            self._pending_ready.append(dpb.LayerReady(
+                transfer_id=ready.transfer_id, layer_start=ready.layer_start, layer_end=ready.layer_end,
+                token_start=ready.token_start, token_end=ready.token_end, source_block_ids=ready.source_block_ids,
+                prompt_token_count=ready.prompt_token_count, plan_in_flight=ready.plan_in_flight))
+        if effects.flush_ready:
+            self._flush_ready()
+        for order in effects.writes:
+            self._submit(order)
+        for transfer_id in effects.writer_cancels:
+            self._transport.cancel(transfer_id)
+        for event in effects.span_events:
+            span = self._spans.get(event.transfer_id)
+            if span is not None:
+                span.event(event.name, event.attributes, time_s=event.time_seconds)
+        for result in effects.results:
+            self._send_result(result)
+        for end in effects.span_ends:
+            span = self._spans.pop(end.transfer_id, None)
+            if span is not None:
+                span.set_attributes(end.attributes)
+                span.end(ok=end.ok, reason=end.reason)
+        for item in effects.published:
+            self._publish(item)
+        for watch in effects.prefill_end_watches:
+            # The callback runs on this (the I/O) thread.
+            self._transport.when_computed(watch.event, self._prefill_end_callback(watch.request_id))
+        for notice in effects.notices:
+            log = {NoticeLevel.INFO: _log.info, NoticeLevel.WARNING: _log.warning,
+                   NoticeLevel.ERROR: _log.error}[notice.level]
+            log(notice.message, **notice.fields)
 
-    def _queue_ready(self, live: _Live, token_start: int, token_end: int, layer_start: int, layer_end: int) -> None:
-        """Queue readiness of layers [layer_start, layer_end) for tokens [token_start, token_end)."""
-        if token_end <= token_start:
-            return
-        live.sent_first_ready = True
-        end_block = -(-token_end // self._block_size)
-        self._pending_ready.append(dpb.LayerReady(
-            transfer_id=live.push.transfer_id, layer_start=layer_start, layer_end=layer_end,
-            token_start=token_start, token_end=token_end, source_block_ids=live.push.src_block_ids[:end_block],
-            prompt_token_count=live.push.prompt_token_count, plan_in_flight=live.plan_in_flight))
+    def _prefill_end_callback(self, request_id: str) -> Callable[[float], None]:
+        return lambda end_time: self._prefill_ended(request_id, end_time)
 
-    def _flush_ready(self) -> None:
-        if self._pending_ready and self._directory.session is not None:
-            events, self._pending_ready = self._pending_ready, []
-            self._directory.session.send_ready(events)
-
-    def _pump(self, live: _Live) -> None:
-        """Submit every write that became possible; settle the transfer once it ended."""
-        if not live.push.terminal:
-            stall = self._config.fault_stall_after_writes
-            if stall is not None and live.push.writes_submitted >= stall:
-                return  # fault injection (tests only): behave like a writer that stopped making progress
-            try:
-                writes = live.push.next_writes()
-            except ValueError as exc:
-                self._stop(live, PushOutcome.FAILED, str(exc))
-                return
-            for write in writes:
-                # The layer's latest event covers every token of it marked ready so far. None: CPU, or a layer not
-                # computed since start-up (prefix-cache tokens from earlier steps, which vLLM synchronised).
-                self._submit(live, write, self._layer_events.get(write.layer))
-        self._settle_if_ended(live)
-
-    def _submit(self, live: _Live, write: PlannedWrite, ready_event: Any) -> None:
-        _log.debug("write", transfer_id=live.push.transfer_id, layer=write.layer, token_start=write.token_start,
+    def _submit(self, order: WriteOrder) -> None:
+        write = order.write
+        _log.debug("write", transfer_id=order.transfer_id, layer=write.layer, token_start=write.token_start,
                    token_end=write.token_end, notify=write.notify)
         try:
-            self._transport.submit(live.push.transfer_id, live.push.peer_agent, write, live.push.notification,
-                                   ready_event, live.trace_context, live.post_guard)
+            self._transport.submit(order.transfer_id, order.peer_agent, write, order.notification, order.ready_event,
+                                   order.traceparent, order.post_guard)
         except Exception as exc:  # refused before anything was posted
-            live.push.write_finished(PushOutcome.FAILED, f"write refused: {exc}", layer=write.layer)
-            self._stop(live, PushOutcome.FAILED, f"write refused: {exc}")
+            self._deliver(self._book.write_refused(order.transfer_id, write.layer, str(exc), time.monotonic()))
             return
-        live.push.write_submitted()
+        self._book.write_accepted(order.transfer_id)
 
-    def _stop(self, live: _Live, outcome: PushOutcome, reason: str) -> None:
-        """End the push (first reason wins) and make the data plane drop what it still holds of it."""
-        live.push.stop(outcome, reason)
-        if live.push.writes_submitted and not live.push.writer_quiet and not live.writer_cancelled:
-            live.writer_cancelled = True
-            self._transport.cancel(live.push.transfer_id)
-        self._settle_if_ended(live)
+    def _flush_ready(self) -> None:
+        session = self._directory.session
+        if self._pending_ready and session is not None:
+            events, self._pending_ready = self._pending_ready, []
+            session.send_ready(events)
 
-    def _settle_if_ended(self, live: _Live) -> None:
-        """Settle once the push ended and nothing is in flight; release it once also held.
-
-        The closing write carries the notification; the data plane sends it only after every write of
-        the transfer landed (NIXL does not order handles), so decode never starts on partial KV.
-        """
-        if not live.settled and live.push.terminal and live.push.quiescent:
-            if (live.sends_first_token and live.held_since is None and live.push.outcome is PushOutcome.DONE
-                    and not live.cancel_requested):
-                # DONE must carry the token the request samples after its prompt; it comes with the hold.
-                if live.quiet_since is None:
-                    live.quiet_since = time.monotonic()
-                return
-            self._settle(live)
-        if live.settled and live.held_since is not None:
-            self._release(live)
-
-    def _settle(self, live: _Live) -> None:
-        """The one place a transfer's end is reported: WriteResult, span, log, timeline."""
-        live.settled = True
-        push = live.push
-        timeline = push.finalize_timeline()
-        if live.instructed_agent or live.cancel_requested:
-            live.result_sent = True
-            done = push.outcome is PushOutcome.DONE
-            # A failure that left this worker without the decode agent (a write to it aborted, or an instruction
-            # without the metadata it lacked) says so: the directory resends the metadata with the next instruction.
-            dropped = (live.instructed_agent if not done and live.instructed_agent
-                       and not self._transport.has_peer(live.instructed_agent) else "")
-            self._send_result(push.transfer_id, push.outcome, push.reason if not done else "",
-                              timeline if done else None, push.layers_written(), timeline.bytes_written,
-                              live.first_token_id if done and live.sends_first_token else None, dropped)
-        values = {k: v for k, v in timeline.as_dict().items() if v is not None}
-        live.span.set_attributes({**{f"kvpush.{k}": v for k, v in values.items() if k not in ("state", "reason")},
-                                  "kvpush.state": push.outcome.value})
-        live.span.end(ok=push.outcome is PushOutcome.DONE, reason=push.reason)
-        self._timeline_dirty.discard(push.request_id)
-        final = timeline.snapshot()
-        final.settled = True  # the one timeline that says how the push ended (metrics count it once)
-        self._publish(TimelineChanged(push.request_id, final))
-        log = _log.info if push.outcome is PushOutcome.DONE else _log.warning
-        log("push ended", transfer_id=push.transfer_id, request_id=push.request_id, **values)
-
-    def _release(self, live: _Live) -> None:
-        push = live.push
-        self._live.pop(push.request_id, None)
-        self._by_transfer.pop(push.transfer_id, None)
-        self._finished_transfers[push.transfer_id] = push.outcome
-        while len(self._finished_transfers) > _FINISHED_MEMORY:
-            self._finished_transfers.pop(next(iter(self._finished_transfers)))
-        self._publish(Released(push.request_id))
-
-    def _publish_timeline(self, live: _Live) -> None:
-        self._publish(TimelineChanged(live.push.request_id, live.push.finalize_timeline().snapshot()))
-
-    def _send_result(self, transfer_id: str, outcome: PushOutcome, error: str = "",
-                     timeline: PushTimeline | None = None, layers_written: int = 0, bytes_written: int = 0,
-                     first_token_id: int | None = None, dropped_agent: str = "") -> None:
-        if self._directory.session is None:
+    def _send_result(self, result: PushResult) -> None:
+        session = self._directory.session
+        if session is None:
             return
-        result = dpb.WriteResult(transfer_id=transfer_id, status=write_result_status(outcome),
-                                 error_message=error[:1000], layers_written_count=layers_written,
-                                 bytes_written=bytes_written, dropped_decode_agent_name=dropped_agent)
-        if first_token_id is not None:
-            result.first_token_id = first_token_id
-        if timeline is not None:
-            result.timing.CopyFrom(timing_proto(timeline))
-        self._directory.session.send_result(result)
+        # A failure that left this worker without the decode agent (a write to it aborted, or an instruction
+        # without the metadata it lacked) says so: the directory resends the metadata with the next instruction.
+        dropped = (result.instructed_agent if result.outcome is not PushOutcome.DONE and result.instructed_agent
+                   and not self._transport.has_peer(result.instructed_agent) else "")
+        proto = dpb.WriteResult(transfer_id=result.transfer_id, status=write_result_status(result.outcome),
+                                error_message=result.error[:1000], layers_written_count=result.layers_written_count,
+                                bytes_written=result.bytes_written, dropped_decode_agent_name=dropped)
+        if result.first_token_id is not None:
+            proto.first_token_id = result.first_token_id
+        if result.timeline is not None:
+            proto.timing.CopyFrom(timing_proto(result.timeline))
+        session.send_result(proto)
 
-    def _lease_guard(self) -> Callable[[], str | None] | None:
+    def _lease_guard(self) -> PostGuard | None:
         """A check the data plane runs before posting each write of an instruction received now.
 
         The directory fences a rank whose lease is gone at lease deadline + max_write_s; this worker's
         deadline (renewal send time + TTL) is never after the directory's, so posting only while it holds
         (and only under the lease the instruction came with) keeps every write inside that fence.
         """
-        registration = getattr(self._directory, "registration", None)
+        registration = self._directory.registration
         if registration is None:
             return None
         generation = registration.registration_count
@@ -894,33 +669,6 @@ class PushOwner:
             return "the lease this push was instructed under is no longer held (lapsed, or the directory forgot it)"
 
         return guard
-
-    def _enforce_bounds(self, now: float) -> None:
-        """Held requests never wait past push_timeout_s; then their writes are cancelled and the blocks freed."""
-        self._step_gap.check(now, len(self._live))
-        for live in list(self._live.values()):
-            if live.quiet_since is not None and live.held_since is None and not live.settled \
-                    and now - live.quiet_since > self._config.push_timeout_s:
-                # Every write landed but the request never finished (a leg without max_tokens=1): report DONE
-                # without the token rather than keep decode waiting for ever.
-                _log.warning("first token not known within push_timeout_s; DONE reported without it",
-                             transfer_id=live.push.transfer_id, request_id=live.push.request_id)
-                live.sends_first_token = False
-                self._settle_if_ended(live)
-            if live.held_since is None:
-                continue
-            waited = now - live.held_since
-            if waited > self._config.push_timeout_s and not live.push.terminal:
-                self._stop(live, PushOutcome.FAILED,
-                           f"push not finished within push_timeout_s={self._config.push_timeout_s}")
-            if waited > self._config.push_timeout_s + self._config.max_write_s + 1.0 and not live.settled:
-                # Writes were cancelled at push_timeout_s; none waits for its event past it and every posted one
-                # ends within max_write_s, so the data plane holds none by now. One it still reports in flight is
-                # lost to its bookkeeping: release the blocks rather than hold them for ever.
-                _log.error("writes still in flight past push_timeout_s + max_write_s; releasing the blocks anyway",
-                           transfer_id=live.push.transfer_id, in_flight=live.push.in_flight)
-                live.push.abandon_in_flight()
-                self._settle_if_ended(live)
 
 
 def timing_proto(timeline: PushTimeline) -> tpb.TransferTiming:

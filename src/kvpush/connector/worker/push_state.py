@@ -13,9 +13,9 @@ per transfer, driven by the prefill worker's `PushOwner` on the NIXL I/O thread:
      prefix hit is written. The write that completes every layer carries the notification.
   4. Outcomes: `write_submitted()` after the data plane accepted a write, `write_finished(outcome, ...)`
      per write, `writer_is_quiet()` once the data plane holds no handle of the transfer; the push is DONE
-     when every planned write landed, FAILED on the first failure; `stop(...)` (cancellation, abort,
-     timeout) stops new writes. `quiescent` is true once nothing is in flight: only then may the blocks
-     be released.
+     when every planned write landed, FAILED on the first failure; `stop(PushStop)` (cancellation, abort,
+     timeout) stops new writes. Writes in flight are counted once: planned minus finished. `quiescent` is
+     true once nothing is in flight: only then may the blocks be released.
   5. `finalize_timeline()`: the `PushTimeline` (what was measured, with the derived counts).
 """
 
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.api.outcome import PUSH_ACTIVE, PushOutcome
+from kvpush.api.outcome import PUSH_ACTIVE, PushOutcome, PushStop, StopCause
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class PushTimeline:
     first_write_start_time: float | None = None   # earliest post of a landed write
     last_write_end_time: float | None = None      # latest completion
     prefill_end_time: float | None = None         # last layer of the last chunk computed (GPU: its kernel)
-    post_duration_s: float = 0.0                  # time spent posting, summed
+    post_duration_s: float = 0.0                  # time spent posting, summed (a response key: name kept)
     write_count: int = 0
     descriptor_count: int = 0                     # NIXL descriptors after merging, summed
     bytes_written: int = 0                        # summed
@@ -94,12 +94,11 @@ class PushTransfer:
         self.request_id = request_id
         self.prompt_token_count = prompt_token_count
         self.layer_count = layer_count
-        self.block_size = block_size_tokens
+        self.block_size_tokens = block_size_tokens
         self.src_block_ids: tuple[int, ...] = ()
         self.tokens_ready = [0] * layer_count
         self.outcome: PushOutcome | None = None  # None while the push runs
-        self.reason = ""
-        self.in_flight = 0
+        self.stopped_by: PushStop | None = None  # why it ended, unless every write it owed landed
         # The data plane's own view: once it reported the transfer quiet, none of its handles is in flight.
         self.writes_submitted = 0
         self.writer_quiet = False
@@ -107,7 +106,7 @@ class PushTransfer:
         # Set by the instruction.
         self.peer_agent = ""
         self.dst_block_ids: tuple[int, ...] = ()
-        self.skip_tokens = 0
+        self.skip_token_count = 0
         self.notification = b""
         self._blocks_planned: list[int] = []  # per layer: blocks [0, n) are written or in flight
         # Layers whose readiness grew since the last next_writes (all of them once the instruction arrives):
@@ -118,15 +117,49 @@ class PushTransfer:
         self._layer_last_end_time: list[float | None] = [None] * layer_count
         self._layer_last_post_time: list[float | None] = [None] * layer_count
         self._writes_planned = 0
+        self._writes_finished = 0   # outcomes counted (landed, failed, refused)
+        self._writes_abandoned = 0  # never reported by the data plane, given up on past every bound
         self._writes_landed = 0
         self._notify_planned = False
+        # Per layer, the token ranges planned so far (in order): a block is written at most once (check_invariants).
+        self.planned_ranges: list[list[tuple[int, int]]] = [[] for _ in range(layer_count)]
+
+    @property
+    def reason(self) -> str:
+        """Why the push did not end DONE ("" while it runs or once DONE)."""
+        return self.stopped_by.detail if self.stopped_by is not None else ""
+
+    @property
+    def in_flight(self) -> int:
+        """Planned writes whose outcome is not counted yet."""
+        return self._writes_planned - self._writes_finished - self._writes_abandoned
+
+    @property
+    def writes_planned(self) -> int:
+        """Writes handed out by next_writes."""
+        return self._writes_planned
+
+    @property
+    def writes_landed(self) -> int:
+        """Writes that landed."""
+        return self._writes_landed
+
+    @property
+    def notify_planned(self) -> bool:
+        """True once the closing write (the one carrying the notification) was planned."""
+        return self._notify_planned
+
+    @property
+    def all_planned(self) -> bool:
+        """True once every layer's blocks up to the prompt's end were planned."""
+        return self._all_planned()
 
     # ---------------------------------------------------------------- inputs
 
     @property
     def total_blocks(self) -> int:
         """Blocks holding the prompt."""
-        return -(-self.prompt_token_count // self.block_size)
+        return -(-self.prompt_token_count // self.block_size_tokens)
 
     @property
     def has_instruction(self) -> bool:
@@ -164,7 +197,7 @@ class PushTransfer:
             self.tokens_ready[layer] = tokens_ready
             self._layers_to_plan.add(layer)
 
-    def set_instruction(self, peer_agent: str, dst_block_ids: tuple[int, ...], skip_tokens: int,
+    def set_instruction(self, peer_agent: str, dst_block_ids: tuple[int, ...], skip_token_count: int,
                         prompt_token_count: int, notification: bytes) -> None:
         """Record where to write; raise ValueError if it cannot fit this transfer."""
         if self.has_instruction:
@@ -174,15 +207,15 @@ class PushTransfer:
         if prompt_token_count != self.prompt_token_count:
             raise ValueError(
                 f"decode expects {prompt_token_count} prompt tokens, this prefill computes {self.prompt_token_count}")
-        if not 0 <= skip_tokens <= self.prompt_token_count:
-            raise ValueError(f"skip_token_count {skip_tokens} outside [0, {self.prompt_token_count}]")
+        if not 0 <= skip_token_count <= self.prompt_token_count:
+            raise ValueError(f"skip_token_count {skip_token_count} outside [0, {self.prompt_token_count}]")
         if len(dst_block_ids) < self.total_blocks:
             raise ValueError(f"{len(dst_block_ids)} decode blocks cannot hold {self.prompt_token_count} tokens")
         self.peer_agent = peer_agent
         self.dst_block_ids = tuple(dst_block_ids[: self.total_blocks])
-        self.skip_tokens = skip_tokens
+        self.skip_token_count = skip_token_count
         self.notification = notification
-        first_block = skip_tokens // self.block_size
+        first_block = skip_token_count // self.block_size_tokens
         self._blocks_planned = [first_block] * self.layer_count
         self._layers_fully_planned = self.layer_count if first_block >= self.total_blocks else 0
         self._layers_to_plan = set(range(self.layer_count))
@@ -193,7 +226,7 @@ class PushTransfer:
         ready = self.tokens_ready[layer]
         if ready >= self.prompt_token_count:
             return self.total_blocks
-        return ready // self.block_size
+        return ready // self.block_size_tokens
 
     def next_writes(self) -> list[PlannedWrite]:
         """Writes that became possible since the last call (empty without an instruction or once stopped)."""
@@ -206,8 +239,8 @@ class PushTransfer:
             end_block = self._writable_blocks(layer)
             if end_block <= start_block:
                 continue
-            token_start = max(start_block * self.block_size, self.skip_tokens)
-            token_end = min(end_block * self.block_size, self.prompt_token_count)
+            token_start = max(start_block * self.block_size_tokens, self.skip_token_count)
+            token_end = min(end_block * self.block_size_tokens, self.prompt_token_count)
             self._blocks_planned[layer] = end_block
             if end_block >= self.total_blocks:
                 self._layers_fully_planned += 1
@@ -215,6 +248,7 @@ class PushTransfer:
                 continue
             if len(self.src_block_ids) < end_block:
                 raise ValueError(f"transfer {self.transfer_id}: no source block ids for tokens up to {token_end}")
+            self.planned_ranges[layer].append((token_start, token_end))
             writes.append(PlannedWrite(layer, token_start, token_end, self.src_block_ids[:end_block],
                                        self.dst_block_ids[:end_block], notify=False))
         if writes and self._all_planned():
@@ -223,7 +257,6 @@ class PushTransfer:
                                       last.dst_block_ids, notify=True)
             self._notify_planned = True
         self._writes_planned += len(writes)
-        self.in_flight += len(writes)
         for write in writes:
             self._layer_writes_in_flight[write.layer] += 1
         return writes
@@ -233,7 +266,7 @@ class PushTransfer:
 
     def nothing_to_write(self) -> bool:
         """True when the instruction leaves nothing to push (decode's prefix hit covers the prompt)."""
-        return self.has_instruction and self.skip_tokens >= self.prompt_token_count
+        return self.has_instruction and self.skip_token_count >= self.prompt_token_count
 
     # ---------------------------------------------------------------- outcomes
 
@@ -254,13 +287,13 @@ class PushTransfer:
             self._layer_last_post_time[layer] = start_time if last is None else max(last, start_time)
 
     def write_finished(self, outcome: PushOutcome, error: str = "", end_time: float | None = None,
-                       post_duration_s: float = 0.0, descriptor_count: int = 0, bytes_written: int = 0,
-                       layer: int | None = None) -> None:
+                       post_duration_seconds: float = 0.0, descriptor_count: int = 0, bytes_written: int = 0,
+                       layer: int | None = None, cause: StopCause = StopCause.WRITE_FAILED) -> None:
         """Count one planned write's outcome (of `layer`, when known); the first failure makes the transfer FAILED."""
         end_time = time.time() if end_time is None else end_time
-        self.in_flight -= 1
-        if self.in_flight < 0:
+        if self.in_flight <= 0:
             raise AssertionError(f"transfer {self.transfer_id}: more outcomes than writes")
+        self._writes_finished += 1
         ok = outcome is PushOutcome.DONE
         if layer is not None and 0 <= layer < self.layer_count and self._layer_writes_in_flight[layer] > 0:
             self._layer_writes_in_flight[layer] -= 1
@@ -268,19 +301,19 @@ class PushTransfer:
                 last = self._layer_last_end_time[layer]
                 self._layer_last_end_time[layer] = end_time if last is None else max(last, end_time)
         if not ok:
-            self.stop(PushOutcome.FAILED, error or "write failed")
+            self.stop(PushStop(cause, error or "write failed"))
             return
         self._writes_landed += 1
         timeline = self.timeline
         timeline.write_count += 1
-        timeline.post_duration_s += post_duration_s
+        timeline.post_duration_s += post_duration_seconds
         timeline.descriptor_count += descriptor_count
         timeline.bytes_written += bytes_written
         timeline.write_end_times.append(end_time)
         if timeline.last_write_end_time is None or end_time > timeline.last_write_end_time:
             timeline.last_write_end_time = end_time
         if self.outcome is None and self._notify_planned and self._writes_landed == self._writes_planned:
-            self._end(PushOutcome.DONE, "")
+            self.outcome = PushOutcome.DONE
 
     def prefill_ended(self, end_time: float) -> None:
         """Record when the last layer of the last chunk was computed."""
@@ -309,20 +342,18 @@ class PushTransfer:
         return (bool(self._blocks_planned) and self._blocks_planned[layer] >= self.total_blocks
                 and self._layer_writes_in_flight[layer] == 0 and self._layer_last_end_time[layer] is not None)
 
-    def stop(self, outcome: PushOutcome, reason: str) -> None:
-        """End the push (FAILED / CANCELLED / DONE with nothing to write); later outcomes still count in_flight."""
+    def stop(self, stop: PushStop) -> None:
+        """End the push (first stop wins; DONE only with nothing to write); later outcomes still count in_flight."""
         if self.outcome is None:
-            self._end(outcome, reason)
-
-    def _end(self, outcome: PushOutcome, reason: str) -> None:
-        self.outcome = outcome
-        self.reason = reason
+            self.outcome = stop.outcome
+            self.stopped_by = stop
 
     def abandon_in_flight(self) -> None:
         """Give up on writes the data plane never reported (past every bound): count them as failed, now quiet."""
         if self.in_flight:
-            self.stop(PushOutcome.FAILED, f"{self.in_flight} writes never reported by the data plane")
-        self.in_flight = 0
+            self.stop(PushStop(StopCause.UNREPORTED_WRITES,
+                               f"{self.in_flight} writes never reported by the data plane"))
+        self._writes_abandoned += self.in_flight
         self._layer_writes_in_flight = [0] * self.layer_count
         self.writer_quiet = True
 

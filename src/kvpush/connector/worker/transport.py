@@ -12,41 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
-from kvpush.api.outcome import PushOutcome
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.worker.layout_wire import layout_from_proto
+from kvpush.connector.worker.push_machine import WriteDone, WriterQuiet
 from kvpush.connector.worker.push_state import PlannedWrite
 from kvpush.dataplane import NixlConfig
 from kvpush.observability import get_logger
 
 _log = get_logger("connector.worker.transport")
-
-
-@dataclass(frozen=True)
-class WriteDone:
-    """One write's outcome, as the prefill worker consumes it (times are unix seconds)."""
-
-    transfer_id: str
-    outcome: PushOutcome
-    error: str
-    layer: int
-    start_time: float | None
-    end_time: float
-    post_duration_s: float
-    descriptor_count: int
-    bytes_written: int
-
-
-@dataclass(frozen=True)
-class WriterQuiet:
-    """The data plane holds no handle of this transfer any more: its source blocks may be reused."""
-
-    transfer_id: str
-    outcome: PushOutcome
-    error: str
 
 
 def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
