@@ -227,12 +227,13 @@ class DirectoryClient:
         return await self._unary("PlanTransfer", request, timeout_s, transfer_id=transfer_id)
 
     async def report_allocation(self, transfer_id: str, engine_id: str, block_ids: Sequence[int],
-                                prompt_token_count: int, prefix_hit_token_count: int = 0,
+                                prompt_token_count: int, skip_token_count: int = 0,
                                 timeout_s: float | None = None) -> tpb.Transfer:
-        """Report decode's blocks for a transfer; returns the transfer after the report."""
+        """Report decode's blocks for a transfer (`skip_token_count`: leading tokens decode already holds, not
+        pushed); returns the transfer after the report."""
         response = await self._unary("ReportAllocation", dpb.ReportAllocationRequest(
             transfer_id=transfer_id, engine_id=engine_id, block_ids=block_ids,
-            prompt_token_count=prompt_token_count, prefix_hit_token_count=prefix_hit_token_count), timeout_s,
+            prompt_token_count=prompt_token_count, prefix_hit_token_count=skip_token_count), timeout_s,
             transfer_id=transfer_id)
         return response.transfer
 
@@ -310,9 +311,9 @@ class DirectoryClient:
     async def health(self, service: str = "", timeout_s: float | None = None) -> str:
         """The server's health status name for a service ("" = the whole server), e.g. "SERVING"."""
         try:
-            response = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                timeout=timeout_s or self.config.timeout_s,
-                                                metadata=self.config.metadata)
+            response = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s or self.config.timeout_s,
+                metadata=self.config.metadata)
         except grpc.aio.AioRpcError as error:
             raise DirectoryCallError.from_rpc_error("Health.Check", error) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

@@ -95,7 +95,9 @@ class ReplicatedPrefillSession:
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        # Sessions of replicas learnt while routing, started without waiting; referenced until started.
+        self._starting: set[asyncio.Future[object]] = set()
         self._stopping = False
 
     @property
@@ -220,7 +222,9 @@ class ReplicatedPrefillSession:
                 replica = self.replicas.get(address) if address else None
                 if replica is None and address:
                     replica = self._add(address)
-                    asyncio.ensure_future(replica.session.start())
+                    starting = asyncio.ensure_future(replica.session.start())
+                    self._starting.add(starting)
+                    starting.add_done_callback(self._starting.discard)
                 if replica is None or not replica.session.connected:
                     waiting.append(item)
                     continue

@@ -26,6 +26,7 @@ import gc
 import math
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kvpush.directory.errors import ResourceExhausted
@@ -117,7 +118,7 @@ class CallGate:
         return state.in_flight if state is not None else 0
 
     @contextlib.asynccontextmanager
-    async def slot(self, caller: str):
+    async def slot(self, caller: str) -> AsyncIterator[Callable[[int], None]]:
         """Hold one of the caller's in-flight slots, waiting (unread) for one when all are taken; yields a function
         that charges the request's size (ResourceExhausted past the caller's byte budget)."""
         limits = self.limits
@@ -158,7 +159,7 @@ class CallGate:
                 self._callers.pop(caller, None)
 
 
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim (None elsewhere): returns the free pages of every malloc arena to the system."""
     name = ctypes.util.find_library("c")
     try:

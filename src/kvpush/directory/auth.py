@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import os
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -33,6 +34,8 @@ from kvpush.directory.validation import ID_PATTERN
 from kvpush.observability import get_logger
 
 log = get_logger("directory.auth")
+# gRPC invocation metadata: (key, value) pairs, binary values as bytes (None: no metadata).
+Metadata = Iterable[tuple[str, str | bytes]] | None
 
 ENGINE_URI_PREFIX = "spiffe://kvpush/engine/"
 OPERATOR_URI = "spiffe://kvpush/operator"
@@ -189,13 +192,13 @@ class Authenticator:
             # Keep the last good tokens: a half-written file must not lock every engine out.
             log.warning("tokens file changed but could not be read; keeping the previous tokens", error=str(error))
 
-    def _bearer(self, metadata) -> bytes:
+    def _bearer(self, metadata: Metadata) -> bytes:
         for key, value in metadata or ():
             if key == "authorization":
                 return value.encode() if isinstance(value, str) else bytes(value)
         return b""
 
-    def admits(self, metadata) -> bool:
+    def admits(self, metadata: Metadata) -> bool:
         """The early check (headers only): a required token is present and known."""
         if not self.token_required:
             return True
@@ -205,7 +208,7 @@ class Authenticator:
         self._reload_tokens()
         return presented.startswith(b"Bearer ") and _digest(presented[7:]) in self._tokens
 
-    def principal(self, metadata, auth_context) -> Principal:
+    def principal(self, metadata: Metadata, auth_context: Mapping[str, Sequence[bytes]] | None) -> Principal:
         """The caller's principal; raises Unauthenticated when identities are on and none is proved."""
         if not self.identities:
             return ANYONE

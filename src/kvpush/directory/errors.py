@@ -6,6 +6,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpush.api.shards import ShardRedirect
+
 
 class DirectoryError(Exception):
     """Base class: a request the directory refuses, with a message fit for the caller.
@@ -52,8 +57,8 @@ class Unavailable(DirectoryError):
 
 class ShardMoved(DirectoryError):
     """The transfer's shard is another replica's, or between owners (FAILED_PRECONDITION / UNAVAILABLE with
-    a google.rpc.ErrorInfo naming the owner: `shards.ShardRedirect`)."""
+    a google.rpc.ErrorInfo naming the owner: `kvpush.api.shards.ShardRedirect`)."""
 
-    def __init__(self, message: str, redirect) -> None:
+    def __init__(self, message: str, redirect: ShardRedirect) -> None:
         super().__init__(message)
         self.redirect = redirect

@@ -21,6 +21,7 @@ import asyncio
 import ipaddress
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from aetcd.rpc import kv_pb2, rpc_pb2, rpc_pb2_grpc
@@ -75,6 +76,10 @@ class Delete:
     key: bytes
 
 
+def _read(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read()
+
 class EtcdStore:
     """A connection to an etcd cluster (module docstring). Create and use it on one event loop."""
 
@@ -103,18 +108,18 @@ class EtcdStore:
         if root_cert_file:
             key = cert = None
             if client_cert_file:
-                key = open(client_key_file, "rb").read()
-                cert = open(client_cert_file, "rb").read()
-            credentials = grpc.ssl_channel_credentials(open(root_cert_file, "rb").read(), key, cert)
+                key, cert = _read(client_key_file), _read(client_cert_file)
+            credentials = grpc.ssl_channel_credentials(_read(root_cert_file), key, cert)
             self.channel = grpc.aio.secure_channel(target, credentials, options=options)
         else:
             self.channel = grpc.aio.insecure_channel(target, options=options)
         self._kv = rpc_pb2_grpc.KVStub(self.channel)
         self._lease = rpc_pb2_grpc.LeaseStub(self.channel)
         self._watch = rpc_pb2_grpc.WatchStub(self.channel)
-        self._keep_alive_call = None
-        self._keep_alive_waiters: dict[int, list[asyncio.Future]] = {}
-        self._keep_alive_reader: asyncio.Task | None = None
+        # Any: grpc.aio's call objects are untyped (grpc ships no stubs).
+        self._keep_alive_call: Any = None
+        self._keep_alive_waiters: dict[int, list[asyncio.Future[int]]] = {}
+        self._keep_alive_reader: asyncio.Task[None] | None = None
         self._keep_alive_lock = asyncio.Lock()
         self.round_trip_count = 0
 
@@ -146,26 +151,27 @@ class EtcdStore:
         self.round_trip_count += 1
         response = await self._lease.LeaseTimeToLive(rpc_pb2.LeaseTimeToLiveRequest(ID=lease),
                                                      timeout=self.timeout_s)
-        return response.TTL
+        return int(response.TTL)
 
     async def keep_alive(self, lease: int) -> int:
         """Renew a lease once; returns the TTL etcd gave it (0 when the lease no longer exists)."""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future: asyncio.Future[int] = loop.create_future()
         async with self._keep_alive_lock:
-            if self._keep_alive_call is None or self._keep_alive_call.done():
-                self._open_keep_alive()
+            call = self._keep_alive_call
+            if call is None or call.done():
+                call = self._open_keep_alive()
             self._keep_alive_waiters.setdefault(lease, []).append(future)
             self.round_trip_count += 1
             try:
-                await asyncio.wait_for(self._keep_alive_call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease)),
+                await asyncio.wait_for(call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease)),
                                        self.timeout_s)
             except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 self._reset_keep_alive()
                 raise ConnectionError("etcd keep-alive stream broke") from None
         return await asyncio.wait_for(future, self.timeout_s)
 
-    def _open_keep_alive(self) -> None:
+    def _open_keep_alive(self) -> Any:  # Any: the untyped grpc.aio call (see __init__)
         self._keep_alive_call = self._lease.LeaseKeepAlive()
         call = self._keep_alive_call
 
@@ -189,6 +195,7 @@ class EtcdStore:
                     self._reset_keep_alive()
 
         self._keep_alive_reader = asyncio.ensure_future(read())
+        return call
 
     def _reset_keep_alive(self) -> None:
         call, self._keep_alive_call = self._keep_alive_call, None
@@ -206,13 +213,13 @@ class EtcdStore:
         """Set a key (attached to `lease` when given); returns the new revision."""
         self.round_trip_count += 1
         response = await self._kv.Put(rpc_pb2.PutRequest(key=key, value=value, lease=lease), timeout=self.timeout_s)
-        return response.header.revision
+        return int(response.header.revision)
 
     async def delete(self, key: bytes) -> int:
         """Delete a key; returns how many were deleted (0 or 1)."""
         self.round_trip_count += 1
         response = await self._kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=key), timeout=self.timeout_s)
-        return response.deleted
+        return int(response.deleted)
 
     async def get(self, key: bytes) -> KeyValue | None:
         """One key, or None."""
@@ -245,7 +252,7 @@ class EtcdStore:
                                      lease=lease)],
             success=[rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=key))]),
             timeout=self.timeout_s)
-        return response.succeeded
+        return bool(response.succeeded)
 
     async def txn(self, ops: Sequence[Put | Delete], guards: Sequence[tuple[bytes, int]] = ()) -> bool:
         """Commit puts and deletes as one revision, only while every guard key is attached to its lease.
@@ -261,15 +268,15 @@ class EtcdStore:
                    for key, lease in guards]
         response = await self._kv.Txn(rpc_pb2.TxnRequest(compare=compare, success=request_ops),
                                       timeout=self.timeout_s)
-        return response.succeeded
+        return bool(response.succeeded)
 
     async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[tuple[int, list[WatchEvent]]]:
         """Batches of events under `prefix` from `start_revision` on; ends (raises) when the stream breaks."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[rpc_pb2.WatchRequest] = asyncio.Queue()
         await queue.put(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(
             key=prefix, range_end=prefix_end(prefix), start_revision=start_revision)))
 
-        async def requests():
+        async def requests() -> AsyncIterator[rpc_pb2.WatchRequest]:
             while True:
                 yield await queue.get()
 

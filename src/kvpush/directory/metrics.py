@@ -17,15 +17,21 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from aiohttp import web
+from google.protobuf import timestamp_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvpush.directory.records import PREFILL, Effects, TransferObserver, TransferRecord
 from kvpush.v1 import types_pb2 as tpb
+
+if TYPE_CHECKING:
+    from kvpush.directory.servicer import DirectoryServicer
+    from kvpush.directory.state import DirectoryState
 
 # Seconds: a transfer spans a prefill (ms to s); a tail or a post is micro- to milliseconds.
 _TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -51,10 +57,10 @@ def failure_cause(record: TransferRecord) -> str:
     return "cancelled" if record.state == tpb.TRANSFER_STATE_CANCELLED else "other"
 
 
-def _seconds_between(later, earlier) -> float | None:
+def _seconds_between(later: timestamp_pb2.Timestamp, earlier: timestamp_pb2.Timestamp) -> float | None:
     if (not later.seconds and not later.nanos) or (not earlier.seconds and not earlier.nanos):
         return None
-    return (later.ToNanoseconds() - earlier.ToNanoseconds()) / 1e9
+    return float(later.ToNanoseconds() - earlier.ToNanoseconds()) / 1e9
 
 
 class DirectoryMetrics(TransferObserver):
@@ -100,10 +106,10 @@ class DirectoryMetrics(TransferObserver):
         self.rpc_duration = Histogram("kvpush_directory_rpc_duration_seconds",
                                       "RPC handling time by method and status code (streams: their whole life).",
                                       ["method", "code"], buckets=_RPC_BUCKETS, registry=r)
-        self._state = None
-        self._servicer = None
+        self._state: DirectoryState | None = None
+        self._servicer: DirectoryServicer | None = None
 
-    def bind(self, state, servicer) -> None:
+    def bind(self, state: DirectoryState, servicer: DirectoryServicer | None) -> None:
         """Read live gauges from this state and servicer at scrape time."""
         self._state, self._servicer = state, servicer
         self.registry.register(_LiveCollector(self))
@@ -178,11 +184,13 @@ class _LiveCollector:
     def __init__(self, metrics: DirectoryMetrics) -> None:
         self._metrics = metrics
 
-    def describe(self) -> Iterable:
+    def describe(self) -> Iterable[Metric]:
         return []
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         state, servicer = self._metrics._state, self._metrics._servicer
+        if state is None:  # registered by bind(), which sets it
+            return
         live = GaugeMetricFamily("kvpush_directory_live_transfers", "Non-terminal transfers by state.",
                                  labels=["state"])
         by_state: dict[str, int] = {}
@@ -251,29 +259,31 @@ class _LiveCollector:
                                           "etcd calls this replica made (unary calls, keep-alives, Txns).",
                                           value=replica.etcd.round_trip_count)
                 yield GaugeMetricFamily("kvpush_directory_etcd_queued_writes",
-                                        "Transfer writes queued for etcd, not yet committed.", value=replica.queued_write_count)
+                                        "Transfer writes queued for etcd, not yet committed.",
+                                        value=replica.queued_write_count)
 
 
 def _method_name(full_method: str) -> str:
     return full_method.rsplit("/", 1)[-1] or full_method
 
 
-def _code_name(context, failed: BaseException | None) -> str:
+def _code_name(context: Any, failed: BaseException | None) -> str:  # Any: grpc ships no stubs
     code = context.code()
     if isinstance(code, grpc.StatusCode):
-        return code.name
+        return str(code.name)
     if failed is None:
         return "OK"
     return "CANCELLED" if isinstance(failed, asyncio.CancelledError) else "UNKNOWN"
 
 
-class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
     """Observes every RPC's duration and final status code (outermost interceptor: refusals count too)."""
 
     def __init__(self, metrics: DirectoryMetrics) -> None:
         self._histogram = metrics.rpc_duration
 
-    async def intercept_service(self, continuation, handler_call_details):
+    # Any (here and below): grpc's handlers, call details and contexts are untyped (grpc ships no stubs).
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         """Wrap the handler so its duration and code are recorded when it ends."""
         handler = await continuation(handler_call_details)
         if handler is None:
@@ -283,13 +293,13 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         kwargs = dict(request_deserializer=handler.request_deserializer,
                       response_serializer=handler.response_serializer)
 
-        def observe(context, started: float, failed: BaseException | None) -> None:
+        def observe(context: Any, started: float, failed: BaseException | None) -> None:
             histogram.labels(method, _code_name(context, failed)).observe(time.perf_counter() - started)
 
         if handler.response_streaming:
             inner_stream = handler.stream_stream if handler.request_streaming else handler.unary_stream
 
-            async def streaming(request_or_iterator, context):
+            async def streaming(request_or_iterator: Any, context: Any) -> AsyncIterator[Any]:
                 started, failed = time.perf_counter(), None
                 try:
                     async for response in inner_stream(request_or_iterator, context):
@@ -308,7 +318,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         else:
             inner = handler.stream_unary if handler.request_streaming else handler.unary_unary
 
-        async def unary(request_or_iterator, context):
+        async def unary(request_or_iterator: Any, context: Any) -> Any:
             started, failed = time.perf_counter(), None
             try:
                 return await inner(request_or_iterator, context)

@@ -2,10 +2,11 @@
 
 Rule: among engines with every rank registered, serving the request's model (when it names one) and below
 their transfer cap, decode engines need room for the prompt in their KV cache (their block count: the free blocks
-they last reported are a load signal, stale while an engine idles); prefill engines are tried fewest active transfers first, then fewest queued (running +
-waiting) requests; decode engines most free blocks first, then fewest queued requests, then fewest active
-transfers (engine id breaks ties, so a plan is deterministic). The first pair whose layouts are compatible
-wins (`incompatibility`): equal TP size, layer count, dtype and compatibility hash.
+they last reported are a load signal, stale while an engine idles); prefill engines are tried fewest active
+transfers first, then fewest queued (running + waiting) requests; decode engines most free blocks first, then
+fewest queued requests, then fewest active transfers (engine id breaks ties, so a plan is deterministic). The
+first pair whose layouts are compatible wins (`incompatibility`): equal TP size, layer count, dtype and
+compatibility hash.
 """
 
 from __future__ import annotations

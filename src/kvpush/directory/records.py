@@ -10,10 +10,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
+
+from google.protobuf import message as protobuf_message
+from google.protobuf import timestamp_pb2
 
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
+
+_Message = TypeVar("_Message", bound=protobuf_message.Message)
 
 INT64_MAX = 2**63 - 1
 PREFILL = tpb.ENGINE_ROLE_PREFILL
@@ -130,7 +135,7 @@ class Effects:
     prefill_outboxes: set[tuple[str, int]] = field(default_factory=set)
     watch_engines: set[str] = field(default_factory=set)
     stall_s: float = 0.0
-    expired_lease_roles: list[int] = field(default_factory=list)
+    expired_lease_roles: list[tpb.EngineRole] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.prefill_outboxes or self.watch_engines)
@@ -192,7 +197,7 @@ class Worker:
 
     engine_id: str
     tp_rank: int
-    role: int
+    role: tpb.EngineRole
     tp_size: int
     agent_name: str
     agent_metadata: bytes
@@ -207,7 +212,7 @@ class Worker:
     # As registered: a decode worker whose first sampled token follows kv_transfer_params.first_token_id.
     forces_first_token: bool = False
     # Messages for this prefill worker's StreamPrefill session, delivered in order.
-    outbox: deque = field(default_factory=deque)
+    outbox: deque[dpb.StreamPrefillResponse] = field(default_factory=deque)
     # The current StreamPrefill session (0: none); a stale session's end changes nothing.
     session_id: int = 0
     # Monotonic time of the last registration or renewal (planning skips an engine whose renewal is late);
@@ -220,7 +225,7 @@ class EngineGroup:
     """All registered ranks of one engine id, and the transfers it takes part in."""
 
     engine_id: str
-    role: int
+    role: tpb.EngineRole
     tp_size: int
     workers: dict[int, Worker] = field(default_factory=dict)
     active_transfers: set[str] = field(default_factory=set)
@@ -266,7 +271,7 @@ class Allocation:
 
     block_ids: tuple[int, ...]
     prompt_token_count: int
-    prefix_hit_token_count: int
+    skip_token_count: int  # leading tokens decode already holds (ReportAllocationRequest.prefix_hit_token_count)
 
 
 
@@ -285,7 +290,7 @@ class Ending(NamedTuple):
     rank that has not is presumed stuck and its lease is revoked (then its fence applies).
     """
 
-    state: int  # tpb.TransferState: FAILED, CANCELLED or EXPIRED
+    state: tpb.TransferState  # FAILED, CANCELLED or EXPIRED
     reason: str
     confirm_by: float = math.inf
 
@@ -304,7 +309,7 @@ class TransferRecord:
     create_wall: float
     deadline: float
     deadline_wall: float
-    state: int = tpb.TRANSFER_STATE_PLANNED
+    state: tpb.TransferState = tpb.TRANSFER_STATE_PLANNED
     plan_prompt_token_count: int = 0
     # Prompt length as prefill reports it (every readiness event must agree).
     ready_prompt_token_count: int = 0
@@ -363,7 +368,7 @@ class TransferRecord:
             msg.first_token_id = self.first_token_id
         if self.allocation is not None:
             msg.prompt_token_count = self.allocation.prompt_token_count
-            msg.prefix_hit_token_count = self.allocation.prefix_hit_token_count
+            msg.prefix_hit_token_count = self.allocation.skip_token_count
             msg.decode_block_ids.extend(self.allocation.block_ids)
         else:
             msg.prompt_token_count = self.ready_prompt_token_count or self.plan_prompt_token_count
@@ -387,7 +392,7 @@ class TransferRecord:
         return msg
 
 
-def set_timestamp(target, seconds: float | None) -> None:
+def set_timestamp(target: timestamp_pb2.Timestamp, seconds: float | None) -> None:
     """Set a protobuf Timestamp from epoch seconds (left unset for None)."""
     if seconds is not None:
         target.FromNanoseconds(int(seconds * 1e9))
@@ -430,9 +435,9 @@ def layer_mask(start: int, end: int) -> int:
     return ((1 << (end - start)) - 1) << start
 
 
-def copy_message(message):
+def copy_message(message: _Message) -> _Message:
     """A deep copy of a protobuf message (the state never keeps the caller's objects)."""
-    clone = type(message)()
+    clone: _Message = type(message)()
     clone.CopyFrom(message)
     return clone
 
@@ -471,7 +476,7 @@ class StoredTransfer:
         if self.allocation is not None:
             body["allocation"] = {"block_ids": list(self.allocation.block_ids),
                                   "prompt_token_count": self.allocation.prompt_token_count,
-                                  "prefix_hit_token_count": self.allocation.prefix_hit_token_count,
+                                  "prefix_hit_token_count": self.allocation.skip_token_count,
                                   "owned_blocks": list(self.owned_blocks)}
         return json.dumps(body, separators=(",", ":")).encode()
 

@@ -181,7 +181,10 @@ class EngineRegistry:
         if after is not None:
             keys = [k for k in keys if k > after]
         page = keys[:page_size]
-        next_token = self.page_token_after(self.groups[page[-1][0]].workers[page[-1][1]]) if len(keys) > page_size else ""
+        next_token = ""
+        if len(keys) > page_size:
+            last_engine, last_rank = page[-1]
+            next_token = self.page_token_after(self.groups[last_engine].workers[last_rank])
         return [self.groups[e].workers[r] for e, r in page], next_token
 
     @staticmethod

@@ -37,7 +37,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 import grpc
@@ -45,13 +45,15 @@ import grpc
 from kvpush.api.shards import SHARD_HAS_NO_OWNER, SHARD_NOT_OWNED, ShardRedirect, shard_of
 from kvpush.directory.errors import NotFound, Unavailable
 from kvpush.directory.etcd_store import Delete, EtcdStore, Put
-from kvpush.directory.records import Effects, StoredTransfer, TransferRecord
+from kvpush.directory.records import Effects, StoredTransfer, TransferObserver, TransferRecord, Worker
 from kvpush.directory.state import DirectoryState
 from kvpush.observability import get_logger
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
 log = get_logger("directory.replica")
+# A queued etcd write: its shard, the operation, and the future of a caller waiting for the commit (None: nobody).
+_Op = tuple[int, Put | Delete, asyncio.Future[None] | None]
 # Ops of one etcd Txn at most (etcd's default --max-txn-ops is 128).
 MAX_OPS_PER_TXN = 64
 # The session is presumed lost this long before etcd could end it (clock rate differences, scheduling).
@@ -116,9 +118,11 @@ class Replica:
         # (engine id, rank) -> (lease key, etcd lease id) of every mirrored registration
         self.engine_leases: dict[tuple[str, int], tuple[str, int]] = {}
         self._loads: dict[tuple[str, int], bytes] = {}
-        self._ops: list[tuple[int, Put | Delete, asyncio.Future | None]] = []
+        self._ops: list[_Op] = []
         self._ops_wake = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        # Revocations sent off without waiting, kept referenced until done (the loop holds tasks weakly).
+        self._background: set[asyncio.Future[object]] = set()
         self._stopping = False
         state.new_transfer_id = self._mint_transfer_id
         state.on_lease_revoked = self._revoke_engine_lease
@@ -267,7 +271,8 @@ class Replica:
     def _mint_transfer_id(self) -> str:
         open_shards = {s for s in self.owned - self.draining if self.serves(s)}
         if not open_shards:
-            raise Unavailable(f"replica {self.replica_id} serves no shard that takes new transfers now; ask another replica")
+            raise Unavailable(f"replica {self.replica_id} serves no shard that takes new transfers now; "
+                              "ask another replica")
         while True:  # expected tries: shard_count / len(open_shards)
             transfer_id = uuid.uuid4().hex
             if shard_of(transfer_id, self.config.shard_count) in open_shards:
@@ -284,8 +289,8 @@ class Replica:
 
     # ---------------------------------------------------------------- stored transfers
 
-    def _queue(self, shard: int, op: Put | Delete, wait: bool) -> asyncio.Future | None:
-        future = asyncio.get_running_loop().create_future() if wait else None
+    def _queue(self, shard: int, op: Put | Delete, wait: bool) -> asyncio.Future[None] | None:
+        future: asyncio.Future[None] | None = asyncio.get_running_loop().create_future() if wait else None
         self._ops.append((shard, op, future))
         self._ops_wake.set()
         return future
@@ -295,6 +300,7 @@ class Replica:
         shard = shard_of(record.transfer_id, self.config.shard_count)
         future = self._queue(shard, Put(self.transfer_key(record.transfer_id), StoredTransfer.of(record).to_json()),
                              wait=True)
+        assert future is not None  # wait=True
         await future
 
     def transfer_ended(self, record: TransferRecord) -> None:
@@ -312,8 +318,8 @@ class Replica:
                 batch, self._ops = self._ops[:MAX_OPS_PER_TXN], self._ops[MAX_OPS_PER_TXN:]
                 await self._commit(batch)
 
-    async def _commit(self, batch: list[tuple[int, Put | Delete, asyncio.Future | None]]) -> None:
-        groups: list[list] = [batch]
+    async def _commit(self, batch: list[_Op]) -> None:
+        groups: list[list[_Op]] = [batch]
         first = True
         while groups:
             group = groups.pop()
@@ -436,7 +442,7 @@ class Replica:
         fx = self._mirror_put(request, key, etcd_lease, register_wall)
         if existing is not None and previous is not None and previous[1] != etcd_lease:
             # The key now hangs on the new lease: revoking the old one deletes nothing.
-            asyncio.ensure_future(self.etcd.revoke(previous[1]))
+            self._spawn(self.etcd.revoke(previous[1]))
         return lease_id, fx
 
     async def renew_engine(self, lease_id: str, load: tpb.EngineLoad | None) -> None:
@@ -460,12 +466,17 @@ class Replica:
                 with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
                     await self.etcd.put(self._key("engines", "load", worker.engine_id, worker.tp_rank), body, entry[1])
 
-    def _revoke_engine_lease(self, worker) -> None:
+    def _revoke_engine_lease(self, worker: Worker) -> None:
         """The state revoked a worker's lease (it did not confirm a transfer's end): revoke it in etcd, so no
         replica renews it any more and the worker stops posting writes when its lease runs out."""
         entry = self.engine_leases.pop((worker.engine_id, worker.tp_rank), None)
         if entry is not None:
-            asyncio.ensure_future(self._revoke_quietly(entry[1]))
+            self._spawn(self._revoke_quietly(entry[1]))
+
+    def _spawn(self, work: Coroutine[object, object, object]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _revoke_quietly(self, etcd_lease: int) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
@@ -541,17 +552,38 @@ class Replica:
                     revision = await self._load_engines()
 
 
-class _EndObserver:
-    """Wraps the state's observer: an ended transfer is also deleted from etcd."""
+class _EndObserver(TransferObserver):
+    """Wraps the state's observer: an ended transfer is also deleted from etcd; every other hook is the inner's."""
 
-    def __init__(self, inner, replica: Replica) -> None:
+    def __init__(self, inner: TransferObserver, replica: Replica) -> None:
         self._inner = inner
         self._replica = replica
 
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+    def on_early_readiness(self, outcome: str) -> None:
+        """The inner observer's."""
+        self._inner.on_early_readiness(outcome)
 
-    def on_ended(self, record: TransferRecord) -> None:
+    def on_engine_skipped(self, reason: str) -> None:
+        """The inner observer's."""
+        self._inner.on_engine_skipped(reason)
+
+    def on_planned(self, transfer: TransferRecord) -> None:
+        """The inner observer's."""
+        self._inner.on_planned(transfer)
+
+    def on_allocated(self, transfer: TransferRecord) -> None:
+        """The inner observer's."""
+        self._inner.on_allocated(transfer)
+
+    def on_first_ready(self, transfer: TransferRecord) -> None:
+        """The inner observer's."""
+        self._inner.on_first_ready(transfer)
+
+    def on_dispatched(self, transfer: TransferRecord) -> None:
+        """The inner observer's."""
+        self._inner.on_dispatched(transfer)
+
+    def on_ended(self, transfer: TransferRecord) -> None:
         """Delete from etcd, then the inner observer."""
-        self._replica.transfer_ended(record)
-        self._inner.on_ended(record)
+        self._replica.transfer_ended(transfer)
+        self._inner.on_ended(transfer)

@@ -24,9 +24,12 @@ import os
 import signal
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -82,7 +85,7 @@ class DirectoryConfig:
         return f"{host}:{self.port}"
 
 
-class GuardInterceptor(grpc.aio.ServerInterceptor):
+class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
     """What every call passes before a handler runs: the token, the caller's share, body decoding, the size cap.
 
     - A call without an admitted bearer token (when one is required) is answered UNAUTHENTICATED by a
@@ -113,7 +116,8 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             principal = ""
         return caller_of(principal, context.peer() or "")
 
-    async def intercept_service(self, continuation, handler_call_details):
+    # Any (here and below): grpc's handlers, call details and contexts are untyped (grpc ships no stubs).
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         """Refuse unauthenticated calls unread; read unary requests within the caller's share, checked."""
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(_AUTH_EXEMPT_PREFIX):
@@ -130,7 +134,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         inner = handler.unary_stream if streaming else handler.unary_unary
 
         # Served as a bidi handler whatever the method's shape: gRPC then reads the request only when asked.
-        async def gated(request_iterator, context):
+        async def gated(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
             caller = self.caller(context)
             try:
                 async with self._gate.slot(caller) as charge:
@@ -146,7 +150,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
 
         return grpc.stream_stream_rpc_method_handler(gated, **kwargs)
 
-    async def _read_request(self, context: grpc.aio.ServicerContext, charge):
+    async def _read_request(self, context: grpc.aio.ServicerContext, charge: Callable[[int], None]) -> Any:
         request = await context.read()
         if request is grpc.aio.EOF:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
@@ -155,12 +159,13 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         size = request.ByteSize()
         self._memory.note(size)
         if size > self._max_bytes:  # gRPC's receive limit refuses these first; kept as a guard
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request is {size} bytes; the limit is {self._max_bytes}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request is {size} bytes; the limit is {self._max_bytes}")
         charge(size)
         return request
 
 
-async def _refuse_unread(request_iterator, context):
+async def _refuse_unread(request_iterator: Any, context: Any) -> AsyncIterator[None]:
     # A request-streaming handler runs before any message is read; the caller's body is never taken in.
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
     yield  # makes this an async generator, as a streaming handler must be
@@ -179,7 +184,7 @@ def _tls_files(config: DirectoryConfig) -> tuple[str, ...]:
     return tuple(f for f in (config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file) if f)
 
 
-def _certificate_configuration(config: DirectoryConfig):
+def _certificate_configuration(config: DirectoryConfig) -> Any:  # Any: grpc's configuration object
     client_ca = _read(config.tls_client_ca_file) if config.tls_client_ca_file else None
     return grpc.ssl_server_certificate_configuration(
         [(_read(config.tls_key_file), _read(config.tls_cert_file))], root_certificates=client_ca)
@@ -200,7 +205,7 @@ def server_credentials(config: DirectoryConfig) -> grpc.ServerCredentials | None
     files = _tls_files(config)
     seen = {path: os.stat(path).st_mtime_ns for path in files}
 
-    def fetch():
+    def fetch() -> Any:
         try:
             current = {path: os.stat(path).st_mtime_ns for path in files}
             if current == seen:
@@ -226,12 +231,12 @@ class DirectoryServer:
                  metrics: DirectoryMetrics | None = None, memory: MemoryReturn | None = None) -> None:
         self.config = config
         self.metrics = metrics or DirectoryMetrics()
-        self._metrics_http = None
+        self._metrics_http: web.AppRunner | None = None
         self.server = server
         self.state = state
         self.servicer = servicer
         self.health = health_servicer
-        self._reaper: asyncio.Task | None = None
+        self._reaper: asyncio.Task[None] | None = None
         # Gives large requests' memory back after they are gone (the reaper ticks it).
         self.memory = memory or MemoryReturn()
 
@@ -314,7 +319,7 @@ def create_server(config: DirectoryConfig, clock: Clock | None = None) -> tuple[
         RpcMetricsInterceptor(metrics),
         GuardInterceptor(authenticator, config.max_message_bytes, CallGate(config.limits), servicer.limit_refusals,
                          memory)])
-    directory_pb2_grpc.add_KVDirectoryServiceServicer_to_server(servicer, server)
+    directory_pb2_grpc.add_KVDirectoryServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

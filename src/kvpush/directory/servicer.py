@@ -17,7 +17,8 @@ Streams:
 Authorisation: each handler resolves the caller's principal (`auth.Authenticator`) and checks it
 acts for the engine it names, or is a party of the transfer, or is the operator (auth.py). Every
 response carries a `ResponseHeader` (incarnation, replica) and the deprecated `directory_incarnation_id`.
-Bounds: a session's queued rejections are capped per session and globally (RESOURCE_EXHAUSTED ends the session); refusals are logged rate-limited and counted.
+Bounds: a session's queued rejections are capped per session and globally (RESOURCE_EXHAUSTED ends the
+session); refusals are logged rate-limited and counted.
 
 Shutdown: `begin_shutdown()` wakes every stream; each flushes what is queued and ends with
 UNAVAILABLE ("directory shutting down") without failing transfers, so clients reconnect elsewhere.
@@ -29,6 +30,8 @@ import asyncio
 import contextlib
 import time
 from collections import Counter, deque
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
@@ -51,7 +54,7 @@ from kvpush.directory.errors import (
     ShardMoved,
     Unavailable,
 )
-from kvpush.directory.records import UnreachableReport
+from kvpush.directory.records import TransferRecord, UnreachableReport
 from kvpush.directory.replica import Replica, lease_key
 from kvpush.directory.state import DirectoryState, Effects, Worker
 from kvpush.observability import get_logger
@@ -98,7 +101,7 @@ class ThrottledLog:
         self.counts: Counter[str] = Counter()
         self._window: dict[str, tuple[float, int, int]] = {}
 
-    def info(self, kind: str, message: str, **fields) -> None:
+    def info(self, kind: str, message: str, **fields: object) -> None:
         """Count one `kind` and log it unless this window already had `per_window` of them."""
         self.counts[kind] += 1
         now = time.monotonic()
@@ -289,7 +292,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
 
     # ---------------------------------------------------------------- engines and leases
 
-    async def RegisterEngine(self, request, context):
+    async def RegisterEngine(self, request: dpb.RegisterEngineRequest,
+                             context: grpc.aio.ServicerContext) -> dpb.RegisterEngineResponse:
         """Register one worker and grant a lease."""
         with bound_contextvars(engine_id=request.engine_id, tp_rank=request.tp_rank):
             try:
@@ -310,7 +314,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             return dpb.RegisterEngineResponse(lease_id=lease_id, ttl=_duration(self.limits.lease_ttl_s),
                                               header=self.header(), directory_incarnation_id=self.incarnation_id)
 
-    async def DeregisterEngine(self, request, context):
+    async def DeregisterEngine(self, request: dpb.DeregisterEngineRequest,
+                               context: grpc.aio.ServicerContext) -> dpb.DeregisterEngineResponse:
         """Remove one worker; its engine's transfers fail towards the peers."""
         with bound_contextvars(engine_id=request.engine_id, tp_rank=request.tp_rank):
             try:
@@ -329,7 +334,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             return dpb.DeregisterEngineResponse(header=self.header(), directory_incarnation_id=self.incarnation_id)
 
     @contextlib.asynccontextmanager
-    async def _stream_slot(self, context: grpc.aio.ServicerContext, kind: str):
+    async def _stream_slot(self, context: grpc.aio.ServicerContext, kind: str) -> AsyncIterator[None]:
         """One stream slot of the caller (`admission.StreamSlots`: per caller, globally, renewals kept apart)."""
         try:
             principal = str(self._principal(context))
@@ -354,7 +359,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         """Open RenewLease, WatchTransfers and StreamPrefill calls."""
         return self.stream_slots.open_count
 
-    async def RenewLease(self, request_iterator, context):
+    async def RenewLease(self, request_iterator: AsyncIterator[dpb.RenewLeaseRequest],
+                         context: grpc.aio.ServicerContext) -> None:
         """Renew leases as requests arrive; NOT_FOUND ends the stream for an unknown or lapsed lease.
 
         Only the worker's own engine may renew its lease (PERMISSION_DENIED); a stream silent for
@@ -372,7 +378,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         stopping = asyncio.Event()
         self._renew_streams.add(stopping)
         stop_wait = asyncio.ensure_future(stopping.wait())
-        reading: asyncio.Future | None = None
+        # Any: grpc's context.read() is untyped (a request, grpc.aio.EOF or check.Undecodable).
+        reading: asyncio.Future[Any] | None = None
         try:
             while not self._shutting_down:
                 reading = asyncio.ensure_future(context.read())
@@ -412,7 +419,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 reading.cancel()
             self._renew_streams.discard(stopping)
 
-    async def GetEngine(self, request, context):
+    async def GetEngine(self, request: dpb.GetEngineRequest,
+                        context: grpc.aio.ServicerContext) -> dpb.GetEngineResponse:
         """One engine's workers in rank order."""
         try:
             check.require_id(request.engine_id, "engine_id", self.limits)
@@ -425,7 +433,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         return dpb.GetEngineResponse(workers=[worker_to_proto(w, active, unreachable) for w in workers],
                                      header=self.header(), directory_incarnation_id=self.incarnation_id)
 
-    async def ListEngines(self, request, context):
+    async def ListEngines(self, request: dpb.ListEnginesRequest,
+                          context: grpc.aio.ServicerContext) -> dpb.ListEnginesResponse:
         """One page of workers by (engine id, rank)."""
         try:
             self._principal(context).require_operator("ListEngines")
@@ -449,7 +458,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         response.next_page_token = token
         return response
 
-    async def ReportEngineUnreachable(self, request, context):
+    async def ReportEngineUnreachable(self, request: dpb.ReportEngineUnreachableRequest,
+                                      context: grpc.aio.ServicerContext) -> dpb.ReportEngineUnreachableResponse:
         """A gateway could not reach an engine: planning leaves it out until its next renewal."""
         with bound_contextvars(engine_id=request.engine_id, transfer_id=request.transfer_id):
             try:
@@ -468,7 +478,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                         "registration ignored", reason=request.reason)
             return dpb.ReportEngineUnreachableResponse(marked=marked, header=self.header(),
                                                        directory_incarnation_id=self.incarnation_id)
-    async def GetReplicas(self, request, context):
+    async def GetReplicas(self, request: dpb.GetReplicasRequest,
+                          context: grpc.aio.ServicerContext) -> dpb.GetReplicasResponse:
         """The replica set and shard map (this process alone, one shard, without replicas)."""
         try:
             self._principal(context)
@@ -494,7 +505,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
 
     # ---------------------------------------------------------------- transfers
 
-    async def PlanTransfer(self, request, context):
+    async def PlanTransfer(self, request: dpb.PlanTransferRequest,
+                           context: grpc.aio.ServicerContext) -> dpb.PlanTransferResponse:
         """Pick engines and mint a transfer."""
         try:
             ttl = check.check_plan(request, self.limits)
@@ -521,7 +533,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                                         decode_forces_first_token=all(w.forces_first_token for w in decode_ranks),
                                         header=self.header(), directory_incarnation_id=self.incarnation_id)
 
-    async def ReportAllocation(self, request, context):
+    async def ReportAllocation(self, request: dpb.ReportAllocationRequest,
+                               context: grpc.aio.ServicerContext) -> dpb.ReportAllocationResponse:
         """Record decode's blocks; may dispatch the push instructions."""
         with bound_contextvars(transfer_id=request.transfer_id, engine_id=request.engine_id):
             try:
@@ -539,7 +552,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             return dpb.ReportAllocationResponse(transfer=record.to_proto(),
                                                 header=self.header(), directory_incarnation_id=self.incarnation_id)
 
-    async def CancelTransfer(self, request, context):
+    async def CancelTransfer(self, request: dpb.CancelTransferRequest,
+                             context: grpc.aio.ServicerContext) -> dpb.CancelTransferResponse:
         """Cancel a transfer (no-op on a terminal one)."""
         with bound_contextvars(transfer_id=request.transfer_id):
             try:
@@ -556,7 +570,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
             return dpb.CancelTransferResponse(transfer=record.to_proto(), header=self.header(),
                                               directory_incarnation_id=self.incarnation_id)
 
-    async def GetTransfer(self, request, context):
+    async def GetTransfer(self, request: dpb.GetTransferRequest,
+                          context: grpc.aio.ServicerContext) -> dpb.GetTransferResponse:
         """One retained transfer."""
         try:
             check.require_id(request.transfer_id, "transfer_id", self.limits)
@@ -566,8 +581,10 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         return dpb.GetTransferResponse(transfer=record.to_proto(), header=self.header(),
                                        directory_incarnation_id=self.incarnation_id)
 
-    async def _store(self, record) -> None:
+    async def _store(self, record: TransferRecord) -> None:
         """Store a live transfer in etcd (replicas); when that fails it ends CANCELLED here: Unavailable."""
+        if self.replica is None:  # one directory: nothing is stored
+            return
         try:
             await self.replica.store(record)
         except ConnectionError as error:
@@ -576,7 +593,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
                 self.deliver(effects)
             raise Unavailable(f"transfer {record.transfer_id} could not be stored in etcd: {error}") from None
 
-    def _require_party(self, context: grpc.aio.ServicerContext, transfer_id: str):
+    def _require_party(self, context: grpc.aio.ServicerContext, transfer_id: str) -> TransferRecord:
         """The transfer, if the caller is the operator or one of its engines (NotFound, PermissionDenied)."""
         self._check_shard(transfer_id)
         principal = self._principal(context)
@@ -584,7 +601,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         principal.require_party((record.prefill_engine_id, record.decode_engine_id), f"transfer {transfer_id}")
         return record
 
-    async def ListTransfers(self, request, context):
+    async def ListTransfers(self, request: dpb.ListTransfersRequest,
+                            context: grpc.aio.ServicerContext) -> dpb.ListTransfersResponse:
         """One page of transfers, newest first."""
         try:
             page_size = check.check_page(request.page_size, self.limits)
@@ -615,13 +633,15 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
 
     # ---------------------------------------------------------------- watch
 
-    async def WatchTransfers(self, request, context):
+    async def WatchTransfers(self, request: dpb.WatchTransfersRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[dpb.WatchTransfersResponse]:
         """Replay retained events after the given sequence number, then follow the decode engine's log."""
         async with self._stream_slot(context, "WatchTransfers"):
             async for response in self._watch_transfers(request, context):
                 yield response
 
-    async def _watch_transfers(self, request: dpb.WatchTransfersRequest, context: grpc.aio.ServicerContext):
+    async def _watch_transfers(self, request: dpb.WatchTransfersRequest,
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[dpb.WatchTransfersResponse]:
         try:
             check.require_id(request.engine_id, "engine_id", self.limits)
             check.require_id(request.directory_incarnation_id, "directory_incarnation_id", self.limits,
@@ -676,7 +696,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
 
     # ---------------------------------------------------------------- prefill session
 
-    async def StreamPrefill(self, request_iterator, context):
+    async def StreamPrefill(self, request_iterator: AsyncIterator[dpb.StreamPrefillRequest],
+                            context: grpc.aio.ServicerContext) -> None:
         """A prefill worker's session: hello, then readiness and results in; instructions out."""
         async with self._stream_slot(context, "StreamPrefill"):
             await self._stream_prefill(context)
@@ -798,7 +819,7 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         self.pending_rejection_count -= len(session.rejections)
         session.rejections.clear()
 
-    def _apply_ready(self, session: _PrefillSession, events) -> None:
+    def _apply_ready(self, session: _PrefillSession, events: Iterable[dpb.LayerReady]) -> None:
         valid = []
         for event in events:
             try:
@@ -810,8 +831,8 @@ class DirectoryServicer(dgrpc.KVDirectoryServiceServicer):
         if not valid:
             return
         effects, refused = self.state.report_ready(session.engine_id, session.tp_rank, valid)
-        for event, error in refused:
-            self._reject(session, event.transfer_id, error)
+        for event, refusal in refused:
+            self._reject(session, event.transfer_id, refusal)
         self.deliver(effects)
 
     def _apply_result(self, session: _PrefillSession, result: dpb.WriteResult) -> None:

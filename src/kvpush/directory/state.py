@@ -147,7 +147,8 @@ class DirectoryState:
     # ---------------------------------------------------------------- engines and leases
 
     def register(self, request: dpb.RegisterEngineRequest) -> tuple[Worker, Effects]:
-        """Register one worker and grant it a lease; a same-agent re-registration gets a fresh one (never the live one)."""
+        """Register one worker and grant it a lease; a same-agent re-registration gets a fresh one (never the live
+        one)."""
         fx = Effects()
         now = self.clock.monotonic()
         existing = self.engines.existing(request, now)
@@ -299,7 +300,8 @@ class DirectoryState:
             engine_id, since = next(iter(late.items()))
             raise ResourceExhausted(
                 f"every candidate {name} engine renews its lease late: {engine_id!r} last renewed {since:.1f}s ago, "
-                f"over the {self.limits.lease_ttl_s * self.limits.late_renewal_fraction:g}s bound", limit="late_renewal")
+                f"over the {self.limits.lease_ttl_s * self.limits.late_renewal_fraction:g}s bound",
+                limit="late_renewal")
         if not client_id or self.limits.max_client_share >= 1:
             return groups
         cap = self.limits.client_transfer_cap()
@@ -308,8 +310,8 @@ class DirectoryState:
             self.observer.on_engine_skipped("client_share")
         if len(full) == len(groups):
             raise ResourceExhausted(
-                f"client {client_id!r} holds {cap} live transfers on every candidate {name} engine ({full[0].engine_id!r} "
-                f"included): its share is {self.limits.max_client_share:g} of the "
+                f"client {client_id!r} holds {cap} live transfers on every candidate {name} engine "
+                f"({full[0].engine_id!r} included): its share is {self.limits.max_client_share:g} of the "
                 f"{self.limits.max_active_transfers_per_engine}-transfer cap per engine", limit="client_share")
         return [g for g in groups if g not in full]
 
@@ -446,7 +448,7 @@ class DirectoryState:
         if bad is not None:
             raise InvalidArgument(f"block id {bad} is out of range [0, {layout.block_count})")
         # Blocks holding decode's own prefix hit may be shared (prefix cache); only written ones are owned.
-        owned = allocation.block_ids[allocation.prefix_hit_token_count // layout.block_size_tokens:needed]
+        owned = allocation.block_ids[allocation.skip_token_count // layout.block_size_tokens:needed]
         if len(set(owned)) != len(owned):
             raise InvalidArgument("block_ids repeat a block that would be written twice")
         index = self._owned_blocks.setdefault(record.decode_engine_id, {})
@@ -600,6 +602,7 @@ class DirectoryState:
     def _dispatch(self, record: TransferRecord, fx: Effects) -> None:
         """Send ONE instruction per prefill rank; it covers every layer, present and future."""
         allocation = record.allocation
+        assert allocation is not None  # dispatched only once decode's blocks are known
         prefill = self.engines.groups[record.prefill_engine_id]
         decode = self.engines.groups[record.decode_engine_id]
         for rank in range(record.tp_size):
@@ -608,7 +611,7 @@ class DirectoryState:
                 transfer_id=record.transfer_id, decode_engine_id=record.decode_engine_id, decode_tp_rank=rank,
                 decode_agent_name=target.agent_name, decode_agent_metadata=target.agent_metadata,
                 decode_layout=target.layout, decode_block_ids=allocation.block_ids,
-                skip_token_count=allocation.prefix_hit_token_count,
+                skip_token_count=allocation.skip_token_count,
                 prompt_token_count=allocation.prompt_token_count,
                 notification=record.transfer_id.encode(), trace_context=record.trace_context,
             )
@@ -692,7 +695,7 @@ class DirectoryState:
         self._decide_end(record, tpb.TRANSFER_STATE_CANCELLED, reason or "cancelled", fx)
         return record, fx
 
-    def _decide_end(self, record: TransferRecord, state: int, reason: str, fx: Effects) -> None:
+    def _decide_end(self, record: TransferRecord, state: tpb.TransferState, reason: str, fx: Effects) -> None:
         """Decide a live transfer's end (the first decision wins) and end it once no write can land.
 
         Prefill is told to stop at once; decode learns the end (and may reuse its blocks) only from
@@ -716,7 +719,7 @@ class DirectoryState:
         if record.ending is not None and not record.terminal and not self.writing_ranks(record):
             self._end(record, record.ending.state, record.ending.reason, fx, tell_prefill=False)
 
-    def _tell_prefill(self, record: TransferRecord, state: int, reason: str, fx: Effects) -> None:
+    def _tell_prefill(self, record: TransferRecord, state: tpb.TransferState, reason: str, fx: Effects) -> None:
         """Queue a Cancellation for every prefill rank that may still work on the transfer."""
         group = self.engines.groups.get(record.prefill_engine_id)
         if group is None:
@@ -728,7 +731,8 @@ class DirectoryState:
                 cancellation=dpb.Cancellation(transfer_id=record.transfer_id, reason=reason)))
             fx.prefill_outboxes.add((record.prefill_engine_id, rank))
 
-    def _end(self, record: TransferRecord, state: int, reason: str, fx: Effects, tell_prefill: bool = True) -> None:
+    def _end(self, record: TransferRecord, state: tpb.TransferState, reason: str, fx: Effects,
+             tell_prefill: bool = True) -> None:
         """Make a live transfer terminal: release blocks, tell decode (watch log) and, if asked, prefill."""
         if tell_prefill:
             self._tell_prefill(record, state, reason, fx)
@@ -784,13 +788,13 @@ class DirectoryState:
         for record in [r for r in self._live.values() if r.deadline < now and r.ending is None]:
             self._decide_end(record, tpb.TRANSFER_STATE_EXPIRED, "transfer deadline passed", fx)
         self._reap_early(now, fx)
-        for record in [r for r in self._live.values() if r.ending is not None]:
-            if record.ending.confirm_by < now:
+        for record, ending in [(r, r.ending) for r in self._live.values() if r.ending is not None]:
+            if ending.confirm_by < now:
                 self._revoke_silent_ranks(record, now, fx)
             self._end_when_no_write_can_land(record, fx)
         retention = self.limits.gone_engine_log_retention_s
-        for engine_id in [e for e, log in self._watch_logs.items()
-                          if e not in self.engines.groups and (log.gone_since is None or now - log.gone_since > retention)]:
+        for engine_id in [e for e, log in self._watch_logs.items() if e not in self.engines.groups
+                          and (log.gone_since is None or now - log.gone_since > retention)]:
             del self._watch_logs[engine_id]
         return fx
 
@@ -1039,13 +1043,14 @@ class DirectoryState:
                     problems.append(f"engine {group.engine_id} lists ended transfer {transfer_id}")
         for record in self._live.values():
             for engine_id in (record.prefill_engine_id, record.decode_engine_id):
-                group = self.engines.groups.get(engine_id)
-                if group is not None and record.transfer_id not in group.active_transfers:
+                listed = self.engines.groups.get(engine_id)
+                if listed is not None and record.transfer_id not in listed.active_transfers:
                     problems.append(f"engine {engine_id} does not list its live transfer {record.transfer_id}")
         clients: Counter[tuple[str, str]] = Counter()
         for record in self._live.values():
             if record.client_id:
-                clients.update(((record.client_id, record.prefill_engine_id), (record.client_id, record.decode_engine_id)))
+                clients.update(((record.client_id, record.prefill_engine_id),
+                                (record.client_id, record.decode_engine_id)))
         if clients != self._client_transfers:
             problems.append("per-client transfer counts disagree with live transfers")
         for transfer_id, early in self._early.items():

@@ -48,7 +48,7 @@ class TransferSpans(TransferObserver):
         log.debug("transfer planned", transfer_id=transfer.transfer_id,
                   prefill_engine_id=transfer.prefill_engine_id, decode_engine_id=transfer.decode_engine_id)
 
-    def _event(self, transfer: TransferRecord, name: str, **attributes) -> None:
+    def _event(self, transfer: TransferRecord, name: str, **attributes: str | int | float | bool) -> None:
         span = self._spans.get(transfer.transfer_id)
         if span is not None:
             span.add_event(name, attributes=attributes)
@@ -56,10 +56,12 @@ class TransferSpans(TransferObserver):
     def on_allocated(self, transfer: TransferRecord) -> None:
         """Add the `allocation` event with the block and token counts."""
         allocation = transfer.allocation
+        if allocation is None:  # called once decode's blocks are known
+            return
         self._event(transfer, "allocation", **{
             "kvpush.decode_block_count": len(allocation.block_ids),
             "kvpush.prompt_token_count": allocation.prompt_token_count,
-            "kvpush.prefix_hit_token_count": allocation.prefix_hit_token_count,
+            "kvpush.prefix_hit_token_count": allocation.skip_token_count,
         })
 
     def on_first_ready(self, transfer: TransferRecord) -> None:

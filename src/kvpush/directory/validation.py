@@ -9,6 +9,9 @@ the engine's layer count, block ids against its block count) live in `state`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+
+from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvpush.directory.errors import InvalidArgument
 from kvpush.directory.records import Limits
@@ -86,18 +89,19 @@ def _non_negative(value: int, name: str, maximum: int | None = None) -> None:
         raise InvalidArgument(f"{name} {value} is over the maximum {maximum}")
 
 
-def duration_s(duration, name: str) -> float:
+def duration_s(duration: duration_pb2.Duration, name: str) -> float:
     """A google.protobuf.Duration as seconds: well-formed (seconds and nanos in range, same sign), not negative."""
-    if not -_MAX_DURATION_SECONDS <= duration.seconds <= _MAX_DURATION_SECONDS or not -999_999_999 <= duration.nanos <= 999_999_999:
+    if (not -_MAX_DURATION_SECONDS <= duration.seconds <= _MAX_DURATION_SECONDS
+            or not -999_999_999 <= duration.nanos <= 999_999_999):
         raise InvalidArgument(f"{name} is not a valid Duration")
     if (duration.seconds > 0 and duration.nanos < 0) or (duration.seconds < 0 and duration.nanos > 0):
         raise InvalidArgument(f"{name} has seconds and nanos of different signs")
     if duration.seconds < 0 or duration.nanos < 0:
         raise InvalidArgument(f"{name} must not be negative")
-    return duration.seconds + duration.nanos / 1e9
+    return float(duration.seconds + duration.nanos / 1e9)
 
 
-def _timestamp(timestamp, name: str) -> None:
+def _timestamp(timestamp: timestamp_pb2.Timestamp, name: str) -> None:
     # Timestamp's documented range: 0001-01-01 to 9999-12-31.
     if not -62_135_596_800 <= timestamp.seconds <= 253_402_300_799 or not 0 <= timestamp.nanos <= 999_999_999:
         raise InvalidArgument(f"{name} is not a valid Timestamp")
@@ -317,12 +321,12 @@ class Undecodable:
         return self.reason
 
 
-def decoding(deserializer):
+def decoding(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object] | None:
     """Wrap a request deserializer so a body that does not decode becomes `Undecodable` (not an exception)."""
     if deserializer is None:
         return None
 
-    def decode(raw: bytes):
+    def decode(raw: bytes) -> object:
         try:
             return deserializer(raw)
         except Exception as error:  # protobuf's DecodeError, or any parser failure: the caller's bytes are bad

@@ -5,7 +5,7 @@ Life cycle of a decode-leg request (kv_transfer_params: transfer_id + do_remote_
      decode's own prefix hit will arrive asynchronously -> (n, True); vLLM allocates blocks for the
      whole prompt and parks the request in WAITING_FOR_REMOTE_KVS.
   2. `update_state_after_alloc` (first call with external tokens): submit ReportAllocation (block ids
-     for the whole prompt, prefix_hit_token_count = decode's own hit, so the push skips those tokens)
+     for the whole prompt, skip_token_count = decode's own hit, so the push skips those tokens)
      without waiting; queue a `ReceiveStart` for the workers. A refused report comes back on the
      client's thread and is queued as a failed receive for the next step's metadata.
   3. The workers report the request in finished_recving (completion, or failure with load-error blocks
@@ -24,6 +24,7 @@ This half never waits on the network: every directory call is submitted to the l
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,7 +47,7 @@ class AllocationReporter(Protocol):
     """The directory calls the decode scheduler half makes; both return at once (work runs elsewhere)."""
 
     def report_allocation(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
-                          prefix_hit_token_count: int, on_refused: Any) -> None:
+                          skip_token_count: int, on_refused: Callable[[str], None]) -> None:
         """Submit ReportAllocation; call on_refused(reason) from another thread if it fails."""
 
     def cancel_transfer(self, transfer_id: str, reason: str) -> None:
@@ -108,7 +109,7 @@ class DecodeScheduler:
             self._directory.cancel_transfer(leg.transfer_id, "decode needs no pushed tokens")
             return
         prompt_tokens = request.num_prompt_tokens
-        prefix_hit = prompt_tokens - num_external_tokens
+        skip_token_count = prompt_tokens - num_external_tokens  # decode's own (block-aligned) prefix hit
         (block_ids, *_) = blocks.get_block_ids()
         needed_blocks = -(-prompt_tokens // self._block_size)
         if len(block_ids) < needed_blocks:
@@ -119,13 +120,13 @@ class DecodeScheduler:
         self._receiving[request_id] = _ScheduledReceive(leg.transfer_id, request)
         self._pending_receives.append(ReceiveStart(
             request_id=request_id, transfer_id=leg.transfer_id, block_ids=tuple(block_ids),
-            prompt_token_count=prompt_tokens, prefix_hit_token_count=prefix_hit, trace_context=leg.traceparent,
+            prompt_token_count=prompt_tokens, prefix_hit_token_count=skip_token_count, trace_context=leg.traceparent,
             awaits_first_token=leg.first_token_from_prefill and leg.first_token_id is None))
 
         def on_refused(reason: str, request_id: str = request_id) -> None:
             self._refusals.put((request_id, reason))
 
-        self._directory.report_allocation(leg.transfer_id, block_ids, prompt_tokens, prefix_hit, on_refused)
+        self._directory.report_allocation(leg.transfer_id, block_ids, prompt_tokens, skip_token_count, on_refused)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         """Hand new receives, cancellations and refused allocations to the workers."""

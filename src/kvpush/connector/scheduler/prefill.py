@@ -5,8 +5,8 @@ Life cycle of a prefill-leg request (kv_transfer_params: transfer_id + do_remote
   2. `build_connector_meta`, every step it is scheduled: a `PrefillChunk` says which prompt tokens this
      step computes and which blocks hold tokens [0, token_end). The request's block ids come from the
      step's `SchedulerOutput` (new requests carry all of them, running ones the blocks added this step),
-     which every supported vLLM release fills the same way (`kvpush.connector.compat`). The first chunk also says how many
-     tokens came from this engine's prefix cache (ready at once, never recomputed, still pushed).
+     which every supported vLLM release fills the same way (`kvpush.connector.compat`). The first chunk also
+     says how many tokens came from this engine's prefix cache (ready at once, never recomputed, still pushed).
   3. `request_finished`: if any chunk went to the workers, return (True, params): vLLM keeps the
      blocks until the workers report the request in finished_sending (pushes done, failed, cancelled or
      timed out). The params carry the transfer id and the push timeline known so far. A leg with
