@@ -211,16 +211,19 @@ class DirectoryClient:
     # ---------------------------------------------------------------- transfers
 
     async def plan_transfer(self, request_id: str = "", prompt_token_count: int = 0, prefill_engine_id: str = "",
-                            decode_engine_id: str = "", trace_context: str = "", ttl_s: float | None = None,
+                            decode_engine_id: str = "", traceparent: str = "", ttl_s: float | None = None,
                             timeout_s: float | None = None, model: str = "",
-                            transfer_id: str = "", client_id: str | None = None) -> dpb.PlanTransferResponse:
+                            transfer_id: str = "", client_id: str | None = None, *,
+                            trace_context: str = "") -> dpb.PlanTransferResponse:
         """Pick engines (serving `model` when given) and mint a transfer (state PLANNED). `transfer_id`: the
         caller's id for it (the prefill leg may already be on its way; `prefill_engine_id` is then required),
         sent to the replica that owns its shard. `client_id`: the client the transfer serves (the directory bounds
-        each client's share of an engine; `client_id_of`); None: `PLAN_CLIENT_ID` of the calling context."""
+        each client's share of an engine; `client_id_of`); None: `PLAN_CLIENT_ID` of the calling context.
+        `traceparent`: the caller's W3C trace context (`trace_context` is its older name, still accepted)."""
         request = dpb.PlanTransferRequest(
             request_id=request_id, prompt_token_count=prompt_token_count, prefill_engine_id=prefill_engine_id,
-            decode_engine_id=decode_engine_id, trace_context=trace_context, model=model, transfer_id=transfer_id,
+            decode_engine_id=decode_engine_id, trace_context=traceparent or trace_context, model=model,
+            transfer_id=transfer_id,
             client_id=PLAN_CLIENT_ID.get() if client_id is None else client_id)
         if ttl_s is not None:
             request.ttl.CopyFrom(_duration(ttl_s))

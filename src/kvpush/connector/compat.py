@@ -34,6 +34,7 @@ how the connector spans them (checked against each release's `kv_connector/v1/ba
 
 Every other hook the connector implements has the same name, signature and caller in all of them.
 """
+# ruff: noqa: E501  (the table above is read as Markdown: one row per line)
 
 from __future__ import annotations
 

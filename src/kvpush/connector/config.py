@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 # kv_role values vLLM accepts, and what each means for kvpush.
 ROLE_PREFILL = "prefill"
@@ -93,7 +92,7 @@ class ConnectorConfig:
     role: str
     engine_id: str
     directory_address: str
-    directory_settings: tuple[tuple[str, Any], ...] = ()
+    directory_settings: tuple[tuple[str, object], ...] = ()
     nixl_backends: tuple[str, ...] = ("UCX",)
     nixl_enable_prog_thread: bool = False
     nixl_num_threads: int = 0
@@ -125,29 +124,31 @@ class ConnectorConfig:
         """True on a decode (kv_consumer) engine."""
         return self.role == ROLE_DECODE
 
-    def channel_config_dict(self) -> dict[str, Any]:
+    def channel_config_dict(self) -> dict[str, object]:
         """The directory-channel settings as the client library's ChannelConfig.from_dict expects them."""
         return {**dict(self.directory_settings), "directory_address": self.directory_address}
 
     @classmethod
-    def from_kv_transfer_config(cls, kv_transfer_config: Any) -> ConnectorConfig:
+    def from_kv_transfer_config(cls, kv_transfer_config: object) -> ConnectorConfig:
         """Parse vLLM's KVTransferConfig (duck-typed: kv_role, engine_id, kv_connector_extra_config)."""
         kv_role = getattr(kv_transfer_config, "kv_role", None)
         if kv_role not in _KV_ROLE_TO_ROLE:
             raise ConnectorConfigError(
-                f"kv_role must be 'kv_producer' (prefill) or 'kv_consumer' (decode) for KVPushConnector, got {kv_role!r}"
-            )
+                f"kv_role must be 'kv_producer' (prefill) or 'kv_consumer' (decode) for KVPushConnector, "
+                f"got {kv_role!r}")
         engine_id = getattr(kv_transfer_config, "engine_id", None)
         if not engine_id or not isinstance(engine_id, str):
             raise ConnectorConfigError("kv_transfer_config.engine_id must be a non-empty string")
         extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        if not isinstance(extra, Mapping):
+            raise ConnectorConfigError(f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
         from kvpush.connector.compat import running_on_cpu_platform
 
         return cls.from_extra_config(extra, role=_KV_ROLE_TO_ROLE[kv_role], engine_id=engine_id,
                                      cpu_platform=running_on_cpu_platform())
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any], *, role: str, engine_id: str,
+    def from_extra_config(cls, extra: Mapping[str, object], *, role: str, engine_id: str,
                           cpu_platform: bool = True) -> ConnectorConfig:
         """Parse kv_connector_extra_config for an engine of this role; raise ConnectorConfigError on bad input.
 
@@ -160,7 +161,8 @@ class ConnectorConfig:
         known = {f.name for f in dataclasses.fields(cls)} - {"role", "engine_id", "directory_settings"}
         unknown = sorted(k for k in set(extra) - known if not str(k).startswith("directory_"))
         if unknown:
-            raise ConnectorConfigError(f"kv_connector_extra_config has unknown key(s) {unknown}; known: {sorted(known)}")
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config has unknown key(s) {unknown}; known: {sorted(known)}")
         if "directory_address" not in extra:
             raise ConnectorConfigError("kv_connector_extra_config.directory_address (host:port) is required")
         return cls(
@@ -176,8 +178,8 @@ class ConnectorConfig:
             engine_endpoint=_optional_str(extra, "engine_endpoint") or "",
             transfer_timeout_s=_seconds(extra, "transfer_timeout_s", 60.0),
             push_timeout_s=_seconds(extra, "push_timeout_s", 60.0),
-            message_queue_poll_s=_seconds(extra, "message_queue_poll_s", 0.0001 if cpu_platform else None,
-                                          high=0.01, nullable=True),
+            message_queue_poll_s=_optional_seconds(extra, "message_queue_poll_s", 0.0001 if cpu_platform else None,
+                                                   high=0.01, nullable=True),
             idle_step_wait_s=_seconds(extra, "idle_step_wait_s", 0.004, low_included=True, high=0.1),
             batch_layer_posts=_bool(extra, "batch_layer_posts", True),
             post_after_output=_bool(extra, "post_after_output", True),
@@ -194,7 +196,7 @@ class ConnectorConfig:
         )
 
 
-def _host_port(value: Any) -> str:
+def _host_port(value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ConnectorConfigError(f"directory_address must be a 'host:port' string, got {value!r}")
     host, sep, port = value.rpartition(":")
@@ -203,8 +205,9 @@ def _host_port(value: Any) -> str:
     return value
 
 
-def _directory_settings(extra: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    settings = tuple(sorted((k, v) for k, v in extra.items() if k.startswith("directory_") and k != "directory_address"))
+def _directory_settings(extra: Mapping[str, object]) -> tuple[tuple[str, object], ...]:
+    names = sorted(k for k in extra if k.startswith("directory_") and k != "directory_address")
+    settings = tuple((name, extra[name]) for name in names)
     try:
         from kvpush.client.config import ChannelConfig
 
@@ -216,7 +219,7 @@ def _directory_settings(extra: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]
     return settings
 
 
-def _optional_str(extra: Mapping[str, Any], key: str) -> str | None:
+def _optional_str(extra: Mapping[str, object], key: str) -> str | None:
     value = extra.get(key)
     if value is None:
         return None
@@ -225,36 +228,44 @@ def _optional_str(extra: Mapping[str, Any], key: str) -> str | None:
     return value or None
 
 
-def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+def _bool(extra: Mapping[str, object], key: str, default: bool) -> bool:
     value = extra.get(key, default)
     if not isinstance(value, bool):
         raise ConnectorConfigError(f"{key} must be true or false, got {value!r}")
     return value
 
 
-def _int(extra: Mapping[str, Any], key: str, default: int, *, minimum: int, maximum: int) -> int:
+def _int(extra: Mapping[str, object], key: str, default: int, *, minimum: int, maximum: int) -> int:
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise ConnectorConfigError(f"{key} must be an integer in [{minimum}, {maximum}], got {value!r}")
     return value
 
 
-def _seconds(extra: Mapping[str, Any], key: str, default: float | None, *, low: float = 0.0,
-             low_included: bool = False, high: float = 86400.0, nullable: bool = False) -> float | None:
+def _seconds(extra: Mapping[str, object], key: str, default: float, *, low: float = 0.0,
+             low_included: bool = False, high: float = 86400.0) -> float:
+    """A number of seconds in (low, high] (or [low, high] with `low_included`)."""
+    seconds = _optional_seconds(extra, key, default, low=low, low_included=low_included, high=high)
+    assert seconds is not None  # not nullable
+    return seconds
+
+
+def _optional_seconds(extra: Mapping[str, object], key: str, default: float | None, *, low: float = 0.0,
+                      low_included: bool = False, high: float = 86400.0, nullable: bool = False) -> float | None:
     """A number of seconds in (low, high] (or [low, high] with `low_included`); null allowed when `nullable`."""
     value = extra.get(key, default)
     if value is None and nullable:
         return None
     in_range = isinstance(value, (int, float)) and not isinstance(value, bool) and (
         (low <= value if low_included else low < value) and value <= high)
-    if not in_range:
+    if not in_range or not isinstance(value, (int, float)):
         interval = f"{'[' if low_included else '('}{low:g}, {high:g}]"
         raise ConnectorConfigError(f"{key} must be {'null or ' if nullable else ''}a number of seconds in {interval}, "
                                    f"got {value!r}")
     return float(value)
 
 
-def _backends(value: Any) -> tuple[str, ...]:
+def _backends(value: object) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
         raise ConnectorConfigError(f"nixl_backends must be a non-empty list of backend names, got {value!r}")
     for name in value:

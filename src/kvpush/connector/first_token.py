@@ -39,7 +39,7 @@ The V1 interface is vLLM's `vllm/v1/sample/logits_processor/interface.py`, the s
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.api.params import first_token_id_of
 from kvpush.observability import get_logger
@@ -69,7 +69,7 @@ FORCING_ENV = "KVPUSH_FIRST_TOKEN_FORCING"
 _log = get_logger("connector.first_token")
 # The forcing instance of each engine config in this process: id(vllm_config) -> (that config, kept so its id is
 # never reused, and the instance). One per model runner.
-_forcing: dict[int, tuple[Any, ForcePrefillFirstToken]] = {}
+_forcing: dict[int, tuple[object, ForcePrefillFirstToken]] = {}
 
 
 def forcing_installed() -> bool:
@@ -87,13 +87,13 @@ def forced_first_token(params: SamplingParams | None) -> int | None:
     return first_token_id_of(extra.get("kv_transfer_params") if isinstance(extra, dict) else None)
 
 
-def _is_kvpush_decode(vllm_config: Any) -> bool:
+def _is_kvpush_decode(vllm_config: object) -> bool:
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     return (getattr(transfer, "kv_connector", None) == "KVPushConnector"
             and getattr(transfer, "kv_role", None) == "kv_consumer")
 
 
-def _named_by_flag(vllm_config: Any) -> bool:
+def _named_by_flag(vllm_config: object) -> bool:
     """`--logits-processors` names this class (then it forces in any engine, as it always did)."""
     named = getattr(getattr(vllm_config, "model_config", None), "logits_processors", None) or ()
     return any(entry == PROCESSOR_FQCN or (isinstance(entry, type) and issubclass(entry, ForcePrefillFirstToken))
@@ -106,7 +106,7 @@ _INTERFACES = tuple(base for base in (_V1Interface, _V2Interface) if base is not
 class ForcePrefillFirstToken(*_INTERFACES):  # type: ignore[misc]
     """Forces the first sampled token of each request that names one (see the module docstring)."""
 
-    def __init__(self, vllm_config: VllmConfig, *runner_args: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig, *runner_args: object) -> None:
         # V1 runner: (device, is_pin_memory); V2 runner: (req_states,).
         # batch row -> (forced token, the request's live output-token list). A row leaves once its
         # request has an output token (sampled, or vLLM's async-scheduling placeholder).
@@ -114,7 +114,7 @@ class ForcePrefillFirstToken(*_INTERFACES):  # type: ignore[misc]
         self._vocab_size = vllm_config.model_config.get_vocab_size()
         self.forces = self._claim(vllm_config, v1_runner=len(runner_args) == 2)
 
-    def _claim(self, vllm_config: Any, *, v1_runner: bool) -> bool:
+    def _claim(self, vllm_config: object, *, v1_runner: bool) -> bool:
         """Whether this instance forces: the first one built for a kvpush decode engine (or named by the flag)."""
         if not (_is_kvpush_decode(vllm_config) or _named_by_flag(vllm_config)):
             return False
@@ -171,7 +171,7 @@ class ForcePrefillFirstToken(*_INTERFACES):  # type: ignore[misc]
         for index in [i for i, (_, outputs) in self._rows.items() if outputs]:
             del self._rows[index]
 
-    def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, ctx: object = None) -> torch.Tensor:
         """Set every logit of a tracked row to -inf except its forced token's, which becomes 0."""
         if not self._rows:
             return logits

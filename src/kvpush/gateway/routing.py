@@ -254,7 +254,7 @@ class DirectoryRouter:
             await self._check_model(model)
         try:
             response = await self._client.plan_transfer(
-                request_id=request_id, prompt_token_count=prompt_token_count, trace_context=traceparent,
+                request_id=request_id, prompt_token_count=prompt_token_count, traceparent=traceparent,
                 ttl_s=self._config.transfer_ttl_s or None, model=model,
                 prefill_engine_id=pick.engine_id if pick else "", transfer_id=pick.transfer_id if pick else "")
         except DirectoryCallError as error:

@@ -84,7 +84,7 @@ async def _one_transfer(address: str, complete: bool) -> str:
         instructions: asyncio.Queue = asyncio.Queue()
         session = PrefillSession(client, p_reg, on_instruction=instructions.put_nowait)
         await session.start()
-        tid = (await client.plan_transfer(request_id="req-1", trace_context=TRACEPARENT)).transfer.transfer_id
+        tid = (await client.plan_transfer(request_id="req-1", traceparent=TRACEPARENT)).transfer.transfer_id
         await client.report_allocation(tid, "d1", [4, 5, 6], 40)
         session.send_ready([ready(tid, 0, 4)])
         await asyncio.wait_for(instructions.get(), 10)

@@ -70,7 +70,7 @@ class DecodeScheduler:
 
     def __init__(self, config: ConnectorConfig, block_size_tokens: int, directory: AllocationReporter) -> None:
         self._config = config
-        self._block_size = block_size_tokens
+        self._block_size_tokens = block_size_tokens
         self._directory = directory
         self._legs: dict[str, TransferParams] = {}      # remote-prefill requests not yet allocated
         self._receiving: dict[str, _ScheduledReceive] = {}  # allocated, not yet reported finished by the workers
@@ -111,7 +111,7 @@ class DecodeScheduler:
         prompt_tokens = request.num_prompt_tokens
         skip_token_count = prompt_tokens - num_external_tokens  # decode's own (block-aligned) prefix hit
         (block_ids, *_) = blocks.get_block_ids()
-        needed_blocks = -(-prompt_tokens // self._block_size)
+        needed_blocks = -(-prompt_tokens // self._block_size_tokens)
         if len(block_ids) < needed_blocks:
             raise RuntimeError(  # vLLM allocates the whole prompt for an async load; anything else is a bug
                 f"request {request.request_id} has {len(block_ids)} blocks for {prompt_tokens} prompt tokens")
@@ -143,6 +143,7 @@ class DecodeScheduler:
                 meta.failed_receives.append((request_id, reason))
         return meta
 
+    # Any: vLLM's request_finished returns the response's kv_transfer_params as dict[str, Any].
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """On an abort while waiting, cancel the transfer and keep the blocks until the workers confirm."""
         request_id = request.request_id

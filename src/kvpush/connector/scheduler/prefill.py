@@ -38,6 +38,7 @@ from kvpush.connector.worker.push_state import PushTimeline
 from kvpush.observability import get_logger
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -60,7 +61,7 @@ class _TrackedPrefill:
     block_ids: list[int] = field(default_factory=list)  # the request's blocks, as of this step
     sends_first_token: bool = False  # first_token_from_prefill: DONE carries the token sampled after the prompt
     plan_in_flight: bool = False  # the leg came before its PlanTransfer returned: readiness says so
-    timeline: dict[str, Any] = field(default_factory=dict)
+    timeline: dict[str, object] = field(default_factory=dict)
 
 
 class PrefillScheduler:
@@ -68,17 +69,17 @@ class PrefillScheduler:
 
     def __init__(self, config: ConnectorConfig, block_size_tokens: int) -> None:
         self._config = config
-        self._block_size = block_size_tokens
+        self._block_size_tokens = block_size_tokens
         self._tracked: dict[str, _TrackedPrefill] = {}
         # Requests whose blocks we hold for pushes, until finished_sending.
         self._held: dict[str, float] = {}
         # The push timelines inside the kv_transfer_params handed to vLLM for held requests: vLLM serializes the
         # response only after update_from_output returns, so timelines the workers report in that same step still land.
-        self._response_timelines: dict[str, dict[str, Any]] = {}
+        self._response_timelines: dict[str, dict[str, object]] = {}
         self._newly_held: list[str] = []
         self._newly_held_first_tokens: dict[str, int] = {}
         # Each rank's latest push timeline of a request, until its blocks are released.
-        self._rank_timelines: dict[str, dict[int, dict[str, Any]]] = {}
+        self._rank_timelines: dict[str, dict[int, dict[str, object]]] = {}
         # post_after_output, where the worker half shares this process (output_signal): the steps built, and those
         # whose output was processed (vLLM processes each built step once, in order), and the worker's callback.
         self._step_seq = 0
@@ -103,7 +104,7 @@ class PrefillScheduler:
         """A prefill engine never loads external KV."""
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Nothing to do: a prefill engine loads no external KV (its chunks' blocks come with each step)."""
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
@@ -162,11 +163,11 @@ class PrefillScheduler:
                 continue  # a decode step: nothing of the prompt left to push
             token_end = min(token_start + num_tokens, prompt_tokens)
             block_ids = tracked.block_ids
-            needed_blocks = -(-token_end // self._block_size)
+            needed_blocks = -(-token_end // self._block_size_tokens)
             if len(block_ids) < needed_blocks:  # never seen; pushing would read blocks we cannot name
                 _log.error("scheduler output lacks the request's block ids; its push stops here",
                            request_id=request_id, transfer_id=tracked.transfer_id, token_end=token_end,
-                           block_count=len(block_ids), block_size=self._block_size)
+                           block_count=len(block_ids), block_size_tokens=self._block_size_tokens)
                 tracked.preempted = True
                 if tracked.chunks_sent:
                     meta.preempted.append(request_id)  # the workers drop what they hold of it
@@ -185,6 +186,7 @@ class PrefillScheduler:
             tracked.chunks_sent += 1
             tracked.timeline["chunk_count"] = tracked.chunks_sent
 
+    # Any: vLLM's request_finished returns the response's kv_transfer_params as dict[str, Any].
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks while pushes may still read them; return the transfer id and push timeline."""
         tracked = self._tracked.pop(request.request_id, None)
@@ -192,7 +194,7 @@ class PrefillScheduler:
             return False, None
         tracked.timeline["request_finished_time"] = time.time()
         # Every key the workers may fill is present from the start, so a late merge never resizes the dict.
-        timeline = {key: None for key in _TIMELINE_KEYS}
+        timeline: dict[str, object] = {key: None for key in _TIMELINE_KEYS}
         timeline.update(tracked.timeline)
         params = transfer_params.prefill_response_params(tracked.transfer_id, timeline)
         if tracked.chunks_sent == 0:
