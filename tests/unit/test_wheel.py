@@ -74,8 +74,8 @@ def test_wheel_holds_every_module_and_no_tests_or_benchmarks(wheel):
                 for folder, prefix in SOURCES.items() for path in folder.rglob("*.py*")
                 if "__pycache__" not in path.parts and path.suffix in (".py", ".pyi")}
     assert expected - names == set()
-    assert {"kvpush/py.typed", "src/kvpush/v1/directory_pb2.pyi", "kvpush/services/gateway/app.py",
-            "kvpush/connector/dataplane/__init__.py", "src/kvpush/observability/tracing.py"} <= names
+    assert {"kvpush/py.typed", "kvpush/v1/directory_pb2.pyi", "kvpush/gateway/app.py", "kvpush/dataplane/__init__.py",
+            "kvpush/observability/tracing.py", "kvpush/cli/up.py"} <= names
     outside = {n for n in names if not n.startswith(("kvpush/", "kvpush-"))}
     assert outside == set()
     assert not [n for n in names if re.search(r"(^|/)(tests?|bench)/", n)]
@@ -180,9 +180,9 @@ def test_engine_image_layer_imports_everything_but_what_needs_vllm(engine_layer)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["file"].startswith(str(engine_layer)), report["file"]
+    engine_side = tuple(prefix.replace("/", ".") for prefix in ENGINE_SIDE)
     wrongly_missing = {m: n for m, n in report["failed"].items()
-                       if not m.startswith(("kvpush.connector", "kvpush.localstack", "kvpush.localstack.demo"))
-                       or n.split(".")[0] not in USER_PROVIDED}
+                       if not f"{m}.".startswith(engine_side) or n.split(".")[0] not in USER_PROVIDED}
     assert wrongly_missing == {}
     imported = {"kvpush.client", "kvpush.gateway.app", "kvpush.directory.server",
                 "kvpush.connector.config", "kvpush.connector.scheduler", "kvpush.connector.first_token"}
@@ -227,3 +227,15 @@ print(json.dumps({"file": kvpush.__file__, "nixl": [names.get("nixl"), names.get
     assert installed.returncode == 0, installed.stderr[-2000:]
     report = json.loads(installed.stdout)
     assert report["file"].startswith(str(venv)) and report["nixl"] == ["1.5.1", "1.5.1"] and report["unwanted"] == []
+
+
+def test_kvpush_up_without_the_local_stack_packages_names_what_to_install(engine_layer):
+    """The engine layer has no transformers (the dev extra's): `kvpush up` there exits 1 before starting anything,
+    with one line on stderr naming the package and the install command; `kvpush up --help` still prints."""
+    probe = _run_installed(engine_layer, [str(engine_layer / "bin" / "python"), "-c", "import transformers"])
+    assert probe.returncode != 0 and "transformers" in probe.stderr, "the layer was meant to lack transformers"
+    up = _run_installed(engine_layer, [str(engine_layer / "bin" / "kvpush"), "up", "--no-api-key"])
+    assert (up.returncode, up.stdout) == (1, ""), up.stderr[-2000:]
+    assert up.stderr.count("\n") == 1 and "transformers" in up.stderr and "pip install 'kvpush[dev]'" in up.stderr
+    helped = _run_installed(engine_layer, [str(engine_layer / "bin" / "kvpush"), "up", "--help"])
+    assert helped.returncode == 0 and "--model" in helped.stdout, helped.stderr[-2000:]
