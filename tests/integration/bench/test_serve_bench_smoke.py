@@ -1,4 +1,4 @@
-"""bench/serve_bench.py --smoke: one real `vllm bench serve` run per variant, and the output's form."""
+"""`python -m bench serve --smoke`: one real `vllm bench serve` run per variant, and the output's form."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ def test_smoke_run_writes_json_and_plot(tmp_path):
     """The CI form (tiny model, colocated and kvpush with first token, 4 requests) completes every request
     and writes the JSON (settings, per-variant points with TTFT/TPOT/ITL) and its PNG."""
     out = tmp_path / "serve.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--smoke", "--out", str(out),
-                           "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=840)
+    done = subprocess.run([sys.executable, "-m", "bench", "serve", "--smoke", "--out", str(out),
+                           "--log-dir", str(tmp_path / "logs")], cwd=ROOT, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["benchmark"] == "serve" and result["settings"]["isl"] == 64
+    assert result["command"].startswith("python -m bench serve --smoke --out ") and result["machine"]["cores"]
     assert set(result["variants"]) == {"colocated", "kvpush-first-token"}
     for variant, data in result["variants"].items():
         point = data["points"]["8.0"]
