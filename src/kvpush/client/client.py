@@ -195,7 +195,7 @@ class DirectoryClient:
         response = await self._unary("GetEngine", dpb.GetEngineRequest(engine_id=engine_id), timeout_s)
         return list(response.workers)
 
-    async def list_engines(self, role: int = tpb.ENGINE_ROLE_UNSPECIFIED, page_size: int = 0,
+    async def list_engines(self, role: tpb.EngineRole = tpb.ENGINE_ROLE_UNSPECIFIED, page_size: int = 0,
                            timeout_s: float | None = None) -> list[tpb.EngineWorker]:
         """Every registered worker (all pages), ordered by engine id then rank."""
         workers: list[tpb.EngineWorker] = []
@@ -261,7 +261,7 @@ class DirectoryClient:
                                      transfer_id=transfer_id)
         return response.transfer
 
-    async def list_transfers(self, state: int = tpb.TRANSFER_STATE_UNSPECIFIED, engine_id: str = "",
+    async def list_transfers(self, state: tpb.TransferState = tpb.TRANSFER_STATE_UNSPECIFIED, engine_id: str = "",
                              limit: int = 100, timeout_s: float | None = None) -> list[tpb.Transfer]:
         """Up to `limit` transfers, newest first, following pages as needed (replicas: every replica's, merged)."""
         from kvpush.client.replicas import replica_addresses
@@ -275,7 +275,7 @@ class DirectoryClient:
             return merged[:limit]
         return await self._list_transfers_at(None, state, engine_id, limit, timeout_s)
 
-    async def _list_transfers_at(self, address: str | None, state: int, engine_id: str, limit: int,
+    async def _list_transfers_at(self, address: str | None, state: tpb.TransferState, engine_id: str, limit: int,
                                  timeout_s: float | None) -> list[tpb.Transfer]:
         transfers: list[tpb.Transfer] = []
         token = ""

@@ -95,13 +95,18 @@ class ChannelConfig:
     @classmethod
     def _build(cls, values: dict[str, object]) -> ChannelConfig:
         types = {f.name: f.type for f in fields(cls)}
-        converted = {}
+        converted: dict[str, str | float | int] = {}
         for name, value in values.items():
             if name not in types:
                 raise ValueError(f"unknown setting {name!r}")
             kind = types[name]
-            converted[name] = float(value) if kind == "float" else int(value) if kind == "int" else str(value)
-        return cls(**converted)
+            if kind in ("float", "int"):
+                if not isinstance(value, (str, int, float)):  # from env or a dict: a number, or one as a string
+                    raise TypeError(f"setting {name!r} must be a number, got {type(value).__name__}")
+                converted[name] = float(value) if kind == "float" else int(value)
+            else:
+                converted[name] = str(value)
+        return cls(**converted)  # type: ignore[arg-type]  # each value was converted to its field's type above
 
     @property
     def addresses(self) -> list[str]:
@@ -121,7 +126,7 @@ class ChannelConfig:
         """A grpc.aio channel to `address` (default: the first configured) with this config's TLS and options;
         call on the loop that uses it."""
         address = address or self.addresses[0]
-        options = [
+        options: list[tuple[str, int | str]] = [
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),

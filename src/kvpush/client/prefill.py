@@ -141,7 +141,7 @@ class PrefillSession:
                 attempt = 0
             except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
                 code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-                if code in _FATAL:
+                if code is not None and code in _FATAL and isinstance(error, grpc.aio.AioRpcError):
                     self.fatal_error = f"{code.name}: {error.details()}"
                     log.error("prefill session refused", error=self.fatal_error)
                     self._connected.clear()
@@ -162,7 +162,7 @@ class PrefillSession:
             if self._stopping:
                 return
             status = await call.code() if call.done() else None
-            if status in _FATAL:
+            if status is not None and status in _FATAL:
                 self.fatal_error = f"{status.name}: {await call.details()}"
                 log.error("prefill session refused", error=self.fatal_error)
                 return

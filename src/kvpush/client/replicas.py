@@ -97,7 +97,7 @@ class ReplicatedPrefillSession:
         self._loop_thread = threading.get_ident()
         self._tasks: list[asyncio.Task[None]] = []
         # Sessions of replicas learnt while routing, started without waiting; referenced until started.
-        self._starting: set[asyncio.Future[object]] = set()
+        self._starting: set[asyncio.Task[None]] = set()
         self._stopping = False
 
     @property
@@ -133,6 +133,7 @@ class ReplicatedPrefillSession:
         replica: _Replica | None = None
 
         def instructed(instruction: dpb.PushInstruction) -> None:
+            assert replica is not None  # set below, before the session can call back
             replica.carried.setdefault(instruction.transfer_id, [])
             if self.on_instruction is not None:
                 self.on_instruction(instruction)
@@ -141,6 +142,7 @@ class ReplicatedPrefillSession:
             redirect = redirect_of_status(rejection.status)
             if redirect is not None:  # not refused: sent to the wrong replica; send it again to the owner
                 self.client.learn(redirect)
+                assert replica is not None  # set below, before the session can call back
                 sent = replica.carried.pop(rejection.transfer_id, None)
                 if sent:
                     self._queue.extendleft(reversed(sent))

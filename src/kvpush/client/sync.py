@@ -127,7 +127,7 @@ class SyncDirectoryClient:
 
         return self.run(start())
 
-    def open_prefill_session(self, registration: EngineRegistration, **callbacks) -> PrefillSession:
+    def open_prefill_session(self, registration: EngineRegistration, **callbacks: Any) -> PrefillSession:
         """Open a `PrefillSession` on the loop; keyword callbacks and options as it takes."""
         async def start() -> PrefillSession:
             # A replicated directory: one session per replica, routed by shard (client/replicas.py).
@@ -135,13 +135,16 @@ class SyncDirectoryClient:
                 replicated = bool(await replica_addresses(self.client))
             except DirectoryCallError:
                 replicated = False
+            session: PrefillSession | ReplicatedPrefillSession
             if replicated:
                 session = ReplicatedPrefillSession(self.client, registration, **callbacks)
             else:
                 callbacks.pop("on_replica_reset", None)  # one directory: a reset concerns every transfer
                 session = PrefillSession(self.client, registration, **callbacks)
             await session.start()
-            return session
+            # A ReplicatedPrefillSession offers PrefillSession's whole interface (send_ready, send_result, stop,
+            # connected), so callers hold either as a PrefillSession.
+            return session  # type: ignore[return-value]
 
         return self.run(start())
 

@@ -30,7 +30,7 @@ from kvpush.observability import get_logger
 
 _log = get_logger("gateway.app")
 
-ROUTER_KEY = web.AppKey("router", object)
+ROUTER_KEY = web.AppKey("router", Router)
 DISPATCHER_KEY = web.AppKey("dispatcher", Dispatcher)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 CONFIG_KEY = web.AppKey("config", GatewayConfig)

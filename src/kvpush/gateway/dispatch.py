@@ -83,6 +83,9 @@ class Outcome:
     """What one request did, for the canonical log line and the span."""
 
     request_id: str
+    # The tokens as they go to the client (a stream's time to first token, inter-token latency) and where the first
+    # came from.
+    clock: TokenClock
     transfer_id: str = ""
     prefill_ms: float = 0.0
     first_token_ms: float = 0.0  # first token from prefill: when its event went to the client
@@ -100,9 +103,6 @@ class Outcome:
     # A stream that broke after its headers: the status its error event said (the request's outcome), and why.
     stream_error_status: int = 0
     stream_error_reason: str = ""
-    # The tokens as they go to the client (a stream's time to first token, inter-token latency) and where the first
-    # came from; set when the request is handled.
-    clock: TokenClock | None = None
     # The stream's last event ([DONE]) was written: a client that goes away after it was answered in full.
     answered: bool = False
     # Set once the prefill engine has the leg: a streamed leg's response headers came (vLLM sends them after it has
@@ -134,12 +134,12 @@ class Dispatcher:
 
     async def handle(self, http_request: web.Request, request: ClientRequest, request_id: str) -> web.StreamResponse:
         """Serve one validated request; raise GatewayError for a clean error response."""
-        outcome = Outcome(request_id=request_id)
         PLAN_CLIENT_ID.set(client_id_of(peer=http_request.remote or ""))  # the directory bounds each client's share
         started = time.monotonic()
         record: RequestRecord = http_request.get(RECORD_KEY) or RequestRecord(started=started)
         record.route = "chat" if request.path == CHAT_COMPLETIONS else "completions"
-        outcome.clock = TokenClock(self._metrics, record.route, record.started, request.stream)
+        outcome = Outcome(request_id=request_id,
+                          clock=TokenClock(self._metrics, record.route, record.started, request.stream))
         parent = propagate.extract(dict(http_request.headers))
         with _tracer.start_as_current_span("gateway.request", context=parent, kind=trace.SpanKind.SERVER) as span, \
                 bound_contextvars(request_id=request_id):
@@ -186,7 +186,8 @@ class Dispatcher:
     async def _run(self, http_request: web.Request, request: ClientRequest, request_id: str,
                    outcome: Outcome) -> web.StreamResponse:
         traceparent = current_traceparent()
-        model = request.body.get("model") if isinstance(request.body.get("model"), str) else ""
+        named = request.body.get("model")
+        model = named if isinstance(named, str) else ""
         prompt_token_count = request.prompt_token_count
         bound = prompt_token_upper_bound(request) if not prompt_token_count and self._config.count_prompt_tokens else 0
         if bound and await self._router.fits_every_decode_engine(bound, model):
@@ -297,9 +298,10 @@ class Dispatcher:
         try:
             if route.concurrent and prefill_task is None:
                 prefill_task = self._start_prefill(request, route, headers, outcome)
-            if self._first_token_applies(request, route):
-                return await self._first_token(http_request, request, route, headers, outcome, prefill_task)
             if route.concurrent:
+                assert prefill_task is not None  # started above
+                if self._first_token_applies(request, route):  # only for concurrent routes
+                    return await self._first_token(http_request, request, route, headers, outcome, prefill_task)
                 return await self._concurrent(http_request, request, route, headers, outcome, prefill_task)
             return await self._sequential(http_request, request, route, headers, outcome)
         except BaseException as error:
@@ -371,7 +373,7 @@ class Dispatcher:
         so the connection goes back to the pool. A streamed answer carries no kv_transfer_params."""
         local = (self._local_legs is not None
                  and route.extra.get("prefill_engine_id") == self._config.local_prefill_engine_id)
-        session = self._local_legs if local else self._session
+        session = self._local_legs if local and self._local_legs is not None else self._session
 
         async def run() -> dict[str, Any]:
             started = time.monotonic()

@@ -26,12 +26,18 @@ import asyncio
 import contextlib
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 
 from kvpush.gateway.errors import EngineUnreachable, EngineUnresponsive, GatewayError, LegTimeout, bad_gateway
+
+if TYPE_CHECKING:
+    from kvpush.gateway.in_process import InProcessSession
+
+    # Where a leg is sent: over HTTP, or into the hosting API server's own app (in_process.py).
+    LegSession = aiohttp.ClientSession | InProcessSession
 
 # The engine's liveness endpoint (vLLM's OpenAI server answers it from its own event loop, while a request computes).
 HEALTH_PATH = "/health"
@@ -84,14 +90,14 @@ def transport_errors(leg: str, url: str, total_s: float, *, before_response: boo
         raise bad_gateway(f"{leg} engine at {url}: connection failed: {error!r}") from error
 
 
-def _post(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str],
+def _post(session: LegSession, url: str, body: dict, headers: dict[str, str],
           timeout: aiohttp.ClientTimeout):
     """`session.post` with `body` encoded as JSON (by orjson; aiohttp's `json=` would use the standard library's)."""
     return session.post(url, data=orjson.dumps(body), headers={**headers, "Content-Type": "application/json"},
                         timeout=timeout)
 
 
-async def post_json(session: aiohttp.ClientSession, leg: str, url: str, body: dict, headers: dict[str, str],
+async def post_json(session: LegSession, leg: str, url: str, body: dict, headers: dict[str, str],
                     total_s: float, connect_s: float, first_byte_s: float = 0.0,
                     health_url: str = "") -> dict[str, Any]:
     """POST `body` and return the JSON object answered with 200; raise a GatewayError otherwise.
@@ -109,7 +115,9 @@ async def post_json(session: aiohttp.ClientSession, leg: str, url: str, body: di
             done, _ = await asyncio.wait({answer}, timeout=first_byte_s)
             if done:
                 return answer.result()
-            if not await _answers_health(session, health_url, first_byte_s):
+            # A health URL is given only for an engine reached over HTTP (an in-process leg has none).
+            if isinstance(session, aiohttp.ClientSession) and not await _answers_health(session, health_url,
+                                                                                         first_byte_s):
                 raise EngineUnresponsive(
                     504, f"{leg} engine at {url} sent no answer within {first_byte_s:g} s and its health endpoint "
                     f"none within {first_byte_s:g} s more", "gateway_timeout", leg=leg, url=url)
@@ -129,7 +137,7 @@ async def _answers_health(session: aiohttp.ClientSession, url: str, bound_s: flo
     return True
 
 
-async def _post_json(session: aiohttp.ClientSession, leg: str, url: str, body: dict, headers: dict[str, str],
+async def _post_json(session: LegSession, leg: str, url: str, body: dict, headers: dict[str, str],
                      total_s: float, connect_s: float) -> dict[str, Any]:
     client_timeout = aiohttp.ClientTimeout(total=total_s, connect=connect_s)
     with transport_errors(leg, url, total_s, before_response=True):
@@ -150,7 +158,7 @@ async def _post_json(session: aiohttp.ClientSession, leg: str, url: str, body: d
     return parsed
 
 
-async def open_stream(session: aiohttp.ClientSession, leg: str, url: str, body: dict, headers: dict[str, str],
+async def open_stream(session: LegSession, leg: str, url: str, body: dict, headers: dict[str, str],
                       total_s: float, connect_s: float, first_byte_s: float = 0.0) -> aiohttp.ClientResponse:
     """POST a streaming request; return the open 200 response (the caller must release it). `first_byte_s` (0: none):
     the response headers' bound, past which the leg is given up (its connection closed) as EngineUnresponsive."""
@@ -211,9 +219,9 @@ async def sse_events(response: aiohttp.ClientResponse, leg: str, url: str, total
                 raise bad_gateway(f"{leg} engine at {url} streamed a non-JSON event: {data[:200]!r}") from error
             if not isinstance(event, dict):
                 raise bad_gateway(f"{leg} engine at {url} streamed a non-object event")
-            error = event.get("error")
-            if error is not None:
-                code = error.get("code") if isinstance(error, dict) else None
+            reported = event.get("error")
+            if reported is not None:
+                code = reported.get("code") if isinstance(reported, dict) else None
                 status = code if isinstance(code, int) and 400 <= code < 600 else 500
                 raise _status_error(leg, url, status, json.dumps(event))
             yield event

@@ -89,7 +89,8 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("kvpush_gateway_requests", "Requests answered, by route and the status of their outcome "
+        self.requests = Counter("kvpush_gateway_requests",
+                                "Requests answered, by route and the status of their outcome "
                                 "(a stream broken after its headers: its error's; see the module docstring).",
                                 ["route", "status"], registry=r)
         self.request_duration = Histogram("kvpush_gateway_request_duration_seconds",

@@ -161,14 +161,14 @@ class DirectoryRouter:
                             ("client_key_file", config.directory_tls_client_key)):
             if value:
                 overrides[name] = value
-        self._client = DirectoryClient(ChannelConfig.from_env(**overrides))
-        self._engines: list[types_pb2.Engine] = []
+        self._client = DirectoryClient(ChannelConfig.from_env(None, **overrides))
+        self._engines: list[types_pb2.EngineWorker] = []
         self._engines_read_at: float | None = None  # monotonic time of the last read that succeeded
-        self._engines_reading: asyncio.Task | None = None
+        self._engines_reading: asyncio.Task[None] | None = None
         # Prefill picks per engine since the engine list was last read (the list's transfer counts lag them).
         self._picks_since_read: dict[str, int] = {}
 
-    async def _registered(self) -> list[types_pb2.Engine]:
+    async def _registered(self) -> list[types_pb2.EngineWorker]:
         """Registered workers (for model checks, /tokenize and free-block checks), at most ENGINE_CACHE_S + one
         ListEngines round trip old.
 
@@ -202,7 +202,8 @@ class DirectoryRouter:
     async def tokenizer_url(self, model: str) -> str | None:
         """A prefill engine's endpoint for `model` (its /tokenize applies the model's tokenizer and chat template)."""
         for engine in await self._registered():
-            if engine.role == types_pb2.ENGINE_ROLE_PREFILL and engine.endpoint and (not model or engine.model == model):
+            if (engine.role == types_pb2.ENGINE_ROLE_PREFILL and engine.endpoint
+                    and (not model or engine.model == model)):
                 return engine.endpoint.rstrip("/")
         return None
 
@@ -225,8 +226,9 @@ class DirectoryRouter:
         if not self._config.prefill_before_plan:
             return None
         engines = await self._registered()
-        if prompt_token_count and not any(_has_room(w, prompt_token_count) for w in engines
-                                          if w.role == types_pb2.ENGINE_ROLE_DECODE and (not model or w.model == model)):
+        if prompt_token_count and not any(
+                _has_room(w, prompt_token_count) for w in engines
+                if w.role == types_pb2.ENGINE_ROLE_DECODE and (not model or w.model == model)):
             return None
         ranks: dict[str, int] = {}
         for worker in engines:
