@@ -17,15 +17,15 @@ protos: setup
 
 # Proto lint, no breaking change against main (scripts/buf_breaking.sh says which commit), the
 # "generated code is current" check, then ruff (ruff.toml) over the Python code and mypy (mypy.ini: strict for
-# the directory, connector, data plane and api) over src/kvpush; any finding fails. mypy keeps its cache in
-# .mypy_cache (a cold run takes ~20 s on 2 cores, a warm one ~2 s): CI can keep that folder between runs.
+# the directory, connector, data plane and api) over src/kvpush; both report, and any finding fails. mypy keeps
+# its cache in .mypy_cache (a cold run takes ~20 s on 2 cores, a warm one ~2 s): CI can keep that folder.
 lint: setup
 	@cd protos && ../node_modules/.bin/buf lint
 	@scripts/buf_breaking.sh
 	@PATH=$(CURDIR)/.venv/bin:$$PATH scripts/gen_protos.sh && git diff --exit-code -- src/kvpush/v1 \
 		|| { echo "src/kvpush/v1 is stale: run 'make protos' and commit"; exit 1; }
-	@.venv/bin/ruff check --no-fix src tests bench examples scripts
-	@.venv/bin/mypy
+	@status=0; .venv/bin/ruff check --no-fix src tests bench examples scripts || status=1; \
+		.venv/bin/mypy || status=1; exit $$status
 
 run: setup
 	@$(PY) -m kvpush.localstack.demo

@@ -187,7 +187,8 @@ def _first_token(worker: tpb.EngineWorker) -> str:
 
 
 async def _engines(args: argparse.Namespace) -> int:
-    role = {"prefill": tpb.ENGINE_ROLE_PREFILL, "decode": tpb.ENGINE_ROLE_DECODE}.get(args.role or "", 0)
+    role = {"prefill": tpb.ENGINE_ROLE_PREFILL, "decode": tpb.ENGINE_ROLE_DECODE}.get(args.role or "",
+                                                                                    tpb.ENGINE_ROLE_UNSPECIFIED)
     async with DirectoryClient(_channel_config(args)) as client:
         workers = await client.list_engines(role=role)
     if args.json:
@@ -206,7 +207,7 @@ async def _engines(args: argparse.Namespace) -> int:
 
 
 async def _transfers(args: argparse.Namespace) -> int:
-    state = 0
+    state: tpb.TransferState = tpb.TRANSFER_STATE_UNSPECIFIED
     if args.state:
         name = f"TRANSFER_STATE_{args.state.upper()}"
         if name not in tpb.TransferState.DESCRIPTOR.values_by_name:
