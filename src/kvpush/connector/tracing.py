@@ -9,11 +9,12 @@ a background thread, so no caller waits on the collector. Every method is safe t
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import Attributes, AttributeValue
 
 from kvpush.observability import configure_tracing, get_tracer
 from kvpush.observability.logs import remember_transfer
@@ -29,12 +30,12 @@ def configure_engine_tracing(role: str) -> None:
 class TransferSpan:
     """A transfer's span on one engine (see the module docstring)."""
 
-    def __init__(self, span: Any) -> None:
+    def __init__(self, span: trace.Span) -> None:
         self._span = span
         self._ended = False
 
     @classmethod
-    def start(cls, name: str, transfer_id: str, traceparent: str = "", attributes: dict[str, Any] | None = None,
+    def start(cls, name: str, transfer_id: str, traceparent: str = "", attributes: Attributes | None = None,
               start_time_s: float | None = None) -> TransferSpan:
         """Open the span under the request's trace context."""
         context = _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else None
@@ -52,13 +53,13 @@ class TransferSpan:
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(self._span))
         return carrier.get("traceparent", "")
 
-    def event(self, name: str, attributes: dict[str, Any] | None = None, time_s: float | None = None) -> None:
+    def event(self, name: str, attributes: Attributes | None = None, time_s: float | None = None) -> None:
         """Add a timestamped event."""
         if not self._ended:
             self._span.add_event(name, attributes=attributes or {},
                                  timestamp=int(time_s * 1e9) if time_s is not None else None)
 
-    def set_attributes(self, attributes: dict[str, Any]) -> None:
+    def set_attributes(self, attributes: Mapping[str, AttributeValue | None]) -> None:
         """Set attributes (None values are skipped)."""
         if not self._ended:
             self._span.set_attributes({k: v for k, v in attributes.items() if v is not None})

@@ -64,7 +64,7 @@ class WriteRequest:
     ready_event: optional object with `.query()` and/or `.synchronize()` (a CUDA event recorded
         after the layer's KV write); waited on before posting.
     ends_transfer: close the transfer after this write without a notification.
-    trace_context: W3C traceparent of the request, parent of this write's span.
+    traceparent: W3C traceparent of the request, parent of this write's span.
     post_guard: called on the I/O thread right before posting: None to post, else the reason the write may
         no longer be posted (the prefill worker's lease: it posts only within it, docs/connector.md).
     """
@@ -79,7 +79,7 @@ class WriteRequest:
     notify: bytes | None = None
     ready_event: Any = None
     ends_transfer: bool = False
-    trace_context: str = ""
+    traceparent: str = ""
     post_guard: Callable[[], str | None] | None = None
 
     @property
@@ -196,7 +196,7 @@ class PushWriter:
     ) -> None:
         """Attach to `agent`; callbacks run on its I/O thread and must not block.
 
-        Each write becomes a `kvpush.dataplane.write` span (child of its `trace_context`) from
+        Each write becomes a `kvpush.dataplane.write` span (child of its `traceparent`) from
         `tracer`, by default the process's (a no-op unless OTLP export is configured).
         """
         self._agent = agent
@@ -352,7 +352,8 @@ class PushWriter:
 
         When the writer falls behind (several layers ready at once), one handle instead of one per
         layer saves per-handle costs (measured on H200: 32 per-layer handles of 32 MiB posted at once
-        ran at 83-140 GiB/s, one handle at 247-281, grouped 148). Streaming, where layers become ready one by one, is unchanged.
+        ran at 83-140 GiB/s, one handle at 247-281, grouped 148). Streaming, where layers become ready one by one,
+        is unchanged.
         """
         limit = self.max_group_writes
         if limit <= 1 or leader.plan.shared_blocks or leader.request.closes_transfer:
@@ -557,7 +558,7 @@ class PushWriter:
             self._report_failure(write, reason)
             self._fail_transfer(transfer, _failed(reason))
             return False
-        if now < write.held_until:
+        if write.held_until is not None and now < write.held_until:
             return True
         write.held_until = None
         write.hold_done = True
@@ -607,7 +608,8 @@ class PushWriter:
         for member in write.members:
             req = member.request
             member.reported = True
-            descriptors = int(write.telemetry["descriptors"]) if (alone and write.telemetry) else member.plan.descriptor_count
+            descriptors = (int(write.telemetry["descriptors"]) if (alone and write.telemetry)
+                           else member.plan.descriptor_count)
             transfer.bytes += member.plan.total_bytes
             transfer.descriptors += descriptors
             transfer.layers.update(int(layer) for layer in req.layers)
@@ -709,7 +711,7 @@ class PushWriter:
 
     def _span(self, write: _Write, outcome: WriteOutcome, start_ns: int = 0) -> None:
         req = write.request
-        context = _PROPAGATOR.extract({"traceparent": req.trace_context}) if req.trace_context else None
+        context = _PROPAGATOR.extract({"traceparent": req.traceparent}) if req.traceparent else None
         start = start_ns or time.time_ns()
         span = self._tracer.start_span("kvpush.dataplane.write", context=context, start_time=start)
         if span.is_recording():

@@ -471,9 +471,9 @@ def test_writes_become_spans_under_the_request_trace():
         writer = PushWriter(agent, out.on_request, out.on_transfer, tracer=provider.get_tracer("test"))
         agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
         writer.submit(WriteRequest("t-span", spec.name, range(2), [1, 2], [3, 4], 0, 64, notify=b"s",
-                                   trace_context=parent))
+                                   traceparent=parent))
         assert out.wait(lambda: out.transfers)
-        writer.submit(WriteRequest("t-span", spec.name, range(1), [1], [3], 0, 32, trace_context=parent))
+        writer.submit(WriteRequest("t-span", spec.name, range(1), [1], [3], 0, 32, traceparent=parent))
         assert out.wait(lambda: len(out.requests) == 2)
     spans = exporter.get_finished_spans()
     assert [s.name for s in spans] == ["kvpush.dataplane.write"] * 2

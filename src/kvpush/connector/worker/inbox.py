@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable
-from typing import Any
+
+from structlog.typing import FilteringBoundLogger
+
+# The queues an inbox may be: an action per message, run on the thread that drains it.
+Inbox = queue.SimpleQueue[Callable[[], None]] | queue.Queue[Callable[[], None]]
 
 
-def wait_for_actions(inbox: queue.SimpleQueue[Callable[[], None]] | queue.Queue, timeout_s: float, log: Any,
-                     role: str) -> bool:
+def wait_for_actions(inbox: Inbox, timeout_s: float, log: FilteringBoundLogger, role: str) -> bool:
     """Block up to `timeout_s` (0: not at all) for the first queued action, then run it and every other;
     True if one came."""
     try:
@@ -28,7 +31,7 @@ def wait_for_actions(inbox: queue.SimpleQueue[Callable[[], None]] | queue.Queue,
     return True
 
 
-def run_queued_actions(inbox: queue.SimpleQueue[Callable[[], None]] | queue.Queue, log: Any, role: str) -> None:
+def run_queued_actions(inbox: Inbox, log: FilteringBoundLogger, role: str) -> None:
     """Run every queued action now; one that raises is logged and skipped, never stops the engine thread."""
     while True:
         try:
@@ -38,7 +41,7 @@ def run_queued_actions(inbox: queue.SimpleQueue[Callable[[], None]] | queue.Queu
         _run_action(action, log, role)
 
 
-def _run_action(action: Callable[[], None], log: Any, role: str) -> None:
+def _run_action(action: Callable[[], None], log: FilteringBoundLogger, role: str) -> None:
     try:
         action()
     except Exception:  # one bad message must not stop the engine thread

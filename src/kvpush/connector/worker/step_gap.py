@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
-from typing import Any
+
+from structlog.typing import FilteringBoundLogger
 
 # A step gap this long while a transfer waits is reported (a CPU prefill forward of a few thousand tokens takes
 # a few seconds on the slowest machine measured; the directory's transfer_timeout_s defaults to 60 s).
@@ -34,7 +35,7 @@ def thread_stacks(frames_per_thread: int = _FRAMES_PER_THREAD) -> dict[str, list
 class StepGapWatch:
     """Owner thread only. `stepped` on each step's start; `check` on the owner's bound checks."""
 
-    def __init__(self, log: Any, report_after_s: float = STEP_GAP_REPORT_S) -> None:
+    def __init__(self, log: FilteringBoundLogger, report_after_s: float = STEP_GAP_REPORT_S) -> None:
         self._log = log
         self._report_after_s = report_after_s
         self._last_step_at: float | None = None

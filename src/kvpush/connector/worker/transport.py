@@ -12,14 +12,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.worker.layout_wire import layout_from_proto
+from kvpush.connector.worker.ports import PostGuard, ReadyEvent
 from kvpush.connector.worker.push_machine import WriteDone, WriterQuiet
 from kvpush.connector.worker.push_state import PlannedWrite
 from kvpush.dataplane import NixlConfig
 from kvpush.observability import get_logger
+from kvpush.v1 import types_pb2 as tpb
+
+if TYPE_CHECKING:
+    from kvpush.dataplane.agent import TransferAgent
+    from kvpush.dataplane.writer import WriteOutcome
 
 _log = get_logger("connector.worker.transport")
 
@@ -38,7 +44,7 @@ def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
 
 
 def create_agent(config: ConnectorConfig, kv_caches: dict[str, Any], block_size_tokens: int, num_kv_heads: int,
-                 head_size: int, agent_name: str) -> Any:
+                 head_size: int, agent_name: str) -> TransferAgent:  # Any: vLLM's KV tensors (torch), duck-typed
     """Build the worker's TransferAgent, register its KV memory and start its I/O thread."""
     from kvpush.dataplane.agent import TransferAgent
 
@@ -51,7 +57,7 @@ def create_agent(config: ConnectorConfig, kv_caches: dict[str, Any], block_size_
 class PushTransport:
     """Prefill side: peers, writes and cancellations on the data plane (see the module docstring)."""
 
-    def __init__(self, agent: Any, on_write_done: Callable[[WriteDone], None],
+    def __init__(self, agent: TransferAgent, on_write_done: Callable[[WriteDone], None],
                  on_writer_quiet: Callable[[WriterQuiet], None]) -> None:
         from kvpush.dataplane.writer import PushWriter
 
@@ -68,7 +74,7 @@ class PushTransport:
             return False
         return True
 
-    def ensure_peer(self, agent_name: str, metadata: bytes, layout_proto: Any) -> None:
+    def ensure_peer(self, agent_name: str, metadata: bytes, layout_proto: tpb.KVLayout | None) -> None:
         """Load a decode worker's agent once (queued on the I/O thread ahead of any write to it); a known agent
         (loaded or loading) is skipped, and a load that fails is logged."""
         if self.has_peer(agent_name):
@@ -84,8 +90,8 @@ class PushTransport:
 
         loading.add_done_callback(loaded)
 
-    def submit(self, transfer_id: str, peer_agent: str, write: PlannedWrite, notification: bytes, ready_event: Any,
-               trace_context: str, post_guard: Callable[[], str | None] | None = None) -> None:
+    def submit(self, transfer_id: str, peer_agent: str, write: PlannedWrite, notification: bytes,
+               ready_event: ReadyEvent | None, traceparent: str, post_guard: PostGuard | None = None) -> None:
         """Queue one planned write; raises (nothing queued) when the data plane refuses it.
 
         post_guard (I/O thread, at post time): None to post, else why the write may no longer be posted.
@@ -95,10 +101,10 @@ class PushTransport:
         self._writer.submit(WriteRequest(
             transfer_id=transfer_id, peer_agent=peer_agent, layers=(write.layer,), src_block_ids=write.src_block_ids,
             dst_block_ids=write.dst_block_ids, token_start=write.token_start, token_end=write.token_end,
-            notify=notification if write.notify else None, ready_event=ready_event, trace_context=trace_context,
+            notify=notification if write.notify else None, ready_event=ready_event, traceparent=traceparent,
             post_guard=post_guard))
 
-    def when_computed(self, event: Any, callback: Callable[[float], None]) -> None:
+    def when_computed(self, event: ReadyEvent, callback: Callable[[float], None]) -> None:
         """Call `callback(unix time)` from the I/O thread once the GPU passed `event` (see PushWriter.when_complete)."""
         self._writer.when_complete(event, callback)
 
@@ -106,14 +112,14 @@ class PushTransport:
         """Drop the transfer's queued writes; WriterQuiet follows once none of its handles is in flight."""
         future = self._writer.cancel(transfer_id)
 
-        def done(f: Any) -> None:
+        def done(f: Future[WriteOutcome]) -> None:
             outcome = f.result()
             if outcome.write_count == 0:  # the writer never had it: no on_transfer_done will come
                 self._on_writer_quiet(WriterQuiet(transfer_id, outcome.outcome, outcome.error or "cancelled"))
 
         future.add_done_callback(done)
 
-    def _request_done(self, outcome: Any) -> None:
+    def _request_done(self, outcome: WriteOutcome) -> None:
         now = time.time()
         self._on_write_done(WriteDone(
             transfer_id=outcome.transfer_id, outcome=outcome.outcome, error=outcome.error or "",
@@ -122,5 +128,5 @@ class PushTransport:
             post_duration_s=outcome.post_seconds, descriptor_count=outcome.descriptor_count,
             bytes_written=outcome.bytes))
 
-    def _transfer_done(self, outcome: Any) -> None:
+    def _transfer_done(self, outcome: WriteOutcome) -> None:
         self._on_writer_quiet(WriterQuiet(outcome.transfer_id, outcome.outcome, outcome.error or ""))
