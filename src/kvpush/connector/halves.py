@@ -226,13 +226,13 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_
     from kvpush.connector.worker.decode import DecodeWorker
     from kvpush.dataplane.listener import NotificationListener
 
-    worker = DecodeWorker(config, link, block_size_tokens)
-    listener = NotificationListener(agent, _tapped(worker.on_notification, tap_notification))
+    receiver = DecodeWorker(config, link, block_size_tokens)
+    listener = NotificationListener(agent, _tapped(receiver.on_notification, tap_notification))
     link.register(tpb.ENGINE_ROLE_DECODE, tp_rank, tp_size, agent.agent_name, agent.agent_metadata(), layout,
                   on_lease_lost=(lambda lease, reason: lease_lost()) if lease_lost is not None else None,
                   model=model, load_callback=load_callback, forces_first_token=forces_first_token)
-    link.watch(worker.on_event, worker.on_gap)
-    return WorkerParts(worker, agent, link, listener)
+    link.watch(receiver.on_event, receiver.on_gap)
+    return WorkerParts(receiver, agent, link, listener)
 
 
 def _tapped(callback: Callable[..., None], tap: Callable[..., None] | None) -> Callable[..., None]:
