@@ -123,7 +123,7 @@ def test_a_watch_naming_another_incarnation_is_out_of_range():
 
 
 def test_every_response_carries_the_header_and_the_deprecated_field_alike():
-    """Each RPC's response names the answering process in its ResponseHeader and in the deprecated field, the same id."""
+    """Each RPC's response names the answering process in its ResponseHeader and, alike, in the deprecated field."""
     async def body():
         async with running_directory() as directory:
             incarnation = directory.server.servicer.incarnation_id
