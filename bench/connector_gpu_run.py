@@ -50,9 +50,9 @@ waiting for decode's allocation); one request whose allocation reaches the direc
 started (late allocation).
 
 Figures per request: tail = last_write_end - prefill_end as the directory reports it (rank_timings; the
-connector stamps prefill_end when its I/O thread sees the last layer's CUDA event complete), and against the GPU's real end of
-the last layer (CUDA events); layers written before prefill end (directory) and before the GPU finished;
-bytes; decode's finished_recving time after the GPU end.
+connector stamps prefill_end when its I/O thread sees the last layer's CUDA event complete), and against the
+GPU's real end of the last layer (CUDA events); layers written before prefill end (directory) and before the GPU
+finished; bytes; decode's finished_recving time after the GPU end.
 
 Usage: python bench/connector_gpu_run.py run [--device cuda|cpu] [--block-size 128] [--out-name NAME]
   GPU (2 GPUs): run --reps 5  (and --block-size 16 --out-name connector_gpu_run_bs16.json)
@@ -692,12 +692,11 @@ def run_main(args: argparse.Namespace) -> int:
     args.directory = f"127.0.0.1:{port}"
     base_env = {**os.environ, "KVPUSH_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen] = []
-    logs = []
 
     def spawn(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = open(log_dir / f"{args.out_name.removesuffix('.json')}.{name}.log", "w")
-        logs.append(log)
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+        # The child writes to its own copy of the log's descriptor; this process's copy closes once it has started.
+        with open(log_dir / f"{args.out_name.removesuffix('.json')}.{name}.log", "w") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
         procs.append(proc)
         return proc
 
@@ -807,8 +806,6 @@ def run_main(args: argparse.Namespace) -> int:
                     proc.wait(10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-        for log in logs:
-            log.close()
     path = write_result(out_dir / args.out_name, result, indent=1, echo=False)
     print_table(result)
     print(f"wrote {path}")
@@ -843,7 +840,8 @@ def summarize(sc: dict[str, Any], n: int, rid: str, p: dict[str, Any], d: dict[s
                                                     if timing is not None else None),
         "writes_before_gpu_end": sum(1 for w in ok_writes if gpu_end is not None and w["end"] < gpu_end),
         "failed_writes": [w for w in writes if not w["ok"]][:3],
-        # Tails (ms). "directory": the task's definition, from rank_timings (prefill_end = last layer's CUDA event seen complete).
+        # Tails (ms). "directory": the task's definition, from rank_timings (prefill_end = last layer's CUDA event
+        # seen complete).
         "tail_ms_directory": ms(last_write_end, prefill_end),
         "tail_ms_gpu_end": ms(last_write_end, gpu_end),
         "host_ahead_of_gpu_ms": ms(gpu_end, prefill_end),
@@ -904,8 +902,9 @@ def build_report(args: argparse.Namespace, scenarios: list, records: list, child
                   "num_blocks": args.num_blocks, "dtype": "bfloat16",
                   "kv_layout": "(2, num_blocks, block_size, kv_heads, head_size) per layer"},
         "agents": {k: c.ready for k, c in children.items()},
-        "settings": {"idle_step_s": args.idle_step_s, "timeout_s": args.timeout_s, "nixl_num_threads": args.nixl_threads,
-                     "late_alloc_s": args.late_alloc_s, "nixl_polls": "connector defaults (poll_max_s 1e-3, notif_poll_s 1e-3)"},
+        "settings": {"idle_step_s": args.idle_step_s, "timeout_s": args.timeout_s,
+                     "nixl_num_threads": args.nixl_threads, "late_alloc_s": args.late_alloc_s,
+                     "nixl_polls": "connector defaults (poll_max_s 1e-3, notif_poll_s 1e-3)"},
         "all_complete": all_complete, "all_bytes_equal": all_equal, "all_ok": all_complete and all_equal,
         "requests": len(records), "wall_s": round(time.time() - started, 1),
         "summary": summary, "records": records,
@@ -957,7 +956,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.control is not None:
         args.control = (args.control[0], int(args.control[1]))
-    return {"run": run_main, "directory": directory_main, "prefill": prefill_main, "decode": decode_main}[args.mode](args)
+    modes = {"run": run_main, "directory": directory_main, "prefill": prefill_main, "decode": decode_main}
+    return modes[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ Prints JSON and writes bench/results/dataplane_bench.json.
 Two hosts (checking a P->D link, e.g. EFA with --backend LIBFABRIC; deploy/ec2-efa/README.md): on the decode
 host `--serve-decode 0.0.0.0:PORT` runs the decode side and waits for one prefill host; on the prefill host
 `--decode-at DHOST:PORT` runs the cases against it. Both read the shared secret KVPUSH_BENCH_AUTHKEY, and
-need the same --tokens/--backend/--num-threads. Notification lags then mix two hosts' clocks: ignore them. The GPU variant (dataplane_gpu_bench.py)
-reuses the receiver and the cases with torch tensors on two GPUs.
+need the same --tokens/--backend/--num-threads. Notification lags then mix two hosts' clocks: ignore them. The
+GPU variant (dataplane_gpu_bench.py) reuses the receiver and the cases with torch tensors on two GPUs.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def host_kv(shape: KVShape, random: bool) -> dict[str, HostTensor]:
     rng = np.random.default_rng(0)
     dims = (2, shape.blocks, shape.block_size, shape.heads, shape.head_size)
     return {
-        f"layers.{i}": HostTensor(rng.integers(0, 65535, dims, dtype=np.uint16) if random else np.zeros(dims, np.uint16))
+        f"layers.{i}": HostTensor(
+            rng.integers(0, 65535, dims, dtype=np.uint16) if random else np.zeros(dims, np.uint16))
         for i in range(shape.layers)
     }
 
@@ -259,7 +260,8 @@ class Sender:
         self.final = outcome
         self._done.set()
 
-    def run(self, requests: list[WriteRequest], timeout: float = 120.0) -> tuple[float, WriteOutcome, list[WriteOutcome]]:
+    def run(self, requests: list[WriteRequest],
+            timeout: float = 120.0) -> tuple[float, WriteOutcome, list[WriteOutcome]]:
         """Submit `requests`, wait for the transfer outcome; return (seconds, final, per-request)."""
         self._done.clear()
         self.requests.clear()
@@ -428,7 +430,8 @@ def block_ids(count: int, limit: int, scattered: bool, seed: int, offset: int = 
     return [int(x) for x in ids]
 
 
-def verify(sender_kv: dict[str, Any], receiver: Receiver, src_ids: list[int], dst_ids: list[int], layers: list[int]) -> bool:
+def verify(sender_kv: dict[str, Any], receiver: Receiver, src_ids: list[int], dst_ids: list[int],
+           layers: list[int]) -> bool:
     """Byte-compare a few destination blocks with their sources."""
     for layer in layers:
         for s, d in list(zip(src_ids, dst_ids))[:: max(1, len(src_ids) // 4)]:
@@ -534,7 +537,8 @@ def summarise(results: dict[str, Any], cases: list[CaseResult]) -> None:
     for label in ("contiguous", "scattered"):
         whole, per = by.get(f"whole_{label}"), by.get(f"per_layer_{label}")
         if whole and per:
-            results["ratios"][f"per_layer_time_over_whole_{label}"] = round(per.seconds_median / whole.seconds_median, 3)
+            results["ratios"][f"per_layer_time_over_whole_{label}"] = round(
+                per.seconds_median / whole.seconds_median, 3)
 
 
 if __name__ == "__main__":

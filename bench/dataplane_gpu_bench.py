@@ -131,7 +131,8 @@ def streaming_case(shape: KVShape, kv: dict[str, torch.Tensor], sender: Sender, 
             raise RuntimeError(f"streamed transfer failed: {sender.final}")
         streamed = (sender.done_at - ready_at) * 1e3
         if rep == reps:
-            results["streamed_bytes_verified"] = [float(verify(kv, receiver, ids[:1], dst[:1], list(range(shape.layers))))]
+            verified = verify(kv, receiver, ids[:1], dst[:1], list(range(shape.layers)))
+            results["streamed_bytes_verified"] = [float(verified)]
         tid = f"after-{rep}"
         ready_at, _ = compute(False, tid, rep + 1000)
         sender._done.clear()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import random
 import statistics
@@ -58,6 +59,16 @@ def _stats(values: list[float]) -> dict[str, float | None]:
     ordered = sorted(values)
     return {"mean": round(statistics.fmean(ordered), 3), "p50": round(statistics.median(ordered), 3),
             "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3)}
+
+
+def _one_request(url: str, body: dict, variant: str, prompt: list[int]) -> tuple[float, float]:
+    """One streamed completion: (TTFT ms, TPOT ms)."""
+    result = stream_completion(url, {**body, "prompt": prompt}, timeout_s=300)
+    if result.status != 200 or result.error:
+        raise RuntimeError(f"{variant}: {result.status} {result.error}")
+    events = [e for e in result.events if e.get("choices")]
+    tpot = (result.total_s - result.ttft_s) / max(1, len(events) - 1)
+    return result.ttft_s * 1000, tpot * 1000
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,15 +107,7 @@ def main(argv=None) -> int:
             handle.wait_ready(420.0, progress=lambda m: print(m, file=sys.stderr))
             url = handle.url + "/v1/completions"
             body = {"model": "tiny", "max_tokens": args.osl, "temperature": 0.0, "ignore_eos": True}
-
-            def one(prompt: list[int]):
-                result = stream_completion(url, {**body, "prompt": prompt}, timeout_s=300)
-                if result.status != 200 or result.error:
-                    raise RuntimeError(f"{variant}: {result.status} {result.error}")
-                events = [e for e in result.events if e.get("choices")]
-                tpot = (result.total_s - result.ttft_s) / max(1, len(events) - 1)
-                return result.ttft_s * 1000, tpot * 1000
-
+            one = functools.partial(_one_request, url, body, variant)
             with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
                 list(pool.map(one, prompts[:args.warmup]))
                 measured = list(pool.map(one, prompts[args.warmup:]))

@@ -199,6 +199,8 @@ class Load:
         # Replicas: plans name this load's own decode engines (other replicas' loads register theirs too).
         self.pin_decode = bool(getattr(args, "pin_decode", False))
         self._decode_turn = itertools.count()
+        # Fire-and-forget calls (_guard): the event loop holds tasks weakly, so this set keeps each one until it ends.
+        self._background: set[asyncio.Task] = set()
 
     async def run(self) -> Stats:
         """Warm up, measure for the duration, drain; returns the stats of the window."""
@@ -231,7 +233,7 @@ class Load:
         self.stats.measuring = False
         self.elapsed_s = loop.time() - started
         self.stopping = True
-        done, pending = await asyncio.wait(workers, timeout=120)
+        _, pending = await asyncio.wait(workers, timeout=120)
         for task in pending:  # a starved machine: report it rather than lose the whole run
             task.cancel()
             self.stats.call_errors["drain_timeout"] = self.stats.call_errors.get("drain_timeout", 0) + 1
@@ -282,8 +284,13 @@ class Load:
         self.transfers[transfer.transfer_id] = transfer
         if self.stats.measuring:
             self.stats.transfers_planned += 1
-        asyncio.create_task(self._guard("ReportAllocation", self._allocate(transfer)))
+        self._spawn(self._guard("ReportAllocation", self._allocate(transfer)))
         return transfer
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _guard(self, name: str, coro) -> None:
         """Run a fire-and-forget call; count its failure instead of losing it."""
@@ -389,7 +396,7 @@ class Load:
                     layers_written_count=self.args.layers, bytes_written=1)))
                 in_flight.remove(transfer)
                 if self.rate and transfer.measured:
-                    asyncio.create_task(self._guard("GetTransfer", self._split_latency(transfer)))
+                    self._spawn(self._guard("GetTransfer", self._split_latency(transfer)))
                 self.transfers.pop(transfer.transfer_id, None)
                 self.total_done += 1
                 if self.stats.measuring:
@@ -421,7 +428,7 @@ def _percentile(samples: list[float], q: float) -> float:
     if not samples:
         return float("nan")
     ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 async def run_scenario(address: str, args, name: str, rate: float, batched: bool,

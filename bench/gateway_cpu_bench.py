@@ -1,4 +1,5 @@
-"""The standalone gateway's CPU time per request, with stand-in engines (no vLLM), so only the gateway's own work counts.
+"""The standalone gateway's CPU time per request, with stand-in engines (no vLLM), so only the gateway's own work
+counts.
 
 What runs: a real directory, two stand-in engines (tests/unit/services/gateway/standin.py: aiohttp servers that
 answer at once) registered as prefill and decode, and the gateway (`python -m kvpush.gateway`, first token

@@ -34,7 +34,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent))
 from bench_io import write_result  # bench/, this script's folder
 
-WORDS = ["prefill", "engine", "writes", "every", "layer", "of", "the", "key", "and", "value", "cache", "into", "blocks", "that", "decode", "allocated", "before", "the", "prompt", "was", "computed", "while", "the", "directory", "watches", "each", "transfer"]
+WORDS = ["prefill", "engine", "writes", "every", "layer", "of", "the", "key", "and", "value", "cache", "into",
+         "blocks", "that", "decode", "allocated", "before", "the", "prompt", "was", "computed", "while", "the",
+         "directory", "watches", "each", "transfer"]
 
 
 def text_prompt(words: int, seed: int) -> str:

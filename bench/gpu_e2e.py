@@ -2,9 +2,12 @@
 
 Everything a user with one GPU needs, one command per experiment (each bounded; logs under --log-dir):
 
-  python bench/gpu_e2e.py e2e   [--eager] [--no-first-token]   # directory + P + D (KVPushConnector) + colocated + gateway
-  python bench/gpu_e2e.py serve [--connectors kvpush-first-token,kvpush,nixl-push,nixl-pull,colocated] [--isl 1024,4096,8192]
-  python bench/gpu_e2e.py hops  [--preset tiny-llama --cuda] [--prompt-tokens 512]   # the fixed cost (hops_bench's rounds)
+  python bench/gpu_e2e.py e2e   [--eager] [--no-first-token]
+      # directory + P + D (KVPushConnector) + colocated + gateway
+  python bench/gpu_e2e.py serve [--connectors kvpush-first-token,kvpush,nixl-push,nixl-pull,colocated]
+                                [--isl 1024,4096,8192]
+  python bench/gpu_e2e.py hops  [--preset tiny-llama --cuda] [--prompt-tokens 512]
+      # the fixed cost (hops_bench's rounds)
   python bench/gpu_e2e.py plot  RESULT.json ...    # PNG of TTFT and TPOT against request rate (any machine)
 
 The model is Llama-3.1-8B's shape (32 layers, 8 KV heads x 128, bf16) with seeded random weights, made on
@@ -364,7 +367,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 NEAR_TIE_LOGPROB = 0.25
 
 
-def near_tie(stack: Stack, prompt: list[int], reference: list[int], position: int, chosen: int | None) -> dict[str, Any]:
+def near_tie(stack: Stack, prompt: list[int], reference: list[int], position: int,
+             chosen: int | None) -> dict[str, Any]:
     """The colocated engine's top log-probabilities where the outputs first differ, and whether decode's token
     is a near-tie there (`NEAR_TIE_LOGPROB`) rather than a different distribution."""
     body, _ = stack.complete(stack.engines["colocated"].url, prompt + reference[:position], 1, logprobs=5)
@@ -453,8 +457,9 @@ def run_e2e(args: argparse.Namespace) -> int:
         sampled: dict[str, Any] = {"colocated": list(answer.body["choices"][0]["token_ids"])}
         for run in ("gateway_streamed", "gateway_streamed_again"):
             streamed = stream_completion(gateway + "/v1/completions", sampled_body, timeout_s=300)
-            sampled[run] = [i for e in streamed.events for c in e.get("choices", []) for i in c.get("token_ids") or ()] \
-                if streamed.status == 200 and not streamed.error else f"{streamed.status} {streamed.error}"
+            sampled[run] = [
+                i for e in streamed.events for c in e.get("choices", []) for i in c.get("token_ids") or ()
+            ] if streamed.status == 200 and not streamed.error else f"{streamed.status} {streamed.error}"
         ids = sampled["gateway_streamed"]
         sampled["complete"] = isinstance(ids, list) and len(ids) == args.output_tokens
         sampled["first_token_equals_colocated"] = sampled["complete"] and ids[0] == sampled["colocated"][0]

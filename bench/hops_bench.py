@@ -44,7 +44,8 @@ instruction, end; prefill's write and prefill-end times), all wall clock on one 
   to_client         gateway.prefill_leg end -> first event at the client
 Figures: each hop's median, TTFT medians of every kind and the headline "kvpush TTFT - P leg alone" (median of the
 per-pair differences), split by the kinds above into connector_on_prefill (p_leg - p_alone), gateway
-(kvpush_one_token - p_leg) and decode_leg (kvpush - kvpush_one_token), each a median of per-round differences. JSON to bench/results/hops-<UTC time>.json.
+(kvpush_one_token - p_leg) and decode_leg (kvpush - kvpush_one_token), each a median of per-round differences.
+JSON to bench/results/hops-<UTC time>.json.
 
     python bench/hops_bench.py [--iterations 30] [--prompt-tokens 512] [--max-tokens 8] [--engine-stages]
 """
@@ -61,6 +62,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -69,6 +71,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_io import emit
 
 from kvpush.localstack.client import call, stream_completion
+
+if TYPE_CHECKING:  # annotations only: the receiver itself is imported where the bench runs (main)
+    from tests.fixtures.otlp import ReceivedSpan
 
 # Every kind of request of one round (module docstring); the order rotates from round to round.
 KINDS = ("kvpush", "p_alone", "p_alone_json", "p_leg", "kvpush_one_token")
@@ -176,7 +181,8 @@ def stage_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
     return totals
 
 
-def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
+def stage_means(before: dict[str, tuple[float, float]],
+                after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
     """Each stage's mean over the requests that finished between two scrapes (ms; None when none did)."""
     means = {}
     for stage in ENGINE_STAGES:
@@ -206,7 +212,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--engine-stages", action="store_true",
                         help="scrape the prefill engine's /metrics around every request: its stages per kind")
     parser.add_argument("--connector-extra", type=json.loads, default={},
-                        help="more kv_connector_extra_config for both engines, JSON (e.g. '{\"nixl_notif_poll_s\": 0.01}')")
+                        help="more kv_connector_extra_config for both engines, JSON "
+                             "(e.g. '{\"nixl_notif_poll_s\": 0.01}')")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 import statistics
 import sys
 import threading
@@ -90,7 +91,7 @@ def probe(descriptor_counts: list[int], repeats: int) -> dict:
         first = max(0, bisect.bisect_left(stamps, start) - 1)
         last = min(len(stamps) - 1, bisect.bisect_right(stamps, end))
         window = stamps[first:last + 1]
-        return 1e3 * max((b - a for a, b in zip(window, window[1:])), default=0.0)
+        return 1e3 * max((b - a for a, b in itertools.pairwise(window)), default=0.0)
 
     results = []
     for n, spans in calls.items():
@@ -112,7 +113,7 @@ def probe(descriptor_counts: list[int], repeats: int) -> dict:
                     "counter_iterations_inside_median": statistics.median(inside(s, e) for s, e in control),
                     "calls_with_no_counter_iteration": sum(inside(s, e) == 0 for s, e in control),
                     "counter_longest_pause_ms_median": statistics.median(longest_pause_ms(s, e) for s, e in control)})
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
     return {"repeats": repeats, "counter_iterations": len(stamps),
             "counter_iteration_us_median": 1e6 * statistics.median(gaps) if gaps else None, "calls": results}
 

@@ -39,7 +39,8 @@ else:  # older trees mapped kvpush.services and kvpush.connector onto top-level 
     sys.path.insert(0, str(tree))
     import kvpush
     assert Path(kvpush.__file__).resolve().parent == (tree / "kvpush").resolve(), kvpush.__file__
-    for name, folder in tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items():
+    package_dirs = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name, folder in package_dirs.items():
         if name == "kvpush":
             continue
         spec = importlib.util.spec_from_file_location(name, tree / folder / "__init__.py",

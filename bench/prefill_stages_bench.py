@@ -43,7 +43,8 @@ from kvpush.localstack.client import stream_completion
 HOOKS = ("bind_connector_metadata", "start_load_kv", "save_kv_layer", "wait_for_save", "get_finished",
          "build_connector_worker_meta", "build_connector_meta", "update_connector_output", "request_finished",
          "get_num_new_matched_tokens", "update_state_after_alloc", "on_new_request")
-SITECUSTOMIZE = '''"""prefill_stages_bench --hook-timing: time inside KVPushConnector's hooks, per process (a measurement aid)."""
+SITECUSTOMIZE = '''"""prefill_stages_bench --hook-timing: time inside KVPushConnector's hooks, per process
+(a measurement aid)."""
 import json, os, time
 
 def _install(folder, names):
@@ -86,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gap-s", type=float, default=0.3)
     parser.add_argument("--hook-timing", action="store_true")
     parser.add_argument("--no-first-token", action="store_true",
-                        help="prefill legs without first_token_from_prefill (the gateway's --no-first-token-from-prefill)")
+                        help="prefill legs without first_token_from_prefill "
+                             "(the gateway's --no-first-token-from-prefill)")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     return parser.parse_args(argv)
@@ -141,7 +143,8 @@ def main(argv=None) -> int:
     finally:
         stack.stop()
     names = ("client_ttft", *hops_bench.ENGINE_STAGES)
-    median = {kind: {name: hops_bench._median(b[name] for b in rows) for name in names} for kind, rows in blocks.items()}
+    median = {kind: {name: hops_bench._median(b[name] for b in rows) for name in names}
+              for kind, rows in blocks.items()}
     result = {
         "bench": "prefill_stages", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": {"model": "tiny (localstack TinyModelSpec)", "prompt_tokens": args.prompt_tokens,

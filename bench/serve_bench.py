@@ -169,7 +169,8 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4))
     for axis, (key, label) in zip(axes, keys):
         for variant, data in result["variants"].items():
-            points = [(float(r), p[key]) for r, p in data.get("points", {}).items() if isinstance(p, dict) and p.get(key)]
+            points = [(float(r), p[key]) for r, p in data.get("points", {}).items()
+                      if isinstance(p, dict) and p.get(key)]
             if points:
                 xs, ys = zip(*sorted(points))
                 axis.plot(xs, ys, marker="o", label=variant)

@@ -5,8 +5,9 @@ engines with KVPushConnector, a colocated reference engine, the gateway (kvpush 
 per-engine identities on every directory channel when the openssl CLI is there (the gateway reports unreachable
 engines as the operator). Requests are greedy completions of prompts from a fixed pool (token ids, 5 to 300
 tokens), half streamed, sent at `--rate` per second by at most `--concurrency` clients at once; a share of the
-streamed ones is abandoned by the client after its first event (a client disconnect mid-stream). Faults, one at a time, each kind in turn (seeded order),
-at seeded random moments (`--fault-interval-s` apart on average, counted from the previous fault's recovery):
+streamed ones is abandoned by the client after its first event (a client disconnect mid-stream).
+Faults, one at a time, each kind in turn (seeded order), at seeded random moments (`--fault-interval-s` apart on
+average, counted from the previous fault's recovery):
   decode-kill     SIGKILL a decode engine's whole process group; relaunch it once its lease lapsed
   prefill-kill    the same for the prefill engine
   directory-kill  SIGKILL the directory; a new one starts on the same port (engines and gateway find it)
@@ -831,7 +832,8 @@ def run_soak(stack: LocalStack, *, count: int, rate: float = 2.0, concurrency: i
         if event["fault"] == "decode-freeze" and "recovered_at_s" in event:
             # The thawed engine is planned again: a transfer to it must not wait on what the freeze left behind.
             thawed = event["recovered_at_s"]
-            event["outcomes_after"] = fault_outcomes(outcomes, {"at_s": thawed, "recovered_at_s": thawed + AFTER_FREEZE_S})
+            event["outcomes_after"] = fault_outcomes(
+                outcomes, {"at_s": thawed, "recovered_at_s": thawed + AFTER_FREEZE_S})
     result = {
         "benchmark": "soak",
         "settings": {"count": count, "rate_per_s": rate, "concurrency": concurrency, "seed": seed, "faults": faults,
@@ -982,7 +984,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--abort-share", type=float, default=0.05)
     parser.add_argument("--request-bound-s", type=float, default=180.0)
     parser.add_argument("--sample-s", type=float, default=2.0)
-    parser.add_argument("--freeze-s", type=float, default=FREEZE_S, help="decode-freeze: how long the engine is stopped")
+    parser.add_argument("--freeze-s", type=float, default=FREEZE_S,
+                        help="decode-freeze: how long the engine is stopped")
     parser.add_argument("--flood-s", type=float, default=FLOOD_S, help="oversized, invalid-flood: how long each lasts")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None)

@@ -298,9 +298,9 @@ def measure_pd(args, model_dir: Path, connector: str, topology: Topology, log_di
                                            decode_args=DECODE_ENGINE_ARGS if first_token else ())
         # The push itself is measured here: the gateway's first token from prefill is off but in its own phase.
         gateway_args = ("--no-first-token-from-prefill",) if connector in KVPUSH_PHASES and not first_token else ()
-        gateway = start_bench_gateway(connector_of(connector), log_dir, prefill=prefill, decode=decode, topology=topology,
-                                      directory_address=f"127.0.0.1:{directory_port}", extra_args=gateway_args,
-                                      cpus=args.services_cpus or None)
+        gateway = start_bench_gateway(connector_of(connector), log_dir, prefill=prefill, decode=decode,
+                                      topology=topology, directory_address=f"127.0.0.1:{directory_port}",
+                                      extra_args=gateway_args, cpus=args.services_cpus or None)
         out: dict = {"idle_cpu_cores": idle_cpu([prefill, decode])}
         say(f"{connector}: idle engines burn {out['idle_cpu_cores']} CPU cores")
         for rate in args.rates:
@@ -389,7 +389,7 @@ def run_cell(args, connector: str, gateway: GatewayHandle, prefill: EngineHandle
 def add_ratios(result: dict) -> None:
     """disagg/colocated and disagg/p_direct for every cell, plus the exposed time in ms."""
     colocated = result.get("colocated", {})
-    for connector, rates in result["phases"].items():
+    for rates in result["phases"].values():
         if not isinstance(rates, dict) or "error" in rates:
             continue
         for rate, cells in rates.items():
@@ -470,7 +470,8 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     log_dir = Path(args.log_dir or f"/tmp/kvpush-ttft-{stamp}")
     model_dir = ensure_tiny_model(BENCH_MODEL_SPEC)
-    result: dict = {"benchmark": "ttft", "command": " ".join(["python", "bench/ttft_bench.py", *(argv or sys.argv[1:])]),
+    command = " ".join(["python", "bench/ttft_bench.py", *(argv or sys.argv[1:])])
+    result: dict = {"benchmark": "ttft", "command": command,
                     "started_utc": stamp, "model": {"dir": str(model_dir), "layers": BENCH_MODEL_SPEC.num_layers,
                     "hidden": BENCH_MODEL_SPEC.hidden_size, "kv_heads": BENCH_MODEL_SPEC.num_kv_heads,
                     "head_dim": BENCH_MODEL_SPEC.head_dim, "kv_bytes_per_token": BENCH_MODEL_SPEC.kv_bytes_per_token()},

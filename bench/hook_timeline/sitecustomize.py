@@ -7,7 +7,8 @@ servers) records each call of the functions in TARGETS once their module is impo
 whether the step pushes). Each process appends JSON lines to `<dir>/<pid>.jsonl` once a second.
 
     KVPUSH_HOOK_TIMELINE_DIR=/tmp/timeline PYTHONPATH=bench/hook_timeline:$PYTHONPATH python bench/hops_bench.py ...
-    KVPUSH_GPU_PYTHONPATH_PREFIX=$PWD/bench/hook_timeline KVPUSH_HOOK_TIMELINE_DIR=$OUT/timeline bash bench/gpu_run.sh hops ...
+    KVPUSH_GPU_PYTHONPATH_PREFIX=$PWD/bench/hook_timeline KVPUSH_HOOK_TIMELINE_DIR=$OUT/timeline \
+        bash bench/gpu_run.sh hops ...
 
 A wrapped call costs about a microsecond (two clock reads and a list append), so the 32 save_kv_layer calls of a
 step add ~0.05 ms to what is measured.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 import json
 import statistics
 import sys
@@ -51,8 +52,8 @@ def load(folder: Path) -> dict[int, list[list]]:
 
 def _prefill_pids(by_pid: dict[int, list[list]]) -> set[int]:
     return {pid for pid, events in by_pid.items()
-            if any(e[3] in ("bind_connector_metadata", "build_connector_meta", "schedule") and (e[4] or {}).get("prefill")
-                   for e in events)}
+            if any(e[3] in ("bind_connector_metadata", "build_connector_meta", "schedule")
+                   and (e[4] or {}).get("prefill") for e in events)}
 
 
 def prefill_steps(by_pid: dict[int, list[list]], min_tokens: int) -> list[dict]:
@@ -98,12 +99,12 @@ def prefill_steps(by_pid: dict[int, list[list]], min_tokens: int) -> list[dict]:
             window = events[bisect.bisect_left(starts, bind[1] - 50_000_000):bisect.bisect_right(starts, wait[0])]
             commands = [e for e in window if e[2] != bind[2] and e[3] == "_run_command" and e[1] > bind[1]]
             # The forward's writes are posted during it or right after wait_for_save (layers held to the step's end).
-            writes = [e for e in events[bisect.bisect_left(starts, bind[1]):bisect.bisect_right(starts, wait[1] + 20_000_000)]
-                      if e[3] == "_post"]
+            posted = events[bisect.bisect_left(starts, bind[1]):bisect.bisect_right(starts, wait[1] + 20_000_000)]
+            writes = [e for e in posted if e[3] == "_post"]
             pushes = bool((bind[4] or {}).get("pushes"))
             layer_times = [bind[1]] + [e[0] for e in saves] + [wait[0]]
             step = {"kind": ("push_writes" if writes else "push_no_writes") if pushes else "plain", "tokens": tokens,
-                    "start_ns": bind[0], "layer_gaps": [(b - a) * MS for a, b in zip(layer_times, layer_times[1:])],
+                    "start_ns": bind[0], "layer_gaps": [(b - a) * MS for a, b in itertools.pairwise(layer_times)],
                     "to_bind": (bind[0] - schedule[1]) * MS, "forward": (wait[0] - bind[1]) * MS,
                     "first_layer": (saves[0][0] - bind[1]) * MS, "after_first_layer": (saves[1][0] - saves[0][0]) * MS,
                     "save_hooks": sum(e[1] - e[0] for e in saves) * MS, "save_calls": len(saves),
@@ -111,12 +112,14 @@ def prefill_steps(by_pid: dict[int, list[list]], min_tokens: int) -> list[dict]:
                     "io_commands_during_forward": len(commands), "writes_posted": len(writes),
                     "wait_for_save": (wait[1] - wait[0]) * MS}
             k = bisect.bisect_left(update_starts, wait[1])
-            while k < len(updates) and updates[k][0] - wait[1] < WINDOW_NS and (updates[k][4] or {}).get("tokens") != tokens:
+            while (k < len(updates) and updates[k][0] - wait[1] < WINDOW_NS
+                   and (updates[k][4] or {}).get("tokens") != tokens):
                 k += 1
             if k < len(updates) and updates[k][0] - wait[1] < WINDOW_NS:
                 update = updates[k]
                 step["to_update"], step["update"] = (update[0] - wait[1]) * MS, (update[1] - update[0]) * MS
-                inside = finished[bisect.bisect_left(finished_starts, update[0]):bisect.bisect_right(finished_starts, update[1])]
+                inside = finished[bisect.bisect_left(finished_starts, update[0]):
+                                  bisect.bisect_right(finished_starts, update[1])]
                 step["request_finished"] = sum(e[1] - e[0] for e in inside) * MS
                 f = bisect.bisect_left(frontend_starts, update[1])
                 if f < len(frontends) and frontends[f][0] - update[1] < 100_000_000:
@@ -140,8 +143,9 @@ def summarize(steps: list[dict]) -> dict:
                                         for g in range(depth)]
     for kind in ("push_no_writes", "push_writes"):
         if kind in medians and "plain" in medians:
-            medians[f"{kind}_minus_plain"] = {stage: round(medians[kind][stage] - medians["plain"][stage], 3)
-                                              for stage in STAGES if stage in medians[kind] and stage in medians["plain"]}
+            medians[f"{kind}_minus_plain"] = {
+                stage: round(medians[kind][stage] - medians["plain"][stage], 3)
+                for stage in STAGES if stage in medians[kind] and stage in medians["plain"]}
     return medians
 
 

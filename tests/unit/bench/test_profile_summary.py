@@ -27,7 +27,7 @@ def test_samples_and_kvpush_frames_per_thread():
     io = threads[("9 VLLM::EngineCore", "kvpush-nixl-io")]
     assert (io["samples"], io["samples_in_kvpush"]) == (8, 8)
     # The command line's "kvpush.connector" is not a frame: the first thread's kvpush count is 5, not 25.
-    assert list(threads)[0] == ("9 VLLM::EngineCore", "MainThread")
+    assert next(iter(threads)) == ("9 VLLM::EngineCore", "MainThread")
 
 
 def test_markers_name_the_files_of_a_checkout_installed_in_place():

@@ -1,4 +1,5 @@
-"""bench/soak.py's fault bookkeeping, and the freeze and abuse figures of docs/reliability.md against their result file."""
+"""bench/soak.py's fault bookkeeping, and the freeze and abuse figures of docs/reliability.md against their result
+file."""
 
 from __future__ import annotations
 
