@@ -267,7 +267,7 @@ def decode_main(args: argparse.Namespace) -> int:
                     requests[rid] = {"transfer_id": tid, "prompt": prompt, "blocks": blocks,
                                      "report_time": time.time()}
                     pending.append(ReceiveStart(request_id=rid, transfer_id=tid, block_ids=tuple(blocks),
-                                                prompt_token_count=prompt, prefix_hit_token_count=0))
+                                                prompt_token_count=prompt, skip_token_count=0))
 
                     def on_refused(reason: str, rid: str = rid) -> None:
                         with refused_lock:
@@ -352,9 +352,9 @@ def prefill_main(args: argparse.Namespace) -> int:
     setup_imports()
     import torch
 
+    from kvpush.api.outcome import PushOutcome
     from kvpush.connector.halves import build_worker_half
     from kvpush.connector.metadata import KVPushMetadata, PrefillChunk, combine_rank_timelines
-    from kvpush.connector.outcome import PushOutcome
 
     on_gpu = args.device == "cuda"
     device = "cuda:0" if on_gpu else "cpu"

@@ -127,9 +127,11 @@ class SyncDirectoryClient:
 
         return self.run(start())
 
-    def open_prefill_session(self, registration: EngineRegistration, **callbacks: Any) -> PrefillSession:
-        """Open a `PrefillSession` on the loop; keyword callbacks and options as it takes."""
-        async def start() -> PrefillSession:
+    def open_prefill_session(self, registration: EngineRegistration,
+                             **callbacks: Any) -> PrefillSession | ReplicatedPrefillSession:
+        """Open a `PrefillSession` on the loop (a `ReplicatedPrefillSession`, which offers the same interface, where
+        the directory is replicated); keyword callbacks and options as it takes."""
+        async def start() -> PrefillSession | ReplicatedPrefillSession:
             # A replicated directory: one session per replica, routed by shard (client/replicas.py).
             try:
                 replicated = bool(await replica_addresses(self.client))
@@ -142,9 +144,7 @@ class SyncDirectoryClient:
                 callbacks.pop("on_replica_reset", None)  # one directory: a reset concerns every transfer
                 session = PrefillSession(self.client, registration, **callbacks)
             await session.start()
-            # A ReplicatedPrefillSession offers PrefillSession's whole interface (send_ready, send_result, stop,
-            # connected), so callers hold either as a PrefillSession.
-            return session  # type: ignore[return-value]
+            return session
 
         return self.run(start())
 

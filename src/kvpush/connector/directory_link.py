@@ -21,6 +21,7 @@ from kvpush.client.config import ChannelConfig
 from kvpush.client.errors import DirectoryCallError
 from kvpush.client.lease import EngineRegistration
 from kvpush.client.prefill import PrefillSession
+from kvpush.client.replicas import ReplicatedPrefillSession
 from kvpush.client.sync import SyncDirectoryClient
 from kvpush.connector.config import ConnectorConfig
 from kvpush.observability import get_logger
@@ -39,18 +40,20 @@ class DirectoryLink:
         self._loop = SyncDirectoryClient(ChannelConfig.from_dict(config.channel_config_dict()), thread_name)
         self._calls = self._loop.client
         self.registration: EngineRegistration | None = None
-        self.session: PrefillSession | None = None
-        self._watch: concurrent.futures.Future | None = None
+        # One directory's session, or (replicated directory) one per replica behind the same interface.
+        self.session: PrefillSession | ReplicatedPrefillSession | None = None
+        self._watch: concurrent.futures.Future[None] | None = None
 
     # ---------------------------------------------------------------- scheduler-side calls (never wait)
 
     def report_allocation(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
-                          prefix_hit_token_count: int, on_refused: Callable[[str], None]) -> None:
-        """Submit ReportAllocation for this engine; on_refused(reason) runs on the client thread on failure."""
+                          skip_token_count: int, on_refused: Callable[[str], None]) -> None:
+        """Submit ReportAllocation for this engine (`skip_token_count`: decode's own prefix hit, not pushed);
+        on_refused(reason) runs on the client thread on failure."""
         future = self._loop.submit(self._calls.report_allocation(
-            transfer_id, self._config.engine_id, block_ids, prompt_token_count, prefix_hit_token_count))
+            transfer_id, self._config.engine_id, block_ids, prompt_token_count, skip_token_count))
 
-        def done(f: concurrent.futures.Future) -> None:
+        def done(f: concurrent.futures.Future[tpb.Transfer]) -> None:
             error = f.exception()
             if error is not None:
                 _log.warning("allocation report refused", transfer_id=transfer_id, error=str(error))
@@ -63,7 +66,7 @@ class DirectoryLink:
         """Submit CancelTransfer; on_done(transfer or None, error) runs on the client thread when it returns."""
         future = self._loop.submit(self._calls.cancel_transfer(transfer_id, reason))
 
-        def done(f: concurrent.futures.Future) -> None:
+        def done(f: concurrent.futures.Future[tpb.Transfer]) -> None:
             error = f.exception()
             if error is not None:
                 _log.info("cancel not accepted", transfer_id=transfer_id, error=str(error))
@@ -80,7 +83,7 @@ class DirectoryLink:
 
     # ---------------------------------------------------------------- worker start-up and streams
 
-    def register(self, role: int, tp_rank: int, tp_size: int, agent_name: str, agent_metadata: bytes,
+    def register(self, role: tpb.EngineRole, tp_rank: int, tp_size: int, agent_name: str, agent_metadata: bytes,
                  layout: tpb.KVLayout, on_lease_lost: Callable[[str, str], None] | None = None, model: str = "",
                  load_callback: Callable[[], tpb.EngineLoad | None] | None = None,
                  forces_first_token: bool = False) -> EngineRegistration:
@@ -105,7 +108,8 @@ class DirectoryLink:
                              on_cancellation: Callable[[dpb.Cancellation], None],
                              on_rejection: Callable[[dpb.EventRejection], None],
                              on_session_reset: Callable[..., None],
-                             on_peer: Callable[[dpb.PeerAnnouncement], None] | None = None) -> PrefillSession:
+                             on_peer: Callable[[dpb.PeerAnnouncement], None] | None = None,
+                             ) -> PrefillSession | ReplicatedPrefillSession:
         """Open the StreamPrefill session of this (registered) prefill worker.
 
         on_peer hears of each decode worker this one may push to (to load it ahead of the first instruction).

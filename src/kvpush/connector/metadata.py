@@ -59,20 +59,23 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class ReceiveStart:
-    """A decode request now waits for pushed KV into block_ids (tokens [prefix_hit_token_count, prompt))."""
+    """A decode request now waits for pushed KV into block_ids (tokens [skip_token_count, prompt)).
+
+    skip_token_count: decode's own (block-aligned) prefix hit, which the push skips.
+    """
 
     request_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
     prompt_token_count: int
-    prefix_hit_token_count: int
+    skip_token_count: int
     trace_context: str = ""
     # The receive completes only with prefill's first token (the directory's COMPLETE event carries it).
     awaits_first_token: bool = False
 
     def pushed_block_ids(self, block_size_tokens: int) -> tuple[int, ...]:
         """The blocks the push writes (those after decode's own prefix hit): the ones a failure invalidates."""
-        first = self.prefix_hit_token_count // block_size_tokens
+        first = self.skip_token_count // block_size_tokens
         last = -(-self.prompt_token_count // block_size_tokens)
         return self.block_ids[first:last]
 

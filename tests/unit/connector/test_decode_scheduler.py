@@ -63,7 +63,7 @@ def test_allocation_is_reported_and_the_receive_handed_to_the_workers():
             scheduler.update_state_after_alloc(request, _blocks(5, 6, 7), 24)
             scheduler.update_state_after_alloc(request, _blocks(5, 6, 7), 0)
             (receive,) = scheduler.build_connector_meta(SchedulerOutput.make_empty()).receives
-            assert (receive.block_ids, receive.prefix_hit_token_count) == ((5, 6, 7), 16)
+            assert (receive.block_ids, receive.skip_token_count) == ((5, 6, 7), 16)
             transfer = _until(lambda: (t := client.get_transfer(transfer_id)).decode_block_ids and t, "allocation")
             assert list(transfer.decode_block_ids) == [5, 6, 7] and transfer.prefix_hit_token_count == 16
             scheduler.update_connector_output(KVConnectorOutput(finished_recving={"r1"}))

@@ -120,7 +120,7 @@ class DecodeScheduler:
         self._receiving[request_id] = _ScheduledReceive(leg.transfer_id, request)
         self._pending_receives.append(ReceiveStart(
             request_id=request_id, transfer_id=leg.transfer_id, block_ids=tuple(block_ids),
-            prompt_token_count=prompt_tokens, prefix_hit_token_count=skip_token_count, trace_context=leg.traceparent,
+            prompt_token_count=prompt_tokens, skip_token_count=skip_token_count, trace_context=leg.traceparent,
             awaits_first_token=leg.first_token_from_prefill and leg.first_token_id is None))
 
         def on_refused(reason: str, request_id: str = request_id) -> None:

@@ -125,7 +125,7 @@ class DecodeWorker:
                 self._spans[start.request_id] = TransferSpan.start(
                     "kvpush.receive", start.transfer_id, start.trace_context,
                     {"kvpush.request_id": start.request_id, "kvpush.prompt_token_count": start.prompt_token_count,
-                     "kvpush.prefix_hit_token_count": start.prefix_hit_token_count,
+                     "kvpush.prefix_hit_token_count": start.skip_token_count,
                      "kvpush.block_count": len(start.block_ids)})
         self._deliver(self._book.begin_step(list(meta.receives), list(meta.failed_receives),
                                             list(meta.cancelled_receives), time.monotonic(),
