@@ -29,18 +29,21 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any, Protocol
+from functools import partial
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from kvpush.dataplane.config import NixlConfig, create_nixl_agent
-from kvpush.dataplane.describe import describe_kv_caches
+from kvpush.dataplane.describe import KVTensor, describe_kv_caches
 from kvpush.dataplane.layout import MEMORY_VRAM, KVLayoutSpec, LayoutError, check_compatible
+from kvpush.dataplane.nixl_api import NixlAgentApi, RegisteredMemory
 from kvpush.dataplane.peers import DescriptorTables, Peer
 from kvpush.observability import get_logger
 
 _log = get_logger("kvpush.dataplane.agent")
 _NOTIF_BUFFER_MAX = 10000
+_T = TypeVar("_T")
 
 
 class LoopParticipant(Protocol):
@@ -59,6 +62,28 @@ class LoopParticipant(Protocol):
         """Fail everything queued; called once on stop."""
 
 
+class _QueuedFuture(Protocol):
+    """A queued call's Future as the I/O thread fails it when the agent stops (its result type is the call's)."""
+
+    def set_running_or_notify_cancel(self) -> bool:
+        """False when the caller cancelled it."""
+        ...
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        """Resolve it with `exception`."""
+        ...
+
+
+def _resolve(future: Future[_T], fn: Callable[[], _T]) -> None:
+    """Run a queued call on the I/O thread into its Future (skipped when the caller cancelled it)."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as exc:
+        future.set_exception(exc)
+
+
 class TransferAgent:
     """A worker's NIXL agent, its registered KV, its peers and its I/O thread."""
 
@@ -68,15 +93,16 @@ class TransferAgent:
         self._name = name or f"kvpush-{uuid.uuid4().hex[:16]}"
         self._nixl = create_nixl_agent(self._name, self._config)
         self._layout: KVLayoutSpec | None = None
-        self._tensors: list[Any] = []
-        self._reg_descs: Any = None
+        self._tensors: list[KVTensor] = []
+        self._reg_descs: RegisteredMemory | None = None
         self._local_tables: DescriptorTables | None = None
         self._peers: dict[str, Peer] = {}  # I/O thread only
         self._peer_layouts: dict[str, KVLayoutSpec] = {}  # guarded by _lock, read by submitters
         self._lock = threading.Lock()
         # SimpleQueue: a C queue, a few times cheaper per put than queue.Queue (the prefill hooks post through it).
-        # A None future: a post (fire and forget; the command logs its own failure).
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any] | None]] = queue.SimpleQueue()
+        # (what to run, its Future): a call runs into its Future (`_resolve`); a None Future is a post (fire and
+        # forget; the loop logs its failure).
+        self._commands: queue.SimpleQueue[tuple[Callable[[], None], _QueuedFuture | None]] = queue.SimpleQueue()
         self._participants: list[LoopParticipant] = []
         self._notif_callbacks: list[Callable[[str, bytes], None]] = []
         self._notif_buffer: deque[tuple[str, bytes]] = deque(maxlen=_NOTIF_BUFFER_MAX)
@@ -104,13 +130,13 @@ class TransferAgent:
         return self._layout
 
     @property
-    def nixl(self) -> Any:
+    def nixl(self) -> NixlAgentApi:
         """The underlying nixl_agent; only for calls made on the I/O thread (or before start)."""
         return self._nixl
 
     def register(
         self,
-        kv_caches: Mapping[str, Any],
+        kv_caches: Mapping[str, KVTensor],
         block_size_tokens: int,
         num_kv_heads: int,
         head_size: int,
@@ -165,9 +191,9 @@ class TransferAgent:
         """True when called from the I/O thread."""
         return self._thread is not None and threading.current_thread() is self._thread
 
-    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+    def _call(self, fn: Callable[[], _T]) -> Future[_T]:
         """Run `fn` on the I/O thread (or inline before `start`); return its Future."""
-        future: Future[Any] = Future()
+        future: Future[_T] = Future()
         if self._closed:
             future.set_exception(RuntimeError("TransferAgent is stopped"))
             return future
@@ -177,10 +203,10 @@ class TransferAgent:
             except BaseException as exc:
                 future.set_exception(exc)
             return future
-        self._commands.put((fn, future))
+        self._commands.put((partial(_resolve, future, fn), future))
         return future
 
-    def call_soon(self, fn: Callable[[], Any]) -> Future[Any]:
+    def call_soon(self, fn: Callable[[], _T]) -> Future[_T]:
         """Queue `fn` to run on the I/O thread (for components built on this agent)."""
         return self._call(fn)
 
@@ -292,16 +318,11 @@ class TransferAgent:
         except Exception as exc:
             self._log.exception("posted_action_failed", error=repr(exc))
 
-    def _run_command(self, fn: Callable[[], Any], future: Future[Any] | None) -> None:
+    def _run_command(self, fn: Callable[[], None], future: _QueuedFuture | None) -> None:
         if future is None:
             self._run_post(fn)
-            return
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
+        else:
+            fn()  # `_resolve`: the outcome goes to the Future
 
     def _drain_commands(self, exc: BaseException) -> None:
         while True:

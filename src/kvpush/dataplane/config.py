@@ -13,8 +13,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
+
+from kvpush.dataplane.nixl_api import NixlAgentApi
 
 BACKEND_UCX = "UCX"
 BACKEND_LIBFABRIC = "LIBFABRIC"
@@ -80,7 +84,7 @@ class NixlConfig:
         return self
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> NixlConfig:
+    def from_dict(cls, raw: Mapping[str, Any]) -> NixlConfig:  # Any: JSON-shaped settings, one type per field
         """Build from a plain dict (e.g. `kv_connector_extra_config["nixl"]`); unknown keys are refused."""
         known = set(cls.__dataclass_fields__)
         unknown = set(raw) - known
@@ -100,7 +104,7 @@ def _backend_init(config: NixlConfig, backend: str) -> dict[str, str]:
     return init
 
 
-def _nixl_modules() -> tuple[Any, Any]:
+def _nixl_modules() -> tuple[ModuleType, ModuleType]:
     """(nixl._api, nixl._bindings), without importing torch when torch is not loaded yet.
 
     The `nixl` meta package picks its CUDA wheel by importing torch when torch has no CUDA build
@@ -122,7 +126,7 @@ def _nixl_modules() -> tuple[Any, Any]:
     return _api, _bindings
 
 
-def create_nixl_agent(name: str, config: NixlConfig) -> Any:
+def create_nixl_agent(name: str, config: NixlConfig) -> NixlAgentApi:
     """Create a NIXL agent named `name` as `config` says (imports NIXL here, not at module load)."""
     if config.backends == (BACKEND_INMEMORY,):
         from kvpush.dataplane.inmemory import InMemoryNixlAgent, fabric
@@ -150,16 +154,16 @@ def create_nixl_agent(name: str, config: NixlConfig) -> Any:
             agent_config.captureTelemetry = cfg.capture_telemetry
             self.agent = bind.nixlAgent(agent_name, agent_config)
             self.name = agent_name
-            self._leaked_xfer_handles = []
-            self.notifs = {}
-            self.backends = {}
-            self.backend_mems = {}
-            self.backend_options = {}
+            self._leaked_xfer_handles: list[int] = []
+            self.notifs: dict[str, list[bytes]] = {}
+            self.backends: dict[str, object] = {}
+            self.backend_mems: dict[str, list[str]] = {}
+            self.backend_options: dict[str, dict[str, str]] = {}
             self.plugin_list = self.agent.getAvailPlugins()
             if not self.plugin_list:
                 raise RuntimeError("no NIXL plugins available")
-            self.plugin_b_options = {}
-            self.plugin_mem_types = {}
+            self.plugin_b_options: dict[str, dict[str, str]] = {}
+            self.plugin_mem_types: dict[str, list[str]] = {}
             self.nixl_mems = {
                 "DRAM": bind.DRAM_SEG,
                 "VRAM": bind.VRAM_SEG,
@@ -183,9 +187,10 @@ def create_nixl_agent(name: str, config: NixlConfig) -> Any:
         num_threads=0,
         backends=[],
     )
-    agent = nixl_agent(name, stock)
+    stock_agent = nixl_agent(name, stock)
     for backend in config.backends:
-        if backend not in agent.get_plugin_list():
-            raise RuntimeError(f"NIXL backend {backend!r} is not available (have {agent.get_plugin_list()})")
-        agent.create_backend(backend, _backend_init(config, backend))
+        if backend not in stock_agent.get_plugin_list():
+            raise RuntimeError(f"NIXL backend {backend!r} is not available (have {stock_agent.get_plugin_list()})")
+        stock_agent.create_backend(backend, _backend_init(config, backend))
+    agent: NixlAgentApi = stock_agent  # NIXL's class is untyped here: the Protocol names what kvpush calls
     return agent

@@ -28,7 +28,7 @@ LayoutError naming the offending layer.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Protocol, TypeVar
 
 from kvpush.dataplane.layout import MEMORY_DRAM, MEMORY_VRAM, KVLayoutSpec, KVPlaneSpec, LayoutError
 
@@ -40,7 +40,31 @@ LAYOUT_MLA = "mla"
 LAYOUT_HINTS = (LAYOUT_FUSED_KV, LAYOUT_CPU_ATTN, LAYOUT_KV_FIRST, LAYOUT_BLOCKS_FIRST, LAYOUT_MLA)
 
 
-def _memory_of(tensor: Any) -> tuple[str, int]:
+class KVTensor(Protocol):
+    """What is read of one layer's KV tensor (`torch.Tensor` has it); `.dtype` and `.device` too, when present."""
+
+    @property
+    def shape(self) -> Sequence[int]:
+        """Logical dims."""
+        ...
+
+    def stride(self) -> Sequence[int]:
+        """Strides of the logical dims, in elements."""
+        ...
+
+    def element_size(self) -> int:
+        """Bytes per element."""
+        ...
+
+    def data_ptr(self) -> int:
+        """Address of the first element."""
+        ...
+
+
+_Tensor = TypeVar("_Tensor", bound=KVTensor)
+
+
+def _memory_of(tensor: KVTensor) -> tuple[str, int]:
     device = getattr(tensor, "device", None)
     kind = getattr(device, "type", "cpu")
     if kind == "cpu":
@@ -49,14 +73,14 @@ def _memory_of(tensor: Any) -> tuple[str, int]:
     return MEMORY_VRAM, int(index or 0)
 
 
-def _dtype_name(tensor: Any) -> str:
+def _dtype_name(tensor: KVTensor) -> str:
     dtype = getattr(tensor, "dtype", None)
     if dtype is None:
         return f"bytes{tensor.element_size()}"
     return str(dtype).removeprefix("torch.")
 
 
-def _byte_strides(tensor: Any) -> tuple[int, ...]:
+def _byte_strides(tensor: KVTensor) -> tuple[int, ...]:
     size = int(tensor.element_size())
     return tuple(int(s) * size for s in tensor.stride())
 
@@ -72,28 +96,31 @@ def _head_token_plane(
 ) -> KVPlaneSpec:
     """A plane of `heads` heads x `block_size` tokens x `head_bytes`, NHD or HND by strides."""
     if head_stride == head_bytes and token_stride == heads * head_bytes:
-        return KVPlaneSpec(offset, block_stride, block_size * heads * head_bytes, 1, 0, token_stride, heads * head_bytes)
+        return KVPlaneSpec(offset, block_stride, block_size * heads * head_bytes, 1, 0, token_stride,
+                           heads * head_bytes)
     if token_stride == head_bytes and head_stride == block_size * head_bytes:
         return KVPlaneSpec(
             offset, block_stride, block_size * heads * head_bytes, heads, head_stride if heads > 1 else 0,
             token_stride, head_bytes,
         )
     if heads == 1 and token_stride >= head_bytes:
-        return KVPlaneSpec(offset, block_stride, (block_size - 1) * token_stride + head_bytes, 1, 0, token_stride, head_bytes)
+        return KVPlaneSpec(offset, block_stride, (block_size - 1) * token_stride + head_bytes, 1, 0, token_stride,
+                           head_bytes)
     raise LayoutError(
         f"token stride {token_stride} B and head stride {head_stride} B are neither NHD nor HND "
         f"for {heads} heads of {head_bytes} B and {block_size} tokens per block"
     )
 
 
-def _planes_4d(shape, strides, elem, block_size, hint) -> tuple[list[KVPlaneSpec], str]:
-    blocks, heads, tokens, content = shape
+def _planes_4d(
+    shape: tuple[int, ...], strides: tuple[int, ...], elem: int, block_size: int, hint: str
+) -> tuple[list[KVPlaneSpec], str]:
+    _blocks, heads, tokens, content = shape
     if tokens != block_size:
         raise LayoutError(f"dim 2 is {tokens}, expected block_size {block_size} for a 4-D KV cache")
     if strides[3] != elem:
         raise LayoutError("the last dim of a 4-D KV cache must be contiguous")
     if hint == LAYOUT_CPU_ATTN:
-        head_bytes = content // 2 * elem
         block_bytes = heads * block_size * content * elem
         if strides != (block_bytes, block_size * content * elem, content * elem, elem):
             raise LayoutError("vLLM CPU attention KV caches must be contiguous (num_blocks, heads, block, 2*head)")
@@ -106,7 +133,9 @@ def _planes_4d(shape, strides, elem, block_size, hint) -> tuple[list[KVPlaneSpec
     return [plane], LAYOUT_FUSED_KV + ("_hnd" if plane.segment_count > 1 else "_nhd")
 
 
-def _planes_5d(shape, strides, elem, block_size, num_kv_heads, hint) -> tuple[list[KVPlaneSpec], str]:
+def _planes_5d(
+    shape: tuple[int, ...], strides: tuple[int, ...], elem: int, block_size: int, num_kv_heads: int, hint: str | None
+) -> tuple[list[KVPlaneSpec], str]:
     if hint is None:
         if shape[0] == 2 and shape[1] != 2:
             hint = LAYOUT_KV_FIRST
@@ -144,8 +173,10 @@ def _planes_5d(shape, strides, elem, block_size, num_kv_heads, hint) -> tuple[li
     return planes, hint + ("_hnd" if planes[0].segment_count > 1 else "_nhd")
 
 
-def _planes_3d(shape, strides, elem, block_size) -> tuple[list[KVPlaneSpec], str]:
-    blocks, tokens, dim = shape
+def _planes_3d(
+    shape: tuple[int, ...], strides: tuple[int, ...], elem: int, block_size: int
+) -> tuple[list[KVPlaneSpec], str]:
+    _blocks, tokens, dim = shape
     if tokens != block_size:
         raise LayoutError(f"dim 1 is {tokens}, expected block_size {block_size} for an MLA KV cache")
     if strides[2] != elem:
@@ -155,12 +186,12 @@ def _planes_3d(shape, strides, elem, block_size) -> tuple[list[KVPlaneSpec], str
 
 
 def describe_kv_caches(
-    kv_caches: Mapping[str, Any],
+    kv_caches: Mapping[str, _Tensor],
     block_size_tokens: int,
     num_kv_heads: int,
     head_size: int,
     layout_hint: str | None = None,
-) -> tuple[KVLayoutSpec, list[Any]]:
+) -> tuple[KVLayoutSpec, list[_Tensor]]:
     """Describe vLLM's per-layer KV tensors; return the layout and the tensors in layer order.
 
     Layer order is the mapping's order (vLLM passes layers in model order). `head_size` is checked
@@ -182,7 +213,8 @@ def describe_kv_caches(
         if other != (shape, strides, dtype, (memory_kind, device_id)):
             raise LayoutError(
                 f"layer {name!r} has shape {other[0]}, strides {other[1]}, {other[2]} on {other[3]}; "
-                f"layer {names[0]!r} has {shape}, {strides}, {dtype} on {(memory_kind, device_id)}: layers must share one layout"
+                f"layer {names[0]!r} has {shape}, {strides}, {dtype} on {(memory_kind, device_id)}: "
+                "layers must share one layout"
             )
     elem = int(first.element_size())
     if len(shape) == 4:
@@ -190,7 +222,9 @@ def describe_kv_caches(
         if hint not in (LAYOUT_CPU_ATTN, LAYOUT_FUSED_KV):
             raise LayoutError(f"layout_hint {hint!r} does not fit a 4-D KV cache")
         if shape[1] != num_kv_heads or shape[3] != 2 * head_size:
-            raise LayoutError(f"4-D KV cache {shape} does not match kv_heads={num_kv_heads}, 2*head_size={2 * head_size}")
+            raise LayoutError(
+                f"4-D KV cache {shape} does not match kv_heads={num_kv_heads}, 2*head_size={2 * head_size}"
+            )
         planes, name = _planes_4d(shape, strides, elem, block_size_tokens, hint)
     elif len(shape) == 5:
         if shape[4] != head_size:

@@ -23,9 +23,19 @@ import itertools
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
+
+from kvpush.dataplane.nixl_api import (
+    DescriptorRows,
+    DlistHandle,
+    RegisteredMemory,
+    TableIndices,
+    XferDescs,
+    XferHandle,
+    XferTelemetry,
+)
 
 BACKEND_INMEMORY = "INMEMORY"
 _METADATA_PREFIX = b"kvpush-inmemory:"
@@ -41,6 +51,30 @@ class _Xfer:
     state: str = "INIT"          # INIT -> PROC -> DONE | ERR
     notification: bytes = b""
     serial: int = 0
+
+
+_H = TypeVar("_H")
+
+
+@dataclass(frozen=True, slots=True)
+class _Registration:
+    """What `register_memory` registered: (address, length) regions."""
+
+    regions: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Descs:
+    """Explicit descriptors of one transfer: (address, length) pairs."""
+
+    pairs: tuple[tuple[int, int], ...]
+
+
+def _own(handle: object, kind: type[_H]) -> _H:
+    """`handle` as this stand-in made it; a handle of another kind is refused, as NIXL refuses a foreign one."""
+    if not isinstance(handle, kind):
+        raise RuntimeError(f"not an in-memory {kind.__name__.strip('_')} handle: {handle!r}")
+    return handle
 
 
 @dataclass
@@ -65,7 +99,7 @@ class InMemoryFabric:
     _fail_next: int = 0
     _held: list[_Xfer] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _serials: Any = field(default_factory=lambda: itertools.count(1))
+    _serials: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def fail_next_transfers(self, count: int = 1) -> None:
         """Make the next `count` transfer() calls end in ERR, copying nothing."""
@@ -100,6 +134,9 @@ def fabric(name: str = "default") -> InMemoryFabric:
         return _FABRICS.setdefault(name, InMemoryFabric())
 
 
+_default_fabric = fabric  # InMemoryNixlAgent's `fabric` parameter shadows the function
+
+
 class InMemoryNixlAgent:
     """The `nixl_agent` calls kvpush makes, on host memory in this process (see the module docstring).
 
@@ -109,11 +146,11 @@ class InMemoryNixlAgent:
 
     def __init__(self, name: str, fabric: InMemoryFabric | None = None) -> None:
         self.name = name
-        self.fabric = fabric if fabric is not None else globals()["fabric"]()
+        self.fabric: InMemoryFabric = fabric if fabric is not None else _default_fabric()
         self._regions: list[tuple[int, int]] = []
         self._remote: set[str] = set()
-        self._dlists: dict[int, list[tuple[int, int]]] = {}
-        self._dlist_owner: dict[int, str] = {}
+        self._dlists: dict[DlistHandle, list[tuple[int, int]]] = {}
+        self._dlist_owner: dict[DlistHandle, str] = {}
         self._dlist_ids = itertools.count(1)
         self._notifs: dict[str, list[bytes]] = defaultdict(list)
         self._lock = threading.Lock()
@@ -123,17 +160,17 @@ class InMemoryNixlAgent:
             self.fabric.agents[name] = self
 
     # ---- memory and peers ---------------------------------------------------------------------
-    def register_memory(self, regions: np.ndarray, memory_kind: str) -> Any:
+    def register_memory(self, regions: DescriptorRows, memory_kind: str) -> RegisteredMemory:
         """Register (address, length, device) rows; only host memory can be copied here."""
         if memory_kind != "DRAM":
             raise RuntimeError(f"in-memory NIXL moves host memory only, not {memory_kind}")
         added = [(int(addr), int(length)) for addr, length, _device in np.asarray(regions).reshape(-1, 3)]
         self._regions.extend(added)
-        return added
+        return RegisteredMemory(_Registration(tuple(added)))
 
-    def deregister_memory(self, descs: Any) -> None:
+    def deregister_memory(self, descs: RegisteredMemory) -> None:
         """Forget registered regions."""
-        for region in descs:
+        for region in _own(descs, _Registration).regions:
             if region in self._regions:
                 self._regions.remove(region)
 
@@ -156,26 +193,28 @@ class InMemoryNixlAgent:
         self._remote.discard(name)
 
     # ---- descriptor lists ---------------------------------------------------------------------
-    def prep_xfer_dlist(self, owner: str, rows: np.ndarray, memory_kind: str) -> int:
+    def prep_xfer_dlist(self, owner: str, rows: DescriptorRows, memory_kind: str) -> DlistHandle:
         """Prepare a descriptor list from Nx5 (address, length, device, stride, count) rows; returns its handle."""
         descs: list[tuple[int, int]] = []
         for addr, length, _device, stride, count in np.asarray(rows, dtype=np.uint64).reshape(-1, 5):
             descs.extend((int(addr) + j * int(stride), int(length)) for j in range(int(count)))
-        handle = next(self._dlist_ids)
+        handle = DlistHandle(next(self._dlist_ids))
         self._dlists[handle] = descs
         self._dlist_owner[handle] = owner
         return handle
 
-    def release_dlist_handle(self, handle: int) -> None:
+    def release_dlist_handle(self, handle: DlistHandle) -> None:
         """Release a prepared list."""
         self._dlists.pop(handle, None)
         self._dlist_owner.pop(handle, None)
 
-    def get_xfer_descs(self, descs: np.ndarray, memory_kind: str) -> list[tuple[int, int]]:
+    def get_xfer_descs(self, descs: DescriptorRows, memory_kind: str) -> XferDescs:
         """(address, length) pairs from Nx3 (address, length, device) rows."""
-        return [(int(addr), int(length)) for addr, length, _device in np.asarray(descs).reshape(-1, 3)]
+        return XferDescs(_Descs(tuple((int(addr), int(length)) for addr, length, _device
+                                      in np.asarray(descs).reshape(-1, 3))))
 
-    def make_prepped_xfer(self, op: str, local: int, local_indices: Any, remote: int, remote_indices: Any) -> _Xfer:
+    def make_prepped_xfer(self, op: str, local: DlistHandle, local_indices: TableIndices, remote: DlistHandle,
+                          remote_indices: TableIndices) -> XferHandle:
         """A WRITE of local list entries into remote list entries, pairwise."""
         self._check_op(op)
         src, dst = self._dlists[local], self._dlists[remote]
@@ -185,23 +224,25 @@ class InMemoryNixlAgent:
             if s_len != d_len:
                 raise RuntimeError(f"descriptor lengths differ: {s_len} vs {d_len}")
             copies.append((s_addr, d_addr, s_len))
-        return _Xfer(self, self._peer_of(remote), copies)
+        return XferHandle(_Xfer(self, self._peer_of(remote), copies))
 
-    def initialize_xfer(self, op: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], peer: str) -> _Xfer:
+    def initialize_xfer(self, op: str, local: XferDescs, remote: XferDescs, peer: str) -> XferHandle:
         """A WRITE of explicit local descriptors into explicit remote ones, pairwise."""
         self._check_op(op)
-        if len(local) != len(remote):
+        local_pairs, remote_pairs = _own(local, _Descs).pairs, _own(remote, _Descs).pairs
+        if len(local_pairs) != len(remote_pairs):
             raise RuntimeError("descriptor lists differ in length")
         copies = []
-        for (s_addr, s_len), (d_addr, d_len) in zip(local, remote):
+        for (s_addr, s_len), (d_addr, d_len) in zip(local_pairs, remote_pairs):
             if s_len != d_len:
                 raise RuntimeError(f"descriptor lengths differ: {s_len} vs {d_len}")
             copies.append((s_addr, d_addr, s_len))
-        return _Xfer(self, peer, copies)
+        return XferHandle(_Xfer(self, peer, copies))
 
     # ---- transfers ----------------------------------------------------------------------------
-    def transfer(self, xfer: _Xfer, notification: bytes = b"") -> str:
+    def transfer(self, handle: XferHandle, notification: bytes = b"") -> str:
         """Post: copy now (or hold, see the fabric), deliver the notification with the data; PROC, DONE or ERR."""
+        xfer = _own(handle, _Xfer)
         if xfer.peer not in self._remote:
             raise RuntimeError(f"peer {xfer.peer!r} is not loaded")
         xfer.notification = bytes(notification)
@@ -219,16 +260,16 @@ class InMemoryNixlAgent:
         self._finish(xfer, True)
         return xfer.state
 
-    def check_xfer_state(self, xfer: _Xfer) -> str:
+    def check_xfer_state(self, handle: XferHandle) -> str:
         """PROC until completed, then DONE or ERR."""
-        return xfer.state
+        return _own(handle, _Xfer).state
 
-    def release_xfer_handle(self, xfer: _Xfer) -> None:
+    def release_xfer_handle(self, handle: XferHandle) -> None:
         """Release a finished (or never posted) transfer."""
-        if xfer.state == "PROC":
+        if _own(handle, _Xfer).state == "PROC":
             raise RuntimeError("cannot release a transfer in progress")
 
-    def get_xfer_telemetry(self, xfer: _Xfer) -> Any:
+    def get_xfer_telemetry(self, handle: XferHandle) -> XferTelemetry:
         """No telemetry here (NIXL raises when it has none)."""
         raise RuntimeError("in-memory NIXL keeps no telemetry")
 
@@ -270,7 +311,7 @@ class InMemoryNixlAgent:
     def _inside(self, addr: int, length: int) -> bool:
         return any(start <= addr and addr + length <= start + size for start, size in self._regions)
 
-    def _peer_of(self, dlist: int) -> str:
+    def _peer_of(self, dlist: DlistHandle) -> str:
         # Prepared remote lists are prepared with the peer's name as owner; the writer pairs them with it.
         return self._dlist_owner.get(dlist, "")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvpush.dataplane.layout import KVLayoutSpec
+from kvpush.dataplane.nixl_api import DlistHandle, NixlAgentApi
 from kvpush.dataplane.plan import TABLE_BLOCK, block_table_rows, chunk_table_rows
 
 
@@ -21,23 +21,23 @@ class DescriptorTables:
     `owner` is "NIXL_INIT_AGENT" for our own memory, else the remote agent's name.
     """
 
-    def __init__(self, nixl: Any, owner: str, layout: KVLayoutSpec) -> None:
+    def __init__(self, nixl: NixlAgentApi, owner: str, layout: KVLayoutSpec) -> None:
         """Bind to `nixl` (the agent that prepares) for memory `layout` owned by `owner`."""
         self._nixl = nixl
         self._owner = owner
         self._layout = layout
-        self._handles: dict[tuple[str, int], Any] = {}
+        self._handles: dict[tuple[str, int], DlistHandle] = {}
 
     @property
     def layout(self) -> KVLayoutSpec:
         """The layout these tables index."""
         return self._layout
 
-    def block_table(self) -> Any:
+    def block_table(self) -> DlistHandle:
         """The prepared block table (one entry per layer, plane, block)."""
         return self.table(TABLE_BLOCK, self._layout.block_size_tokens)
 
-    def table(self, kind: str, granule: int) -> Any:
+    def table(self, kind: str, granule: int) -> DlistHandle:
         """The prepared table of `kind` ("block" or "chunk") at `granule` tokens, prepared on first use."""
         key = (kind, granule)
         handle = self._handles.get(key)

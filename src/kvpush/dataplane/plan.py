@@ -41,12 +41,14 @@ NHD layouts would need sub-token descriptors (one per head per token) and are be
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from kvpush.dataplane.layout import KVLayoutSpec, LayoutError, check_compatible
 
@@ -55,13 +57,22 @@ TABLE_CHUNK = "chunk"
 # NIXL takes int32 indices.
 _MAX_TABLE_ENTRIES = 2**31 - 1
 
+# Table rows (address, length, device, stride, count), as `prep_xfer_dlist` takes them.
+TableRows = NDArray[np.uint64]
+# Table entry numbers, as `make_prepped_xfer` takes them.
+TableIndices = NDArray[np.int32]
+# Ids, addresses, lengths, layer numbers: the planning arithmetic's arrays.
+_Ints = NDArray[np.int64]
+# Pairs of table entries: (local index, remote index, local address, remote address, length, layer), aligned.
+_Pairs = tuple[_Ints, _Ints, _Ints, _Ints, _Ints, _Ints]
+
 
 class WriteRequestError(ValueError):
     """A write cannot be planned: ids, layers or token range out of range or inconsistent."""
 
 
 # ---- tables ----------------------------------------------------------------------------------
-def block_table_rows(layout: KVLayoutSpec) -> np.ndarray:
+def block_table_rows(layout: KVLayoutSpec) -> TableRows:
     """Nx5 rows (address, length, device, stride, count) of the block table of `layout`."""
     rows = []
     for layer in range(layout.layer_count):
@@ -79,16 +90,16 @@ def block_table_rows(layout: KVLayoutSpec) -> np.ndarray:
     return np.array(rows, dtype=np.uint64)
 
 
-def _chunk_row_bases(layout: KVLayoutSpec, granule: int) -> np.ndarray:
+def _chunk_row_bases(layout: KVLayoutSpec, granule: int) -> _Ints:
     """Row number of (layer, plane, segment 0, chunk 0), shape (layers, planes)."""
     chunks = layout.block_size_tokens // granule
     per_plane = np.array([p.segment_count * chunks for p in layout.planes], dtype=np.int64)
-    plane_prefix = np.concatenate([[0], np.cumsum(per_plane)[:-1]])
+    plane_prefix = np.cumsum(per_plane) - per_plane  # rows before each plane
     rows_per_layer = int(per_plane.sum())
     return np.arange(layout.layer_count, dtype=np.int64)[:, None] * rows_per_layer + plane_prefix[None, :]
 
 
-def chunk_table_rows(layout: KVLayoutSpec, granule: int) -> np.ndarray:
+def chunk_table_rows(layout: KVLayoutSpec, granule: int) -> TableRows:
     """Nx5 rows of the chunk table of `layout` at `granule` tokens per entry."""
     if granule <= 0 or layout.block_size_tokens % granule:
         raise LayoutError(f"granule {granule} does not divide block size {layout.block_size_tokens}")
@@ -136,9 +147,9 @@ class WritePlan:
 
     table: str
     granule: int
-    local_indices: np.ndarray
-    remote_indices: np.ndarray
-    explicit: np.ndarray
+    local_indices: TableIndices
+    remote_indices: TableIndices
+    explicit: _Ints
     total_bytes: int
     descriptor_count: int
     # Block-atomic layouts only: (layer, destination block) of partially covered blocks, which
@@ -151,7 +162,7 @@ class WritePlan:
         return int(self.local_indices.size)
 
 
-def _check_ids(name: str, ids: Sequence[int], needed: int, block_count: int) -> np.ndarray:
+def _check_ids(name: str, ids: Sequence[int], needed: int, block_count: int) -> _Ints:
     arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     if arr.size < needed:
         raise WriteRequestError(f"{name} has {arr.size} block ids but the token range needs {needed}")
@@ -164,7 +175,7 @@ def _check_ids(name: str, ids: Sequence[int], needed: int, block_count: int) -> 
     return used
 
 
-def _check_layers(layers: Sequence[int], src: KVLayoutSpec, dst: KVLayoutSpec) -> np.ndarray:
+def _check_layers(layers: Sequence[int], src: KVLayoutSpec, dst: KVLayoutSpec) -> _Ints:
     arr = np.asarray(list(layers), dtype=np.int64)
     if arr.size == 0:
         raise WriteRequestError("layers is empty")
@@ -192,7 +203,7 @@ def validate_write(
     dst_block_ids: Sequence[int],
     token_start: int,
     token_end: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[_Ints, _Ints, _Ints]:
     """Refuse a bad write (WriteRequestError); return (layers, used src ids, used dst ids).
 
     `src_block_ids` and `dst_block_ids` list blocks in token order from token 0; each must cover
@@ -252,7 +263,8 @@ def plan_write(
         local_idx, remote_idx, local_addr, remote_addr, lengths, layer_of = parts
         order = np.lexsort((local_addr, layer_of))
         local_idx, remote_idx = local_idx[order], remote_idx[order]
-        local_addr, remote_addr, lengths, layer_of = local_addr[order], remote_addr[order], lengths[order], layer_of[order]
+        local_addr, remote_addr = local_addr[order], remote_addr[order]
+        lengths, layer_of = lengths[order], layer_of[order]
 
     edges: list[tuple[int, int]] = []
     if src.block_atomic:
@@ -280,7 +292,9 @@ def plan_write(
     )
 
 
-def _block_pairs(src, dst, layers, src_ids, dst_ids, blocks):
+def _block_pairs(
+    src: KVLayoutSpec, dst: KVLayoutSpec, layers: _Ints, src_ids: _Ints, dst_ids: _Ints, blocks: _Ints
+) -> _Pairs:
     """Block-table pairs for whole blocks `blocks` (request-relative block numbers) of `layers`."""
     n_planes = len(src.planes)
     sb = src_ids[blocks]
@@ -304,7 +318,9 @@ def _block_pairs(src, dst, layers, src_ids, dst_ids, blocks):
     return local, remote, s_addr, d_addr, lengths, layer_of
 
 
-def _chunk_pairs(src, dst, layers, src_ids, dst_ids, granules, g):
+def _chunk_pairs(
+    src: KVLayoutSpec, dst: KVLayoutSpec, layers: _Ints, src_ids: _Ints, dst_ids: _Ints, granules: _Ints, g: int
+) -> _Pairs:
     """Chunk-table pairs for whole granules `granules` (request-relative granule numbers)."""
     tokens = granules * g
     sb = src_ids[tokens // src.block_size_tokens]
@@ -315,8 +331,13 @@ def _chunk_pairs(src, dst, layers, src_ids, dst_ids, granules, g):
     d_rows = _chunk_row_bases(dst, g)
     s_chunks = src.block_size_tokens // g
     d_chunks = dst.block_size_tokens // g
-    local_parts, remote_parts, sa_parts, da_parts, len_parts, layer_parts = [], [], [], [], [], []
-    for li, layer in enumerate(layers):
+    local_parts: list[_Ints] = []
+    remote_parts: list[_Ints] = []
+    sa_parts: list[_Ints] = []
+    da_parts: list[_Ints] = []
+    len_parts: list[_Ints] = []
+    layer_parts: list[_Ints] = []
+    for layer in layers:
         for pi, (sp, dp) in enumerate(zip(src.planes, dst.planes, strict=True)):
             seg = np.arange(sp.segment_count, dtype=np.int64)[:, None]
             s_row = s_rows[layer, pi] + seg * s_chunks + sc[None, :]
@@ -336,10 +357,13 @@ def _chunk_pairs(src, dst, layers, src_ids, dst_ids, granules, g):
             count = sp.segment_count * granules.size
             len_parts.append(np.full(count, g * sp.segment_bytes_per_token, dtype=np.int64))
             layer_parts.append(np.full(count, layer, dtype=np.int64))
-    return tuple(np.concatenate(p) for p in (local_parts, remote_parts, sa_parts, da_parts, len_parts, layer_parts))
+    return (np.concatenate(local_parts), np.concatenate(remote_parts), np.concatenate(sa_parts),
+            np.concatenate(da_parts), np.concatenate(len_parts), np.concatenate(layer_parts))
 
 
-def _explicit_pairs(src, dst, layers, src_ids, dst_ids, edges) -> np.ndarray:
+def _explicit_pairs(
+    src: KVLayoutSpec, dst: KVLayoutSpec, layers: _Ints, src_ids: _Ints, dst_ids: _Ints, edges: list[tuple[int, int]]
+) -> _Ints:
     """Token-exact (src addr, dst addr, length) rows for the token ranges in `edges`, merged."""
     rows: list[tuple[int, int, int]] = []
     for start, end in edges:
@@ -349,7 +373,7 @@ def _explicit_pairs(src, dst, layers, src_ids, dst_ids, edges) -> np.ndarray:
             | set(range(-(-start // src.block_size_tokens) * src.block_size_tokens, end, src.block_size_tokens))
             | set(range(-(-start // dst.block_size_tokens) * dst.block_size_tokens, end, dst.block_size_tokens))
         )
-        pieces = [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
+        pieces = [(a, b) for a, b in itertools.pairwise(cuts) if a < b]
         for layer in layers:
             for pi, (sp, dp) in enumerate(zip(src.planes, dst.planes, strict=True)):
                 for a, b in pieces:
@@ -378,7 +402,7 @@ def _explicit_pairs(src, dst, layers, src_ids, dst_ids, edges) -> np.ndarray:
     return np.array(merged, dtype=np.int64)
 
 
-def _merged_count(local_addr, remote_addr, lengths, layer_of) -> int:
+def _merged_count(local_addr: _Ints, remote_addr: _Ints, lengths: _Ints, layer_of: _Ints) -> int:
     """Descriptors left after merging neighbours contiguous on both sides within one layer."""
     n = int(lengths.size)
     if n == 0:
@@ -430,6 +454,9 @@ def move_to_layer(plan: WritePlan, src: KVLayoutSpec, dst: KVLayoutSpec, from_la
     )
 
 
+_PlanKey = tuple[str, int, int, tuple[int, ...], tuple[int, ...]]
+
+
 class LayerPlanCache:
     """Plans each (peer, blocks, token range) once and moves the plan to other layers.
 
@@ -441,7 +468,8 @@ class LayerPlanCache:
     def __init__(self, capacity: int = 256) -> None:
         self._capacity = capacity
         self._lock = threading.Lock()
-        self._plans: dict[tuple, tuple[KVLayoutSpec, KVLayoutSpec, int, WritePlan]] = {}
+        # (peer, token_start, token_end, src block ids, dst block ids) -> (src layout, dst layout, layer, plan)
+        self._plans: dict[_PlanKey, tuple[KVLayoutSpec, KVLayoutSpec, int, WritePlan]] = {}
 
     def plan(self, src: KVLayoutSpec, dst: KVLayoutSpec, peer: str, layers: Sequence[int],
              src_block_ids: Sequence[int], dst_block_ids: Sequence[int], token_start: int, token_end: int) -> WritePlan:

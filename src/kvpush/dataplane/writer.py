@@ -37,7 +37,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 from opentelemetry import trace
@@ -45,12 +45,33 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from kvpush.api.outcome import PushOutcome, PushStop, StopCause
 from kvpush.dataplane.agent import TransferAgent
+from kvpush.dataplane.nixl_api import XferHandle
 from kvpush.dataplane.plan import LayerPlanCache, WritePlan, WriteRequestError
 from kvpush.observability import get_logger, get_tracer
 
 _log = get_logger("kvpush.dataplane.writer")
 _ENDED_MEMORY = 4096
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class QueryableEvent(Protocol):
+    """An event polled without blocking (`torch.cuda.Event`)."""
+
+    def query(self) -> bool:
+        """True once complete."""
+        ...
+
+
+class SynchronizableEvent(Protocol):
+    """An event that can only be waited for."""
+
+    def synchronize(self) -> None:
+        """Block until complete."""
+        ...
+
+
+# A write's ready event: polled with `.query()` when it has one, else waited for with `.synchronize()`.
+ReadyEvent = QueryableEvent | SynchronizableEvent
 
 
 @dataclass(frozen=True)
@@ -77,7 +98,7 @@ class WriteRequest:
     token_start: int
     token_end: int
     notify: bytes | None = None
-    ready_event: Any = None
+    ready_event: ReadyEvent | None = None
     ends_transfer: bool = False
     traceparent: str = ""
     post_guard: Callable[[], str | None] | None = None
@@ -137,8 +158,8 @@ class _Write:
     request: WriteRequest
     plan: WritePlan
     submitted_at: float
-    handles: list[Any] = field(default_factory=list)
-    open_handles: list[Any] = field(default_factory=list)
+    handles: list[XferHandle] = field(default_factory=list)
+    open_handles: list[XferHandle] = field(default_factory=list)
     posted_at: float = 0.0
     post_seconds: float = 0.0
     error: str | None = None
@@ -206,10 +227,10 @@ class PushWriter:
         self._pending: deque[_Write] = deque()
         self._transfers: dict[str, _Transfer] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
-        self._zombies: list[tuple[Any, float]] = []
+        self._zombies: list[tuple[XferHandle, float]] = []
         self._tracer = tracer or get_tracer("kvpush.dataplane")
         self._plans = LayerPlanCache()
-        self._watched: list[tuple[Any, Callable[[float], None], float]] = []  # I/O thread only
+        self._watched: list[tuple[QueryableEvent, Callable[[float], None], float]] = []  # I/O thread only
         self.max_group_writes = self._config.max_group_writes
         agent.attach(self)
 
@@ -240,7 +261,7 @@ class PushWriter:
         self._agent.post(lambda: self._enqueue(_Write(request, plan, submitted_at)))
         return plan
 
-    def when_complete(self, event: Any, callback: Callable[[float], None]) -> None:
+    def when_complete(self, event: QueryableEvent, callback: Callable[[float], None]) -> None:
         """Call `callback(unix time)` from the I/O thread once `event.query()` is true.
 
         A CUDA event's completion time, as close as the I/O thread's polling gets (it polls every
@@ -480,7 +501,7 @@ class PushWriter:
                     )
                 )
             for handle in write.handles:
-                state = nixl.transfer(handle, notify if attach else b"")
+                state = nixl.transfer(handle, notify if attach and notify is not None else b"")
                 write.open_handles.append(handle)
                 if state == "ERR":
                     raise RuntimeError("transfer() returned ERR")
@@ -568,7 +589,7 @@ class PushWriter:
         self._post(write, transfer)
         return bool(write.open_handles)
 
-    def _collect_telemetry(self, write: _Write, handle: Any) -> None:
+    def _collect_telemetry(self, write: _Write, handle: XferHandle) -> None:
         if not self._config.capture_telemetry:
             return
         try:
@@ -582,7 +603,7 @@ class PushWriter:
         acc["descriptors"] += float(t.descCount)
         write.telemetry = acc
 
-    def _release(self, handle: Any) -> None:
+    def _release(self, handle: XferHandle) -> None:
         try:
             self._agent.nixl.release_xfer_handle(handle)
         except Exception:
@@ -730,7 +751,7 @@ class PushWriter:
         span.end()
 
 
-def _ready_without_waiting(event: Any) -> bool:
+def _ready_without_waiting(event: ReadyEvent | None) -> bool:
     """True when `event` is absent or reports completion without blocking."""
     if event is None:
         return True

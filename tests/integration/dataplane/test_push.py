@@ -207,7 +207,8 @@ def test_out_of_range_writes_are_refused_before_posting():
 
 
 def test_killed_peer_fails_within_bound():
-    """The decode process is SIGKILLed mid-transfer: the following writes fail and the transfer ends failed, in bound."""
+    """The decode process is SIGKILLed mid-transfer: the following writes fail and the transfer ends failed,
+    in bound."""
     config = NixlConfig(transfer_timeout_s=3.0, post_timeout_s=3.0)
     spec = PeerSpec("decode-killed", 4, 64, 128, 8, 64, "cpu_attn")  # 16 MiB per layer
     with decode_peer(spec) as peer, prefill_agent(4, 64, 128, 8, 64, "cpu_attn", config) as (agent, writer, out, _, _):
@@ -233,13 +234,15 @@ def test_killed_peer_fails_within_bound():
 
 
 def test_remove_peer_mid_push_fails_queued_writes():
-    """remove_peer while writes wait to post: they fail with the reason, the transfer ends failed, the peer is dropped."""
+    """remove_peer while writes wait to post: they fail with the reason, the transfer ends failed, the peer is
+    dropped."""
     spec = PeerSpec("decode-removed", 2, 16, 32, 2, 32, "cpu_attn")
     with decode_peer(spec) as peer, prefill_agent(2, 16, 32, 2, 32, "cpu_attn") as (agent, writer, out, _, _):
         agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
         gate = GateEvent()
         writer.submit(WriteRequest("t-rm", spec.name, range(1), [1, 2], [3, 4], 0, 64))
-        writer.submit(WriteRequest("t-rm", spec.name, range(1, 2), [1, 2], [3, 4], 0, 64, notify=b"x", ready_event=gate))
+        writer.submit(WriteRequest("t-rm", spec.name, range(1, 2), [1, 2], [3, 4], 0, 64, notify=b"x",
+                                   ready_event=gate))
         assert out.wait(lambda: len(out.requests) == 1) and out.requests[0].ok
         agent.remove_peer(spec.name, reason="decode engine left").result(BOUND_S)
         gate.set()
@@ -334,7 +337,8 @@ def test_telemetry_reports_bytes_and_descriptors():
     with decode_peer(spec) as peer, prefill_agent(2, 16, 32, 2, 32, "cpu_attn", config) as (agent, writer, out,
                                                                                                layout, _):
         agent.add_peer(spec.name, peer.metadata, peer.layout).result(BOUND_S)
-        plan = writer.submit(WriteRequest("t-tel", spec.name, range(2), [0, 1, 2, 9], [5, 6, 7, 1], 0, 128, notify=b"t"))
+        plan = writer.submit(WriteRequest("t-tel", spec.name, range(2), [0, 1, 2, 9], [5, 6, 7, 1], 0, 128,
+                                          notify=b"t"))
         assert out.wait(lambda: out.transfers)
         request = out.requests[0]
         assert request.ok and request.telemetry is not None
