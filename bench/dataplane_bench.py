@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.connector.worker.layout_wire import layout_from_proto, layout_to_proto
 from kvpush.dataplane import KVLayoutSpec, NixlConfig, PushWriter, TransferAgent, WriteOutcome, WriteRequest
 from kvpush.v1 import types_pb2
 
@@ -129,7 +130,7 @@ def receiver_main(conn: Any, shape: KVShape, device: str, config: dict[str, Any]
             notes.append((time.monotonic(), message))
 
     NotificationListener(agent, on_notification)
-    conn.send((agent.agent_metadata(), agent.layout.to_proto().SerializeToString()))
+    conn.send((agent.agent_metadata(), layout_to_proto(agent.layout).SerializeToString()))
     while True:
         cmd, arg = conn.recv()
         if cmd == "notifs":
@@ -187,7 +188,7 @@ class Receiver:
         if not self.conn.poll(300):
             raise RuntimeError("receiver did not start")
         self.metadata, layout_bytes = self.conn.recv()
-        self.layout = KVLayoutSpec.from_proto(types_pb2.KVLayout.FromString(layout_bytes))
+        self.layout = layout_from_proto(types_pb2.KVLayout.FromString(layout_bytes))
         self.name = name
 
     def notifs(self) -> list[tuple[float, bytes]]:
@@ -216,7 +217,7 @@ class RemoteReceiver(Receiver):
         if not self.conn.poll(300):
             raise RuntimeError(f"decode side at {address} did not answer")
         self.metadata, layout_bytes = self.conn.recv()
-        self.layout = KVLayoutSpec.from_proto(types_pb2.KVLayout.FromString(layout_bytes))
+        self.layout = layout_from_proto(types_pb2.KVLayout.FromString(layout_bytes))
         self.name = "bench-decode"
 
     def close(self) -> None:
