@@ -112,7 +112,8 @@ def test_cli_serves_inspects_and_exports_a_span_per_transfer(receiver):
         assert {(e["engine_id"], e["role"]) for e in json.loads(engines.stdout)} == {
             ("p1", "ENGINE_ROLE_PREFILL"), ("d1", "ENGINE_ROLE_DECODE")}
         table = cli("engines", *address)
-        assert table.stdout.splitlines()[0].split()[:3] == ["ENGINE", "ROLE", "RANK"] and "http://p1:8000" in table.stdout
+        assert table.stdout.splitlines()[0].split()[:3] == ["ENGINE", "ROLE", "RANK"]
+        assert "http://p1:8000" in table.stdout
 
         listed = json.loads(cli("transfers", "--json", *address).stdout)
         assert [t["transfer_id"] for t in listed] == [failed, completed]
@@ -135,7 +136,8 @@ def test_cli_serves_inspects_and_exports_a_span_per_transfer(receiver):
     assert good.service_name == "kvpush-directory"
     assert good.trace_id == TRACE_ID and good.parent_span_id == PARENT_SPAN_ID
     assert good.event_names == ["allocation", "first_readiness", "instruction", "completion"]
-    assert good.attributes["kvpush.state"] == "TRANSFER_STATE_COMPLETE" and good.attributes["kvpush.bytes_written"] == 2048
+    assert good.attributes["kvpush.state"] == "TRANSFER_STATE_COMPLETE"
+    assert good.attributes["kvpush.bytes_written"] == 2048
     assert good.attributes["kvpush.decode_engine_id"] == "d1" and good.status_code == 1  # STATUS_CODE_OK
     assert bad.status_code == 2 and "boom" in bad.attributes["kvpush.failure_reason"]  # STATUS_CODE_ERROR
 

@@ -271,7 +271,8 @@ class DirectoryMachine(RuleBasedStateMachine):
                 try:
                     async for message in call:
                         if message.WhichOneof("message") == "rejection" and message.rejection.status.code in (2, 13):
-                            self.bad.append(f"rejection {message.rejection.status.code}: {message.rejection.status.message}")
+                            status = message.rejection.status
+                            self.bad.append(f"rejection {status.code}: {status.message}")
                 except grpc.aio.AioRpcError as error:
                     self._record("StreamPrefill", error.code())
             return call, asyncio.create_task(drain())

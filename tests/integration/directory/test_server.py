@@ -118,7 +118,8 @@ def test_unknown_engines_and_transfers_are_not_found():
 
 
 def test_malformed_input_is_invalid_argument_and_changes_nothing():
-    """Empty ids, negative counts, bad ranks, bad layouts, over-cap block lists, bad pages: INVALID_ARGUMENT, no change."""
+    """Empty ids, negative counts, bad ranks, bad layouts, over-cap block lists, bad pages: INVALID_ARGUMENT,
+    no change."""
     async def body():
         async with running_directory(Limits(max_block_ids=8)) as directory:
             channel, s = stub(directory.address)
@@ -217,7 +218,8 @@ def test_stream_level_errors_end_the_stream():
 
 
 def test_prefill_stream_break_fails_transfer_and_decode_learns():
-    """When the prefill stream breaks mid-transfer, the transfer fails; decode hears it once prefill confirmed it stopped.
+    """When the prefill stream breaks mid-transfer, the transfer fails; decode hears it once prefill confirmed it
+    stopped.
 
     The prefill worker is alive (its lease holds), so a write it posted may still land: the end waits for its
     confirmation on the next session (or for its lease to go and its fence to pass).

@@ -44,14 +44,19 @@ def etcd(tmp_path) -> Iterator[Etcd]:
     """A fresh single-member etcd for one test."""
     binary = shutil.which("etcd")
     if binary is None:
-        pytest.skip("etcd is not installed (scripts/setup.sh installs Debian's etcd-server; apt-get install etcd-server)")
+        pytest.skip("etcd is not installed (scripts/setup.sh installs Debian's etcd-server; "
+                    "apt-get install etcd-server)")
     client, peer = free_port(), free_port()
-    process = subprocess.Popen(
-        [binary, "--name", "kvpush-test", "--data-dir", str(tmp_path / "etcd"),
-         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"kvpush-test=http://127.0.0.1:{peer}"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "etcd.log", "wb"))
+    # The child keeps its own copy of the log's descriptor; ours closes once it has started.
+    with open(tmp_path / "etcd.log", "wb") as log:
+        process = subprocess.Popen(
+            [binary, "--name", "kvpush-test", "--data-dir", str(tmp_path / "etcd"),
+             "--listen-client-urls", f"http://127.0.0.1:{client}",
+             "--advertise-client-urls", f"http://127.0.0.1:{client}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"kvpush-test=http://127.0.0.1:{peer}"],
+            stdout=subprocess.DEVNULL, stderr=log)
     try:
         _wait_port(client, 20)
         # Replicas wait for etcd to answer (Replica.start retries), so a listening port is enough here.
@@ -102,12 +107,13 @@ def start_replica(etcd_endpoint: str, replica_id: str, log_dir, port: int | None
     """Start a replica on loopback (short TTLs so failures show within seconds)."""
     port = port or free_port()
     env = {**os.environ, "KVPUSH_LOG_LEVEL": "info"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvpush.cli.main", "directory", "--host", "127.0.0.1", "--port", str(port),
-         "--etcd-endpoints", etcd_endpoint, "--replica-id", replica_id, "--shard-count", str(SHARD_COUNT),
-         "--session-ttl-s", str(SESSION_TTL_S), "--lease-ttl-s", str(LEASE_TTL_S), "--transfer-ttl-s", "30",
-         "--grace-s", "2", "--no-uvloop"],
-        stdout=subprocess.DEVNULL, stderr=open(log_dir / f"{replica_id}.log", "ab"), env=env)
+    with open(log_dir / f"{replica_id}.log", "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvpush.cli.main", "directory", "--host", "127.0.0.1", "--port", str(port),
+             "--etcd-endpoints", etcd_endpoint, "--replica-id", replica_id, "--shard-count", str(SHARD_COUNT),
+             "--session-ttl-s", str(SESSION_TTL_S), "--lease-ttl-s", str(LEASE_TTL_S), "--transfer-ttl-s", "30",
+             "--grace-s", "2", "--no-uvloop"],
+            stdout=subprocess.DEVNULL, stderr=log, env=env)
     _wait_port(port, 30)
     return ReplicaProcess(replica_id, port, process)
 

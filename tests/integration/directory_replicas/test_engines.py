@@ -71,7 +71,8 @@ def test_engines_and_gateway_survive_a_replica_kill(etcd, tiny_model_dir, tmp_pa
             for body in bodies:
                 answer = call("POST", gateway.url + "/v1/completions", body, timeout_s=180)
                 assert answer.status == 200, answer.text
-                transfer = settled_transfer(client.get_transfer, answer.headers["x-kvpush-transfer-id"])  # via its owner
+                # via its owner
+                transfer = settled_transfer(client.get_transfer, answer.headers["x-kvpush-transfer-id"])
                 assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
                 outputs.append(answer.body["choices"][0]["token_ids"])
             return outputs

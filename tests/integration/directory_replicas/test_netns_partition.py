@@ -11,6 +11,7 @@ cut of test_partition.py covering the same property everywhere).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -75,9 +76,10 @@ def test_replica_in_a_cut_network_namespace_stops_before_takeover(tmp_path):
                         "--session-ttl-s", str(SESSION_TTL_S), "--lease-ttl-s", "3", "--no-uvloop"]
                 if netns:
                     argv = ["ip", "netns", "exec", netns, *argv]
-                processes.append(subprocess.Popen(
-                    argv, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{replica_id}.log", "wb"),
-                    env={**os.environ, "KVPUSH_LOG_FORMAT": "json", "KVPUSH_LOG_LEVEL": "info"}))
+                with open(tmp_path / f"{replica_id}.log", "wb") as log:
+                    processes.append(subprocess.Popen(
+                        argv, stdout=subprocess.DEVNULL, stderr=log,
+                        env={**os.environ, "KVPUSH_LOG_FORMAT": "json", "KVPUSH_LOG_LEVEL": "info"}))
 
             replica("a", network.prefill_ns, a_ip, f"{root_ip}:{etcd_port}")
             replica("b", None, "127.0.0.1", f"127.0.0.1:{etcd_port}")
@@ -138,7 +140,7 @@ async def _scenario(network: PDNetwork, etcd_port: int, ports: dict[str, int], l
             await asyncio.sleep(1.0)
             reader.cancel()
             for key, kinds in history.items():
-                assert all(not (x == "PUT" and y == "PUT") for x, y in zip(kinds, kinds[1:])), (key, kinds)
+                assert all(not (x == "PUT" and y == "PUT") for x, y in itertools.pairwise(kinds)), (key, kinds)
         finally:
             await store.close()
 

@@ -10,6 +10,7 @@ revision 1) shows every claim of a shard was created only after the previous one
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import grpc
@@ -169,7 +170,7 @@ async def _partition(etcd) -> None:
             reader.cancel()
             for key, events in history.items():
                 kinds = [kind for kind, _ in events]
-                assert all(not (x == "PUT" and y == "PUT") for x, y in zip(kinds, kinds[1:])), (key, events)
+                assert all(not (x == "PUT" and y == "PUT") for x, y in itertools.pairwise(kinds)), (key, events)
             for shard, (revision, _, _) in claims.items():
                 events = history[f"/kvpush/shards/{shard:04d}".encode()]
                 delete_revisions = [rev for kind, rev in events if kind == "DELETE" and rev < revision]

@@ -1,4 +1,5 @@
-"""DirectoryMetrics fed by a real DirectoryState: ends are counted by state and bounded cause, lease expiries by role."""
+"""DirectoryMetrics fed by a real DirectoryState: ends are counted by state and bounded cause, lease expiries by
+role."""
 
 from __future__ import annotations
 

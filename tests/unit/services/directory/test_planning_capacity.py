@@ -47,6 +47,7 @@ def test_free_blocks_order_the_engines_that_can_hold_the_prompt():
 
 def test_a_prompt_larger_than_every_decode_cache_is_refused_naming_the_largest():
     state, _ = _state()
-    with pytest.raises(ResourceExhausted, match=r"no decode engine has room for 1025 tokens \(the largest holds 1024\)"):
+    refusal = r"no decode engine has room for 1025 tokens \(the largest holds 1024\)"
+    with pytest.raises(ResourceExhausted, match=refusal):
         _plan(state, 1025)
     assert state.check_invariants() == []

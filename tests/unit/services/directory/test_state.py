@@ -400,7 +400,7 @@ def test_stale_session_close_changes_nothing():
     d = Directory()
     tid = d.plan()
     d.ready(tid, 0, 1)
-    new_session, _ = d.state.open_session("p1", 0, d.leases[("p1", 0)])
+    _new_session, _ = d.state.open_session("p1", 0, d.leases[("p1", 0)])
     assert not d.state.close_session("p1", 0, d.sessions[0], "old stream")
     assert d.transfer(tid).state == S.TRANSFER_STATE_PLANNED
 
@@ -450,7 +450,8 @@ def test_planning_prefers_free_blocks_then_fewest_transfers():
 
 
 def test_planning_refuses_incompatible_and_missing_engines():
-    """Pinned unknown engine: NOT_FOUND; layouts or TP sizes that differ: FAILED_PRECONDITION; none: RESOURCE_EXHAUSTED."""
+    """Pinned unknown engine: NOT_FOUND; layouts or TP sizes that differ: FAILED_PRECONDITION;
+    none: RESOURCE_EXHAUSTED."""
     d = Directory()
     with pytest.raises(NotFound):
         d.state.plan(dpb.PlanTransferRequest(prefill_engine_id="ghost"), None)[0]

@@ -275,11 +275,12 @@ TestDirectoryMachineTP2 = DirectoryMachineTP2.TestCase
 @settings(max_examples=200, deadline=None)
 @given(order=st.permutations(["alloc", "alloc", "r0", "r1", "r2", "r3", "r1"]))
 def test_any_order_of_allocation_and_readiness_dispatches_exactly_once(order):
-    """Whatever the order (with duplicates) of allocation and readiness, one instruction goes out, then DONE completes."""
+    """Whatever the order (with duplicates) of allocation and readiness, one instruction goes out, then DONE
+    completes."""
     time = ManualClock()
     state = DirectoryState(Limits(), time.clock())
     for engine_id, role in (("p1", PREFILL), ("d1", DECODE)):
-        worker, _ = state.register(register_request(engine_id, role))
+        _worker, _ = state.register(register_request(engine_id, role))
     session, _ = state.open_session("p1", 0, state.get_engine("p1")[0].lease_id)
     tid = state.plan(dpb.PlanTransferRequest(), None)[0].transfer_id
     instructions = 0

@@ -1,4 +1,5 @@
-"""First token from prefill: the first events built from prefill's answer and decode's stream without its first token."""
+"""First token from prefill: the first events built from prefill's answer and decode's stream without its first
+token."""
 
 from __future__ import annotations
 

@@ -145,7 +145,8 @@ def test_gateway_span_carries_transfer_id(gw, otlp_receiver):
 
 
 def test_failed_prefill_leg_returns_502_and_cancels_transfer(gw):
-    """A prefill engine answering 500 ends the request with 502 naming the prefill leg, and the transfer is CANCELLED."""
+    """A prefill engine answering 500 ends the request with 502 naming the prefill leg, and the transfer is
+    CANCELLED."""
     gw.prefill.behaviour = lambda leg: (500, {"error": {"message": "engine exploded"}}, 0.0)
     gw.decode.behaviour = lambda leg: (200, {"choices": []}, 3.0)
     result = _complete(gw, {"model": "tiny", "prompt": "x", "max_tokens": 3})
@@ -361,7 +362,8 @@ class TestStaticModes:
         try:
             result = call("POST", gateway.url + "/v1/completions", {"model": "tiny", "prompt": "x"})
             assert result.status == 503
-            assert "prefill engine" in result.body["error"]["message"] and "unreachable" in result.body["error"]["message"]
+            message = result.body["error"]["message"]
+            assert "prefill engine" in message and "unreachable" in message
         finally:
             gateway.process.stop(grace_s=5.0)
 
