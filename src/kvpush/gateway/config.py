@@ -69,7 +69,7 @@ class GatewayConfig:
     # leaves it out of plans until it renews its lease. Only before any byte reached the client. 0: never.
     max_failovers: int = 2
     # Serve on uvloop's event loop instead of asyncio's (when installed): 0.1-0.25 ms less per request's time to first
-    # token with stand-in engines (docs/benchmarks.md, "Thirteenth session").
+    # token with stand-in engines (docs/performance-log.md, 2026-12-04).
     uvloop: bool = True
 
     def validate(self) -> None:

@@ -4,7 +4,7 @@ gateway's routes on a port of their own from the API server's event loop.
 What it changes: no gateway process to deploy or scale (one per prefill engine, clients spread over them by any
 L4 balancer), and each request's prefill leg stays in the process (`--local-prefill-engine`), as an ASGI call into
 vLLM's app below this middleware (`in_process`), not HTTP. It is not faster: on the H200 host a request through it
-took as long as through the standalone gateway, in-process legs included (docs/benchmarks.md, "Twelfth session").
+took as long as through the standalone gateway, in-process legs included (docs/performance-log.md, 2026-12-04).
 The gateway's cost is its own work, which here shares vLLM's event loop, not the extra process or the leg's HTTP;
 hence the plan waits for vLLM to take the local leg first (`dispatch.HOSTED_PLAN_WAIT_S`: without it, 1 ms slower).
 The gateway acts as the operator at the directory: its credentials live in the engine's process (docs/security.md).

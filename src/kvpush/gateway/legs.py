@@ -17,7 +17,7 @@ Cancelling a leg's task closes its connection, which makes vLLM abort the reques
 
 JSON goes through orjson on this path: on the H200 host the standard library's encoder and decoder took ~2 ms of an
 8,192-token prompt's time to first token (the leg's body, prefill's token event), orjson a fraction of it
-(docs/benchmarks.md, "Thirteenth session").
+(docs/performance-log.md, 2026-12-04).
 """
 
 from __future__ import annotations
