@@ -3,6 +3,8 @@
 - kvpush.dataplane imports nothing of the directory's API, the directory, its client, the gateway, the connector,
   the CLI or the local stack: it moves bytes between engines and is told what to move;
 - kvpush.client imports nothing of the directory server, the gateway, the connector, the CLI or the local stack;
+- kvpush.api imports nothing of kvpush outside itself, not even the generated kvpush.v1: its contracts are read by
+  every process (the connector inside vLLM included), so they pull in no other part of kvpush;
 - no runtime package (everything but kvpush.localstack) imports kvpush.localstack: it needs the dev extra, so a
   bare install would fail at import. The one exception is `kvpush up`'s import inside the function that runs it.
 
@@ -33,12 +35,18 @@ class Import:
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """Modules under `importer` import nothing under `forbidden`, but for the `allowed` lazy imports."""
+    """Modules under `importer` import nothing under `forbidden` that is not under `permitted`, but for the `allowed`
+    lazy imports."""
 
     importer: str
     forbidden: tuple[str, ...]
     allowed: frozenset[tuple[str, str, str]] = frozenset()  # (importer module, function, imported)
     exempt: tuple[str, ...] = ()  # packages under `importer` the rule does not cover
+    permitted: tuple[str, ...] = ()  # packages under `forbidden` that may be imported all the same
+
+    def forbids(self, imported: str) -> bool:
+        return (any(_within(imported, f) for f in self.forbidden)
+                and not any(_within(imported, p) for p in self.permitted))
 
     def covers(self, module: str) -> bool:
         return _within(module, self.importer) and not any(_within(module, e) for e in self.exempt)
@@ -52,6 +60,7 @@ RULES = (
     Rule("kvpush.dataplane", tuple(f"kvpush.{p}" for p in (
         "v1", "directory", "client", "gateway", "connector", "cli", "localstack"))),
     Rule("kvpush.client", tuple(f"kvpush.{p}" for p in ("directory", "gateway", "connector", "cli", "localstack"))),
+    Rule("kvpush.api", ("kvpush",), permitted=("kvpush.api",)),
     Rule("kvpush", ("kvpush.localstack",), exempt=("kvpush.localstack",),
          allowed=frozenset({("kvpush.cli.main", "_up", "kvpush.localstack.up")})),
 )
@@ -106,7 +115,7 @@ def violations(imports: list[Import], rules: tuple[Rule, ...] = RULES) -> list[s
     found = []
     for rule in rules:
         for i in imports:
-            if not rule.covers(i.importer) or not any(_within(i.imported, f) for f in rule.forbidden):
+            if not rule.covers(i.importer) or not rule.forbids(i.imported):
                 continue
             if i.function is not None and (i.importer, i.function, i.imported) in rule.allowed:
                 continue
@@ -165,4 +174,21 @@ def test_planted_violations_are_found(tmp_path):
         "kvpush.dataplane.writer:1 imports kvpush.connector.outcome",
         "kvpush.gateway.app:1 imports kvpush.localstack.stack",
         "kvpush.gateway.hosted:3 imports kvpush.localstack (in start())",
+    ]
+
+
+def test_planted_api_imports_of_other_kvpush_packages_are_found(tmp_path):
+    """kvpush.api importing the generated API, another package lazily or through `from kvpush import ...` is
+    reported; its imports of itself (absolute or relative) and of other distributions are not."""
+    _plant(tmp_path, {
+        "kvpush/api/params.py": "import re\nfrom kvpush.v1 import types_pb2\nfrom kvpush.api.shards import shard_of\n"
+                                "from . import outcome\n",
+        "kvpush/api/shards.py": "import grpc\ndef redirect():\n    from kvpush.directory.state import Limits\n",
+        "kvpush/api/outcome.py": "from kvpush import connector\nimport kvpush.api.params\n",
+        "kvpush/gateway/app.py": "from kvpush.api.params import TransferParams\n",
+    })
+    assert sorted(violations(all_imports(tmp_path))) == [
+        "kvpush.api.outcome:1 imports kvpush.connector",
+        "kvpush.api.params:2 imports kvpush.v1",
+        "kvpush.api.shards:3 imports kvpush.directory.state (in redirect())",
     ]

@@ -51,7 +51,7 @@ async def _drive(address: str, suffix: str, finish: str) -> str:
         instructions: asyncio.Queue = asyncio.Queue()
         session = PrefillSession(client, prefill, on_instruction=instructions.put_nowait)
         await session.start()
-        tid = (await client.plan_transfer(request_id=f"req-{suffix}", trace_context=TRACEPARENT,
+        tid = (await client.plan_transfer(request_id=f"req-{suffix}", traceparent=TRACEPARENT,
                                           prefill_engine_id=f"p-{suffix}", decode_engine_id=f"d-{suffix}")
                ).transfer.transfer_id
         if finish == "cancel":
