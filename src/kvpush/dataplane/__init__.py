@@ -16,8 +16,9 @@ Life cycle of a push (prefill P writes into decode D):
 4. `agent.remove_peer(d_name)` when D leaves; `agent.stop()` at shutdown.
 
 Modules: `layout` (KVLayoutSpec), `describe` (vLLM tensors -> layout), `plan`
-(descriptor maths, pure), `config` (NixlConfig, agent construction), `peers` (prepared tables),
-`agent` (TransferAgent, the I/O thread), `writer` (PushWriter), `listener` (NotificationListener).
+(descriptor maths, pure), `config` (NixlConfig, agent construction), `nixl_api` (the NIXL calls made, as a
+Protocol, and their opaque handles), `peers` (prepared tables), `agent` (TransferAgent, the I/O thread), `writer`
+(PushWriter), `listener` (NotificationListener), `inmemory` (an in-memory NIXL agent for tests).
 """
 
 from kvpush.dataplane.config import BACKEND_LIBFABRIC, BACKEND_UCX, NixlConfig

@@ -1,6 +1,6 @@
 """Infer a `KVLayoutSpec` from the per-layer KV tensors vLLM hands to `register_kv_caches`.
 
-Tensors are duck-typed (`.data_ptr()`, `.element_size()`, `.shape`, `.stride()`, optional `.dtype`,
+Tensors are duck-typed (`KVTensor`: `.data_ptr()`, `.element_size()`, `.shape`, `.stride()`, optional `.dtype`,
 `.device`), so torch is never imported here. Strides decide NHD versus HND, so permuted views
 (vLLM allocates in physical order and permutes back to the logical shape) are read correctly.
 
