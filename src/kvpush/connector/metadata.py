@@ -7,26 +7,31 @@ Life cycle, once per engine step:
   4. After the step the worker may return a `KVPushWorkerMetadata` (push timelines, by rank); vLLM
      aggregates the ranks' objects and hands the result to the scheduler half's `update_connector_output`.
 
-Everything here is plain data (dataclasses of str/int/float/lists), so any executor can move it.
+Everything here is plain data (dataclasses of str/int/float/lists, and `PushTimeline`s), so any executor can move
+it (some pickle it between processes).
 `WIRE_VERSION` changes whenever a field changes meaning; a worker refuses metadata of another version
 (scheduler and workers of one engine always run the same code, so a mismatch is a deployment bug).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvpush.connector.worker.push_state import PushTimeline, TimelineValue
 
 # Wire version history:
 #   1: prefill chunks, decode receives, decode cancellations, prefill holds, preemptions; worker timings.
 #   2: worker timelines keyed by request, then TP rank (PushTimeline fields), combined by the scheduler.
 #   3: first token from prefill: chunks say whether the transfer reports it, holds carry it, receives say
 #      whether they wait for it, decode workers report it.
-WIRE_VERSION = 3
+#   4: worker timelines are TimelineReports (a PushTimeline, and the hook's prefill end); a receive's skipped
+#      prefix is skip_token_count.
+WIRE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -129,17 +134,72 @@ class KVPushMetadata(KVConnectorMetadata):
                     or self.cancelled_receives or self.failed_receives)
 
 
+@dataclass(slots=True)
+class TimelineReport:
+    """What is known of one request's push timeline: one TP rank's (merged report by report, newest last), or all
+    its ranks' together (`combine_ranks`).
+
+    timeline: the push owner's latest snapshot, without per-write and per-layer detail (`PushTimeline.summary`);
+        None until the owner published one.
+    hook_prefill_end_time: CPU: when the worker's hook saw the prompt's last layer saved. The owner may not have
+        applied that layer yet when the step's worker metadata is built, and the request's response is built in
+        that very step; the timeline's own prefill_end_time, once known, takes precedence.
+    """
+
+    timeline: PushTimeline | None = None
+    hook_prefill_end_time: float | None = None
+
+    @property
+    def prefill_end_time(self) -> float | None:
+        """When the prompt's last layer was computed, if known."""
+        known = self.timeline.prefill_end_time if self.timeline is not None else None
+        return known if known is not None else self.hook_prefill_end_time
+
+    def update(self, newer: TimelineReport) -> None:
+        """A newer report of the same rank: its timeline supersedes this one, except where it does not know a time
+        this one does (None keeps the older time); a newer hook time replaces the older."""
+        old, new = self.timeline, newer.timeline
+        if new is not None:
+            self.timeline = new if old is None else dataclasses.replace(
+                new, first_write_start_time=_known(new.first_write_start_time, old.first_write_start_time),
+                last_write_end_time=_known(new.last_write_end_time, old.last_write_end_time),
+                prefill_end_time=_known(new.prefill_end_time, old.prefill_end_time))
+        if newer.hook_prefill_end_time is not None:
+            self.hook_prefill_end_time = newer.hook_prefill_end_time
+
+    def json_fields(self) -> dict[str, TimelineValue]:
+        """The response's push timeline keys that are known, with their values (the JSON users see)."""
+        fields: dict[str, TimelineValue] = {}
+        timeline = self.timeline
+        if timeline is not None and timeline.first_write_start_time is not None:
+            fields["first_write_start_time"] = timeline.first_write_start_time
+        if timeline is not None and timeline.last_write_end_time is not None:
+            fields["last_write_end_time"] = timeline.last_write_end_time
+        if self.prefill_end_time is not None:
+            fields["prefill_end_time"] = self.prefill_end_time
+        if timeline is not None:
+            fields.update(post_duration_s=timeline.post_duration_s, write_count=timeline.write_count,
+                          descriptor_count=timeline.descriptor_count, bytes_written=timeline.bytes_written,
+                          writes_before_prefill_end_count=timeline.writes_before_prefill_end_count,
+                          layers_written_before_prefill_end_count=timeline.layers_written_before_prefill_end_count,
+                          settled=timeline.settled, state=timeline.state, reason=timeline.reason)
+        return fields
+
+
+def _known(newer: float | None, older: float | None) -> float | None:
+    return newer if newer is not None else older
+
+
 @dataclass
 class KVPushWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker → scheduler data for one step: the push timelines that changed, by request id, then TP rank
     (prefill), and the first tokens that came with completed receives, by request id (decode).
 
-    A timeline is `PushTimeline.as_dict()` (a snapshot: a later one of the same rank supersedes it key by
-    key; None means "not known yet"). `aggregate` only unions the ranks' entries; what the ranks mean
-    together is `combine_rank_timelines`.
+    A rank's `TimelineReport` is a snapshot: a later one of the same rank supersedes it (`TimelineReport.update`).
+    `aggregate` only unions the ranks' entries; what the ranks mean together is `combine_ranks`.
     """
 
-    timelines: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    timelines: dict[str, dict[int, TimelineReport]] = field(default_factory=dict)
     # Decode: request id -> prefill's first token, reported with (or before) the request's finished_recving.
     first_tokens: dict[str, int] = field(default_factory=dict)
 
@@ -151,46 +211,42 @@ class KVPushWorkerMetadata(KVConnectorWorkerMetadata):
             self.first_tokens.setdefault(request_id, token)  # every rank got the same COMPLETE event
         for request_id, by_rank in other.timelines.items():
             mine = self.timelines.setdefault(request_id, {})
-            for rank, timeline in by_rank.items():
-                update_snapshot(mine.setdefault(rank, {}), timeline)
+            for rank, report in by_rank.items():
+                mine.setdefault(rank, TimelineReport()).update(report)
         return self
 
 
-def update_snapshot(into: dict[str, Any], newer: dict[str, Any]) -> None:
-    """One rank's timeline: a newer snapshot's known values replace the older ones (None keeps the old)."""
-    for key, value in newer.items():
-        if value is not None or key not in into:
-            into[key] = value
-
-
-# How one transfer's ranks combine (each rank writes its own heads of every block):
-_EARLIEST = ("first_write_start_time",)
-_LATEST = ("last_write_end_time", "prefill_end_time")
-_SUMMED = ("post_duration_s", "write_count", "descriptor_count", "bytes_written", "writes_before_prefill_end_count")
-# A layer is written once every rank wrote its share of it.
-_FEWEST = ("layers_written_before_prefill_end_count",)
-
-
-def combine_rank_timelines(by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The transfer's push timeline from its ranks' timelines: earliest start, latest ends, summed counts and
-    bytes, the fewest layers written before prefill end, settled once every rank is, and the worst state (with
-    its reason)."""
+def combine_ranks(by_rank: dict[int, TimelineReport]) -> TimelineReport:
+    """The transfer's push timeline from its ranks' (each rank writes its own heads of every block): earliest
+    start, latest ends, summed counts and bytes, the fewest layers written before prefill end (a layer is written
+    once every rank wrote its share of it), settled once every rank is, and the worst state (with its reason).
+    Ranks the owner has not reported a timeline of yet add only their prefill end."""
     ranks = [by_rank[rank] for rank in sorted(by_rank)]
-    combined: dict[str, Any] = {}
-    for keys, pick in ((_EARLIEST, min), (_LATEST, max), (_SUMMED, sum), (_FEWEST, min)):
-        for key in keys:
-            values = [rank[key] for rank in ranks if rank.get(key) is not None]
-            if values:
-                combined[key] = pick(values)
-    settled = [rank["settled"] for rank in ranks if rank.get("settled") is not None]
-    if settled:
-        combined["settled"] = all(settled)  # the push ended everywhere only once every rank settled it
-    states = [rank for rank in ranks if rank.get("state")]
-    if states:
-        worst = max(states, key=lambda rank: _state_severity(rank["state"]))
-        combined["state"] = worst["state"]
-        combined["reason"] = worst.get("reason", "")
-    return combined
+    ends = [end for end in (rank.prefill_end_time for rank in ranks) if end is not None]
+    prefill_end_time = max(ends) if ends else None
+    timelines = [rank.timeline for rank in ranks if rank.timeline is not None]
+    if not timelines:
+        return TimelineReport(hook_prefill_end_time=prefill_end_time)
+    starts = [t.first_write_start_time for t in timelines if t.first_write_start_time is not None]
+    last_ends = [t.last_write_end_time for t in timelines if t.last_write_end_time is not None]
+    worst = max(timelines, key=lambda t: _state_severity(t.state))
+    return TimelineReport(PushTimeline(
+        first_write_start_time=min(starts) if starts else None,
+        last_write_end_time=max(last_ends) if last_ends else None,
+        prefill_end_time=prefill_end_time,
+        post_duration_s=sum(t.post_duration_s for t in timelines),
+        write_count=sum(t.write_count for t in timelines),
+        descriptor_count=sum(t.descriptor_count for t in timelines),
+        bytes_written=sum(t.bytes_written for t in timelines),
+        writes_before_prefill_end_count=sum(t.writes_before_prefill_end_count for t in timelines),
+        layers_written_before_prefill_end_count=min(t.layers_written_before_prefill_end_count for t in timelines),
+        state=worst.state, reason=worst.reason,
+        settled=all(t.settled for t in timelines)))  # the push ended everywhere only once every rank settled it
+
+
+def combine_rank_timelines(by_rank: dict[int, TimelineReport]) -> dict[str, TimelineValue]:
+    """The ranks' combined push timeline as the response's JSON keys that are known (`combine_ranks`)."""
+    return combine_ranks(by_rank).json_fields()
 
 
 def _state_severity(state: str) -> int:

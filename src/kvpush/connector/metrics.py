@@ -20,69 +20,101 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvpush.api.outcome import PushOutcome
 from kvpush.observability import get_logger
 
+if TYPE_CHECKING:
+    from kvpush.connector.metadata import TimelineReport
+    from kvpush.connector.worker.push_machine import WriteDone, WriterQuiet
+
 _log = get_logger("connector.metrics")
 _FAST_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_WORKER_LABELS = ("engine_id", "role", "tp_rank")
+
+
+@dataclass(frozen=True, slots=True)
+class _Families:
+    """Every metric family of the process's registry (labelled per worker by `WorkerMetrics`)."""
+
+    writes: Counter
+    bytes: Counter
+    layers: Counter
+    post: Histogram
+    write_time: Histogram
+    pushes: Counter
+    push_time: Histogram
+    tail: Histogram
+    pushes_in_flight: Gauge
+    receives: Counter
+    receive_wait: Histogram
+    receives_in_flight: Gauge
+    lease_losses: Counter
+    backlog: Gauge
+
 
 _lock = threading.Lock()
 _registry: CollectorRegistry | None = None
-_metrics: dict[str, Any] = {}
+_families: _Families | None = None
 _process_port: int | None = None
 
 
 def registry() -> CollectorRegistry:
     """This process's connector registry (created with every metric on first use)."""
-    global _registry
+    return _registry_and_families()[0]
+
+
+def _registry_and_families() -> tuple[CollectorRegistry, _Families]:
+    global _registry, _families
     with _lock:
-        if _registry is None:
+        if _registry is None or _families is None:
             _registry = CollectorRegistry(auto_describe=True)
-            _define(_registry)
-        return _registry
+            _families = _define(_registry)
+        return _registry, _families
 
 
-def _define(r: CollectorRegistry) -> None:
-    worker = ["engine_id", "role", "tp_rank"]
-    m = _metrics
-    m["writes"] = Counter("kvpush_connector_writes", "Prefill NIXL WRITEs settled, by outcome (ok, failed).",
-                          [*worker, "outcome"], registry=r)
-    m["bytes"] = Counter("kvpush_connector_written_bytes", "Bytes of successful prefill WRITEs.", worker, registry=r)
-    m["layers"] = Counter("kvpush_connector_written_layers",
-                          "Layer writes (one layer of one chunk's blocks) that succeeded.", worker, registry=r)
-    m["post"] = Histogram("kvpush_connector_write_post_seconds", "Time spent posting one WRITE (prep + transfer()).",
-                          worker, buckets=_FAST_BUCKETS, registry=r)
-    m["write_time"] = Histogram("kvpush_connector_write_duration_seconds",
-                                "One successful WRITE, from its post to its completion.", worker,
-                                buckets=_FAST_BUCKETS, registry=r)
-    m["pushes"] = Counter("kvpush_connector_pushes", "Prefill pushes that ended, by state (done, failed, cancelled).",
-                          [*worker, "state"], registry=r)
-    m["push_time"] = Histogram("kvpush_connector_push_duration_seconds",
-                               "A completed push, from its first WRITE's post to its last WRITE's end.", worker,
-                               buckets=_TRANSFER_BUCKETS, registry=r)
-    m["tail"] = Histogram("kvpush_connector_exposed_tail_seconds",
-                          "A completed push: last WRITE end minus prefill end (what decode waits beyond prefill).",
-                          worker, buckets=_FAST_BUCKETS, registry=r)
-    m["pushes_in_flight"] = Gauge("kvpush_connector_pushes_in_flight",
-                                  "Prefill transfers with WRITEs the data plane still holds.", worker, registry=r)
-    m["receives"] = Counter("kvpush_connector_receives",
-                            "Decode receives that ended, by outcome (complete, failed).", [*worker, "outcome"],
-                            registry=r)
-    m["receive_wait"] = Histogram("kvpush_connector_receive_wait_seconds",
-                                  "A decode request's wait for pushed KV, from the step that began it to the step "
-                                  "that reported it finished.", worker, buckets=_TRANSFER_BUCKETS, registry=r)
-    m["receives_in_flight"] = Gauge("kvpush_connector_receives_in_flight",
-                                    "Decode requests waiting for pushed KV.", worker, registry=r)
-    m["lease_losses"] = Counter("kvpush_connector_lease_losses",
-                                "Directory leases this worker lost (it re-registers).", worker, registry=r)
-    m["backlog"] = Gauge("kvpush_connector_directory_stream_backlog_messages",
-                         "Readiness events and write results queued for the directory's StreamPrefill.",
-                         worker, registry=r)
+def _define(r: CollectorRegistry) -> _Families:
+    worker = _WORKER_LABELS
+    return _Families(
+        writes=Counter("kvpush_connector_writes", "Prefill NIXL WRITEs settled, by outcome (ok, failed).",
+                       [*worker, "outcome"], registry=r),
+        bytes=Counter("kvpush_connector_written_bytes", "Bytes of successful prefill WRITEs.", worker, registry=r),
+        layers=Counter("kvpush_connector_written_layers",
+                       "Layer writes (one layer of one chunk's blocks) that succeeded.", worker, registry=r),
+        post=Histogram("kvpush_connector_write_post_seconds", "Time spent posting one WRITE (prep + transfer()).",
+                       worker, buckets=_FAST_BUCKETS, registry=r),
+        write_time=Histogram("kvpush_connector_write_duration_seconds",
+                             "One successful WRITE, from its post to its completion.", worker,
+                             buckets=_FAST_BUCKETS, registry=r),
+        pushes=Counter("kvpush_connector_pushes", "Prefill pushes that ended, by state (done, failed, cancelled).",
+                       [*worker, "state"], registry=r),
+        push_time=Histogram("kvpush_connector_push_duration_seconds",
+                            "A completed push, from its first WRITE's post to its last WRITE's end.", worker,
+                            buckets=_TRANSFER_BUCKETS, registry=r),
+        tail=Histogram("kvpush_connector_exposed_tail_seconds",
+                       "A completed push: last WRITE end minus prefill end (what decode waits beyond prefill).",
+                       worker, buckets=_FAST_BUCKETS, registry=r),
+        pushes_in_flight=Gauge("kvpush_connector_pushes_in_flight",
+                               "Prefill transfers with WRITEs the data plane still holds.", worker, registry=r),
+        receives=Counter("kvpush_connector_receives",
+                         "Decode receives that ended, by outcome (complete, failed).", [*worker, "outcome"],
+                         registry=r),
+        receive_wait=Histogram("kvpush_connector_receive_wait_seconds",
+                               "A decode request's wait for pushed KV, from the step that began it to the step "
+                               "that reported it finished.", worker, buckets=_TRANSFER_BUCKETS, registry=r),
+        receives_in_flight=Gauge("kvpush_connector_receives_in_flight",
+                                 "Decode requests waiting for pushed KV.", worker, registry=r),
+        lease_losses=Counter("kvpush_connector_lease_losses",
+                             "Directory leases this worker lost (it re-registers).", worker, registry=r),
+        backlog=Gauge("kvpush_connector_directory_stream_backlog_messages",
+                      "Readiness events and write results queued for the directory's StreamPrefill.",
+                      worker, registry=r),
+    )
 
 
 def serve(port: int) -> bool:
@@ -92,12 +124,12 @@ def serve(port: int) -> bool:
     engine keeps running without its metrics endpoint.
     """
     global _process_port
-    registry()
+    process_registry = registry()
     with _lock:
         if _process_port is not None:
             return True
         try:
-            start_http_server(port, registry=_registry)
+            start_http_server(port, registry=process_registry)
         except OSError as error:
             _log.warning("connector metrics port unavailable; metrics not served", port=port, error=str(error))
             return False
@@ -110,24 +142,23 @@ class WorkerMetrics:
     """One worker half's metrics (engine id, role and TP rank bound as labels)."""
 
     def __init__(self, engine_id: str, role: str, tp_rank: int) -> None:
-        registry()
+        _, m = _registry_and_families()
         labels = (engine_id, role, str(tp_rank))
-        m = _metrics
-        self._writes_ok = m["writes"].labels(*labels, "ok")
-        self._writes_failed = m["writes"].labels(*labels, "failed")
-        self._bytes = m["bytes"].labels(*labels)
-        self._layers = m["layers"].labels(*labels)
-        self._post = m["post"].labels(*labels)
-        self._write_time = m["write_time"].labels(*labels)
-        self._pushes = {state: m["pushes"].labels(*labels, state) for state in ("done", "failed", "cancelled")}
-        self._push_time = m["push_time"].labels(*labels)
-        self._tail = m["tail"].labels(*labels)
-        self._pushes_in_flight = m["pushes_in_flight"].labels(*labels)
-        self._receives = {outcome: m["receives"].labels(*labels, outcome) for outcome in ("complete", "failed")}
-        self._receive_wait = m["receive_wait"].labels(*labels)
-        self._receives_in_flight = m["receives_in_flight"].labels(*labels)
-        self._lease_losses = m["lease_losses"].labels(*labels)
-        self._backlog = m["backlog"].labels(*labels)
+        self._writes_ok = m.writes.labels(*labels, "ok")
+        self._writes_failed = m.writes.labels(*labels, "failed")
+        self._bytes = m.bytes.labels(*labels)
+        self._layers = m.layers.labels(*labels)
+        self._post = m.post.labels(*labels)
+        self._write_time = m.write_time.labels(*labels)
+        self._pushes = {state: m.pushes.labels(*labels, state) for state in ("done", "failed", "cancelled")}
+        self._push_time = m.push_time.labels(*labels)
+        self._tail = m.tail.labels(*labels)
+        self._pushes_in_flight = m.pushes_in_flight.labels(*labels)
+        self._receives = {outcome: m.receives.labels(*labels, outcome) for outcome in ("complete", "failed")}
+        self._receive_wait = m.receive_wait.labels(*labels)
+        self._receives_in_flight = m.receives_in_flight.labels(*labels)
+        self._lease_losses = m.lease_losses.labels(*labels)
+        self._backlog = m.backlog.labels(*labels)
         self._writing: set[str] = set()
         self._receiving: dict[str, float] = {}
         self._completed_seen = 0
@@ -136,7 +167,7 @@ class WorkerMetrics:
 
     # ---------------------------------------------------------------- prefill
 
-    def on_write_done(self, done: Any) -> None:
+    def on_write_done(self, done: WriteDone) -> None:
         """A WRITE settled (WriteDone; data-plane I/O thread)."""
         if done.outcome is not PushOutcome.DONE:
             self._writes_failed.inc()
@@ -151,22 +182,22 @@ class WorkerMetrics:
             self._writing.add(done.transfer_id)
             self._pushes_in_flight.set(len(self._writing))
 
-    def on_writer_quiet(self, quiet: Any) -> None:
+    def on_writer_quiet(self, quiet: WriterQuiet) -> None:
         """The data plane holds nothing more of a transfer (WriterQuiet)."""
         with self._lock:
             self._writing.discard(quiet.transfer_id)
             self._pushes_in_flight.set(len(self._writing))
 
-    def on_timelines(self, timelines: dict[str, dict]) -> None:
-        """Push timelines reported this step; a final one (it carries the end reason) counts the push."""
-        for timeline in timelines.values():
-            if not timeline.get("settled") or timeline.get("state") not in self._pushes:
+    def on_timelines(self, timelines: dict[str, TimelineReport]) -> None:
+        """This rank's push timelines reported this step; a final one (it carries the end reason) counts the push."""
+        for report in timelines.values():
+            timeline = report.timeline
+            if timeline is None or not timeline.settled or timeline.state not in self._pushes:
                 continue  # a snapshot of a push still going; its settled timeline follows, once
-            self._pushes[timeline["state"]].inc()
-            if timeline["state"] != "done":
+            self._pushes[timeline.state].inc()
+            if timeline.state != PushOutcome.DONE.value:
                 continue
-            first, last, end = (timeline.get(k) for k in ("first_write_start_time", "last_write_end_time",
-                                                         "prefill_end_time"))
+            first, last, end = timeline.first_write_start_time, timeline.last_write_end_time, report.prefill_end_time
             if first is not None and last is not None:
                 self._push_time.observe(max(0.0, last - first))
             if last is not None and end is not None:

@@ -5,6 +5,7 @@ the release."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from vllm import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -12,7 +13,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KVPushWorkerMetadata
+from kvpush.connector.metadata import KVPushWorkerMetadata, TimelineReport
 from kvpush.connector.scheduler.prefill import PrefillScheduler
 from kvpush.connector.worker.push_state import PushTimeline
 
@@ -58,8 +59,10 @@ def test_chunked_prefill_is_held_then_released_with_the_workers_timeline():
     assert (chunk.token_start, chunk.token_end, chunk.block_ids, chunk.is_last) == (32, 40, (7, 3, 9), True)
     held, params = scheduler.request_finished(request, [7, 3, 9])
     assert held and params["transfer_id"] == "t1" and params["push_timeline"]["chunk_count"] == 2
-    timelines = {"r1": {0: PushTimeline(write_count=3, bytes_written=30, prefill_end_time=5.0, state="done").as_dict(),
-                        1: PushTimeline(write_count=3, bytes_written=30, prefill_end_time=6.0, state="done").as_dict()}}
+    timelines = {"r1": {0: TimelineReport(PushTimeline(write_count=3, bytes_written=30, prefill_end_time=5.0,
+                                                       state="done")),
+                        1: TimelineReport(PushTimeline(write_count=3, bytes_written=30, prefill_end_time=6.0,
+                                                       state="done"))}}
     scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVPushWorkerMetadata(timelines)))
     assert (params["push_timeline"]["write_count"], params["push_timeline"]["bytes_written"],
             params["push_timeline"]["prefill_end_time"]) == (6, 60, 6.0)
@@ -98,3 +101,24 @@ def test_a_first_token_leg_hands_its_sampled_token_to_the_workers_with_the_hold(
     plain.append_output_token_ids(1234)
     plain_scheduler.request_finished(plain, [7, 3, 9])
     assert plain_scheduler.build_connector_meta(_output(0)).first_tokens == {}
+
+
+def test_the_response_push_timeline_keeps_its_json_shape_with_unknown_counts_null():
+    """The CPU hook saw prefill end before any push owner published a timeline: the response's push timeline says
+    when prefill ended and leaves every count null (not zero writes); its keys keep their order, the push's first,
+    then this half's own."""
+    scheduler, request = _scheduler(), _request()
+    scheduler.on_new_request(request)
+    scheduler.build_connector_meta(_output(40, new=request, new_blocks=[7, 3, 9]))
+    report = KVPushWorkerMetadata({"r1": {0: TimelineReport(hook_prefill_end_time=5.0)}})
+    scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
+    held, params = scheduler.request_finished(request, [7, 3, 9])
+    timeline = params["push_timeline"]
+    assert held and list(timeline) == [
+        "first_write_start_time", "last_write_end_time", "prefill_end_time", "post_duration_s", "write_count",
+        "descriptor_count", "bytes_written", "writes_before_prefill_end_count",
+        "layers_written_before_prefill_end_count", "state", "reason", "settled", "prefill_start_time",
+        "cached_token_count", "chunk_count", "request_finished_time"]
+    assert timeline["prefill_end_time"] == 5.0 and timeline["chunk_count"] == 1 and timeline["cached_token_count"] == 0
+    assert [timeline[key] for key in ("write_count", "bytes_written", "state", "settled")] == [None] * 4
+    json.dumps(params)  # vLLM serializes it as it is

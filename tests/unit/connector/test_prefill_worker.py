@@ -206,7 +206,7 @@ def test_a_transfer_is_settled_once_and_released_once_after_vllm_finished_it():
     assert worker.get_finished_sending({"r1"}) == {"r1"}
     assert worker.get_finished_sending({"r1"}) == set()
     meta = worker.build_worker_meta()
-    assert meta is not None and meta.timelines["r1"][0]["state"] == "done"
+    assert meta is not None and meta.timelines["r1"][0].timeline.state == "done"
     assert not worker.has_live_transfers()
 
 
@@ -302,7 +302,7 @@ def test_gpu_prefill_end_is_when_the_last_layers_event_completes():
     assert event == worker.owner.book.layer_event(len(LAYERS) - 1)
     report(1234.5)  # the NIXL I/O thread saw the event complete
     meta = worker.build_worker_meta()
-    assert meta is not None and meta.timelines["r1"][0]["prefill_end_time"] == 1234.5
+    assert meta is not None and meta.timelines["r1"][0].prefill_end_time == 1234.5
 
 
 def test_a_gpu_steps_layers_after_its_first_reach_the_owner_in_one_post_at_wait_for_save():

@@ -27,13 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.api import params as transfer_params
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import (
-    KVPushMetadata,
-    KVPushWorkerMetadata,
-    PrefillChunk,
-    combine_rank_timelines,
-    update_snapshot,
-)
+from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, PrefillChunk, TimelineReport, combine_ranks
 from kvpush.connector.worker.push_state import PushTimeline
 from kvpush.observability import get_logger
 
@@ -45,7 +39,8 @@ if TYPE_CHECKING:
 
 _log = get_logger("connector.scheduler.prefill")
 
-# Keys of the push timeline the workers report (PushTimeline.as_dict, combined over ranks).
+# Keys of the push timeline the workers report (PushTimeline.as_dict, combined over ranks): every response's push
+# timeline has them all, None until known.
 _TIMELINE_KEYS = tuple(PushTimeline().as_dict())
 
 
@@ -61,7 +56,23 @@ class _TrackedPrefill:
     block_ids: list[int] = field(default_factory=list)  # the request's blocks, as of this step
     sends_first_token: bool = False  # first_token_from_prefill: DONE carries the token sampled after the prompt
     plan_in_flight: bool = False  # the leg came before its PlanTransfer returned: readiness says so
-    timeline: dict[str, object] = field(default_factory=dict)
+    # The response's push timeline, as far as this half measured it: its first chunk (when, and how many prompt
+    # tokens came from this engine's prefix cache), and the workers' timelines combined over ranks.
+    prefill_start_time: float | None = None
+    cached_token_count: int = 0
+    push: TimelineReport | None = None
+
+    def response_timeline(self, finished_time: float) -> dict[str, object]:
+        """The response's push timeline (kv_transfer_params.push_timeline): the JSON users see."""
+        # Every key the workers may fill is present from the start, so a late merge never resizes the dict.
+        timeline: dict[str, object] = {key: None for key in _TIMELINE_KEYS}
+        if self.push is not None:
+            timeline.update(self.push.json_fields())
+        if self.chunks_sent:
+            timeline.update(prefill_start_time=self.prefill_start_time, cached_token_count=self.cached_token_count,
+                            chunk_count=self.chunks_sent)
+        timeline["request_finished_time"] = finished_time
+        return timeline
 
 
 class PrefillScheduler:
@@ -79,7 +90,7 @@ class PrefillScheduler:
         self._newly_held: list[str] = []
         self._newly_held_first_tokens: dict[str, int] = {}
         # Each rank's latest push timeline of a request, until its blocks are released.
-        self._rank_timelines: dict[str, dict[int, dict[str, object]]] = {}
+        self._rank_timelines: dict[str, dict[int, TimelineReport]] = {}
         # post_after_output, where the worker half shares this process (output_signal): the steps built, and those
         # whose output was processed (vLLM processes each built step once, in order), and the worker's callback.
         self._step_seq = 0
@@ -181,10 +192,9 @@ class PrefillScheduler:
                 plan_in_flight=tracked.plan_in_flight,
             ))
             if tracked.chunks_sent == 0:
-                tracked.timeline["prefill_start_time"] = now
-                tracked.timeline["cached_token_count"] = token_start
+                tracked.prefill_start_time = now
+                tracked.cached_token_count = token_start
             tracked.chunks_sent += 1
-            tracked.timeline["chunk_count"] = tracked.chunks_sent
 
     # Any: vLLM's request_finished returns the response's kv_transfer_params as dict[str, Any].
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -192,10 +202,7 @@ class PrefillScheduler:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
-        tracked.timeline["request_finished_time"] = time.time()
-        # Every key the workers may fill is present from the start, so a late merge never resizes the dict.
-        timeline: dict[str, object] = {key: None for key in _TIMELINE_KEYS}
-        timeline.update(tracked.timeline)
+        timeline = tracked.response_timeline(time.time())
         params = transfer_params.prefill_response_params(tracked.transfer_id, timeline)
         if tracked.chunks_sent == 0:
             # Nothing ever reached the workers: no write can read these blocks. The transfer ends by its TTL
@@ -221,15 +228,15 @@ class PrefillScheduler:
                 if request_id not in self._tracked and request_id not in self._held:
                     continue  # released already: a late snapshot changes no response
                 ranks = self._rank_timelines.setdefault(request_id, {})
-                for rank, timeline in by_rank.items():
-                    update_snapshot(ranks.setdefault(rank, {}), timeline)
-                combined = combine_rank_timelines(ranks)
+                for rank, report in by_rank.items():
+                    ranks.setdefault(rank, TimelineReport()).update(report)
+                combined = combine_ranks(ranks)
                 tracked = self._tracked.get(request_id)
                 if tracked is not None:
-                    tracked.timeline.update(combined)
+                    tracked.push = combined
                 response_timeline = self._response_timelines.get(request_id)
                 if response_timeline is not None:
-                    response_timeline.update(combined)
+                    response_timeline.update(combined.json_fields())
         # Only the step that finished a request can still change its response; later timelines are logged.
         self._response_timelines.clear()
         for request_id in connector_output.finished_sending or ():

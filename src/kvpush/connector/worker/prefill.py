@@ -58,7 +58,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvpush.api.outcome import PushOutcome, PushStop, StopCause
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, PrefillChunk
+from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, PrefillChunk, TimelineReport
 from kvpush.connector.outcome import write_result_status
 from kvpush.connector.tracing import TransferSpan
 from kvpush.connector.worker.ports import OwnerLoop, PostGuard, PrefillDirectory, PushTransportPort, ReadyEvent
@@ -331,14 +331,12 @@ class PrefillWorker:
         self._read_outbox(0.0)
         if not self._timelines and not self._prefill_ends:
             return None
-        timelines = {request_id: timeline.as_dict() for request_id, timeline in self._timelines.items()}
+        reports = {request_id: TimelineReport(timeline.summary()) for request_id, timeline in self._timelines.items()}
         for request_id, end_time in self._prefill_ends.items():
-            timeline = timelines.setdefault(request_id, {})
-            if timeline.get("prefill_end_time") is None:
-                timeline["prefill_end_time"] = end_time
+            reports.setdefault(request_id, TimelineReport()).hook_prefill_end_time = end_time
         self._timelines, self._prefill_ends = {}, {}
-        return KVPushWorkerMetadata(timelines={request_id: {self._tp_rank: timeline}
-                                               for request_id, timeline in timelines.items()})
+        return KVPushWorkerMetadata(timelines={request_id: {self._tp_rank: report}
+                                               for request_id, report in reports.items()})
 
     def has_live_transfers(self) -> bool:
         """True while a transfer of this worker has not been released (engine thread)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvpush.api.outcome import PUSH_ACTIVE, PushOutcome, PushStop, StopCause
 
@@ -47,8 +46,8 @@ class PushTimeline:
 
     One write is one layer's blocks of one chunk, so a prompt prefilled in N chunks makes up to N writes
     per layer. Every count is of landed writes; sums are over them. It becomes the rank's TransferTiming
-    (`prefill.timing_proto`) and the response's push timeline (`as_dict`, combined over ranks by
-    `metadata.combine_rank_timelines`).
+    (`prefill.timing_proto`) and, carried as it is in worker metadata (`metadata.TimelineReport`) and combined
+    over ranks by the scheduler half, the response's push timeline (`TimelineReport.json_fields`).
     """
 
     first_write_start_time: float | None = None   # earliest post of a landed write
@@ -69,8 +68,8 @@ class PushTimeline:
     layer_write_post_times: dict[int, float] = field(default_factory=dict, repr=False)
     settled: bool = False                         # True in the one timeline published when the push was settled
 
-    def as_dict(self) -> dict[str, Any]:
-        """Plain values for worker metadata and the response's kv_transfer_params (no per-write list)."""
+    def as_dict(self) -> dict[str, TimelineValue]:
+        """Plain values (no per-write or per-layer detail): a span's attributes, a log line's fields."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _PER_WRITE}
 
     def snapshot(self) -> PushTimeline:
@@ -78,9 +77,16 @@ class PushTimeline:
         return dataclasses.replace(self, write_end_times=[], layer_write_end_times=dict(self.layer_write_end_times),
                                    layer_write_post_times=dict(self.layer_write_post_times))
 
+    def summary(self) -> PushTimeline:
+        """A copy without the per-write and per-layer detail (those go to the directory, in the rank's
+        TransferTiming): what worker metadata carries to the scheduler for the response."""
+        return dataclasses.replace(self, write_end_times=[], layer_write_end_times={}, layer_write_post_times={})
+
 
 # Per-write and per-layer detail: in the rank's TransferTiming, not in the response's push timeline.
 _PER_WRITE = ("write_end_times", "layer_write_end_times", "layer_write_post_times")
+# A push timeline's plain values (as_dict).
+TimelineValue = float | int | str | bool | None
 
 
 class PushTransfer:
