@@ -14,9 +14,9 @@ import time
 
 import structlog.testing
 
+from kvpush.api.outcome import PushOutcome
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, PrefillChunk
-from kvpush.api.outcome import PushOutcome
 from kvpush.connector.worker.prefill import PrefillWorker
 from kvpush.connector.worker.transport import WriteDone, WriterQuiet
 from kvpush.dataplane.agent import TransferAgent
@@ -329,7 +329,7 @@ def test_a_gpu_steps_layers_after_its_first_reach_the_owner_in_one_post_at_wait_
     assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1), (0, 3)]
     # The next step starts with nothing held.
     worker.begin_step(_step(40))
-    assert worker._held_layers == []
+    assert worker.post_policy.held_layer_count == 0
 
 
 def test_held_layers_of_a_step_without_wait_for_save_go_before_the_next_steps():
@@ -346,7 +346,7 @@ def test_held_layers_of_a_step_without_wait_for_save_go_before_the_next_steps():
     assert [layer for layer, *_ in transport.writes] == [0, 1]
     assert [event for _, _, _, event, _ in transport.writes] == worker.recorded_events
     assert [(e.layer_start, e.layer_end) for e in directory.session.ready] == [(0, 1)]
-    assert worker._held_layers == []
+    assert worker.post_policy.held_layer_count == 0
 
 
 def test_while_the_gpu_is_behind_each_layer_goes_at_once_and_once_it_caught_up_later_layers_are_held():
@@ -359,7 +359,7 @@ def test_while_the_gpu_is_behind_each_layer_goes_at_once_and_once_it_caught_up_l
     worker.on_instruction(_instruction(40))
     worker.save_kv_layer(LAYERS[0])
     worker.save_kv_layer(LAYERS[1])  # behind: goes at once, with its own event
-    assert len(loop.posted) == 4 and worker._held_layers == []
+    assert len(loop.posted) == 4 and worker.post_policy.held_layer_count == 0
     loop.run()
     assert [layer for layer, *_ in transport.writes] == [0, 1]
     assert [event for _, _, _, event, _ in transport.writes] == worker.recorded_events
@@ -489,7 +489,7 @@ def test_layers_whose_hook_did_not_run_are_saved_at_wait_for_save():
     assert len(transport.watched) == 1, "the last layer's event must be watched for prefill's end"
     # The next step starts with no layer saved.
     worker.begin_step(_step(40))
-    assert worker._saved_this_step == set()
+    assert worker.post_policy.saved_layer_count == 0
 
 
 def test_a_step_without_chunks_saves_nothing_at_wait_for_save():
@@ -551,7 +551,8 @@ def test_a_rejection_that_says_the_transfer_is_gone_stops_it():
 
 
 def test_writes_are_posted_only_under_the_lease_their_instruction_came_with():
-    """Each write carries a post guard: it allows posting while the lease holds, refuses once it lapsed or was replaced."""
+    """Each write carries a post guard: it allows posting while the lease holds, refuses once it lapsed or was
+    replaced."""
     from kvpush.client.lease import EngineRegistration
 
     worker, transport, directory, loop = _worker()
@@ -617,7 +618,8 @@ def test_readiness_of_a_leg_sent_before_its_plan_says_so_and_a_cancellation_befo
 
 
 def _announcement(agent: str) -> dpb.PeerAnnouncement:
-    return dpb.PeerAnnouncement(decode_engine_id="d", decode_agent_name=agent, decode_agent_metadata=b"md-" + agent.encode())
+    return dpb.PeerAnnouncement(decode_engine_id="d", decode_agent_name=agent,
+                                decode_agent_metadata=b"md-" + agent.encode())
 
 
 def test_an_announced_peer_is_loaded_by_the_owner_and_a_refused_one_only_logged():

@@ -22,15 +22,15 @@ Life cycle of one transfer on a prefill worker:
      CUDA event is recorded on the forward's stream here (every write of that layer waits for the layer's
      latest event, so nothing is read before the kernel wrote it). The owner marks the layer ready for
      the step's chunks, sends the transfer's very first readiness to the directory at once (so the
-     instruction comes back while later layers compute) and submits the writes that became possible. On GPU
-     (`batch_layer_posts`) a step's first LayerSaved is posted from its hook; a later one is held while the
-     previous layer's event has completed (the GPU keeps up with the host, so the forward is bound by its
-     launches and a post would take the GIL from them) and goes with the step's StepSaved in one post; while the
-     GPU is behind, the layer and any held before it are posted at once. With `post_after_output`, where the
-     scheduler half shares this process (output_signal), the first layer is held too, and a step that posted
-     nothing while it ran is applied by the owner only once its output was processed (`output_left`, plus
-     output_grace_s; max_output_wait_s at the latest): NIXL's transfer() holds the GIL for the whole post, so
-     the sampled token leaves first.
+     instruction comes back while later layers compute) and submits the writes that became possible. Which saved
+     layers are posted when is `PostPolicy`'s decision (post_policy.py). On GPU (`batch_layer_posts`) a step's
+     first LayerSaved is posted from its hook; a later one is held while the previous layer's event has completed
+     (the GPU keeps up with the host, so the forward is bound by its launches and a post would take the GIL from
+     them) and goes with the step's StepSaved in one post; while the GPU is behind, the layer and any held before
+     it are posted at once. With `post_after_output`, where the scheduler half shares this process
+     (output_signal), the first layer is held too, and a step that posted nothing while it ran is applied by the
+     owner only once its output was processed (`output_left`, plus output_grace_s; max_output_wait_s at the latest:
+     `DeferredSteps`): NIXL's transfer() holds the GIL for the whole post, so the sampled token leaves first.
   4. The directory's `PushInstruction` (one per transfer, covers every layer) -> the owner submits the
      backlog of ready layers, each behind its own layer's event; later layers go out as they are saved.
   5. `wait_for_save` -> `StepSaved`: the step's readiness batch is queued to the directory.
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import queue
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,10 +57,11 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvpush.api.outcome import PushOutcome, PushStop, StopCause
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, PrefillChunk, TimelineReport
+from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, TimelineReport
 from kvpush.connector.outcome import write_result_status
 from kvpush.connector.tracing import TransferSpan
 from kvpush.connector.worker.ports import OwnerLoop, PostGuard, PrefillDirectory, PushTransportPort, ReadyEvent
+from kvpush.connector.worker.post_policy import DeferredStep, DeferredSteps, PostPolicy
 from kvpush.connector.worker.push_machine import (
     Instruction,
     LayerSaved,
@@ -130,23 +130,9 @@ class PrefillWorker:
         # Engine thread only: what the hooks saw.
         self._last_layer = len(layer_names) - 1
         self._step_has_chunks = False
-        self._saved_this_step: set[int] = set()  # layers whose save_kv_layer ran in the current step
-        # GPU (config.batch_layer_posts): layers after a step's first that are saved while the GPU keeps up with the
-        # host are held, (layer, saved at) with no event of their own, until a layer goes at once or wait_for_save.
-        self._batch_layer_posts = on_gpu and config.batch_layer_posts
-        self._held_layers: list[tuple[int, float]] = []
-        # The GPU's progress: the latest event recorded in this step, and the layer whose hook queries it next (see
-        # _holds); the stride between probes grows while the GPU keeps up. A step's first layer, always posted at
-        # once, sets all three.
-        self._probe_event: ReadyEvent | None = None
-        self._next_probe_layer = 0
-        self._probe_stride = 1
-        # post_after_output (set by defers_to_output): a step that posted nothing while it ran hands its layers to
-        # the owner at wait_for_save to apply once the step's output left (output_left); its seq waits here.
-        self._defers_to_output = False
-        self._step_seq = 0
-        self._posted_this_step = False
-        self._deferred_seqs: deque[int] = deque()
+        # Which saved layers are posted now, held, or deferred to the step's output (GPU: config.batch_layer_posts).
+        self.post_policy = PostPolicy(len(layer_names), on_gpu and config.batch_layer_posts,
+                                      self._record_ready_event, self._is_computed)
         self._step_last_chunks: list[str] = []  # requests whose prompt this step's forward completes
         self._prefill_ends: dict[str, float] = {}  # CPU: request -> when its last layer was saved
         self._empty_step = False  # this step schedules no tokens and follows one that scheduled none either
@@ -202,8 +188,7 @@ class PrefillWorker:
     def defers_to_output(self) -> bool:
         """Caller: the prefill scheduler half of this engine, in this process (output_signal), once. From now on
         launch-bound steps push after their output left (ConnectorConfig.post_after_output); True if they can."""
-        self._defers_to_output = self._batch_layer_posts
-        return self._defers_to_output
+        return self.post_policy.defer_to_output()
 
     def output_left(self, step_seq: int) -> None:
         """Caller: engine thread, update_from_output's last connector call: step `step_seq`'s sampled tokens go
@@ -211,10 +196,8 @@ class PrefillWorker:
 
         Blocks: never (one post, only when a deferred step waits). Failure: none.
         """
-        if not self._deferred_seqs or self._deferred_seqs[0] > step_seq:
+        if not self.post_policy.output_left(step_seq):
             return
-        while self._deferred_seqs and self._deferred_seqs[0] <= step_seq:
-            self._deferred_seqs.popleft()
         left_at = time.monotonic()
         self._post(lambda: self.owner.output_left(step_seq, left_at))
 
@@ -223,16 +206,11 @@ class PrefillWorker:
 
         Blocks: never (posts StepStarted). Failure: bad chunks fail their transfer on the owner.
         """
-        if self._held_layers:
-            # A step that ended without wait_for_save: the layers it saved go before this step's, with no StepSaved
-            # (that would announce every layer ready, the ones it never saved too), behind an event recorded now,
-            # after that step's whole forward was enqueued.
-            held = self._held_messages(self._record_ready_event())
-            self._post(lambda: self.owner.layers_saved(held))
-        self._step_seq = meta.step_seq
-        self._posted_this_step = False
+        leftover = self.post_policy.begin_step(meta.step_seq)
+        if leftover:
+            # A step that ended without wait_for_save: the layers it saved go before this step's.
+            self._post(lambda: self.owner.layers_saved(leftover))
         self._step_has_chunks = bool(meta.prefill_chunks)
-        self._saved_this_step = set()
         self._step_last_chunks = [chunk.request_id for chunk in meta.prefill_chunks if chunk.is_last]
         # Only an empty step after an empty step may wait: with async scheduling vLLM's engine core submits the
         # next step before it emits a forward's tokens, and where the worker runs in the engine core's process
@@ -248,7 +226,8 @@ class PrefillWorker:
         """Caller: forward thread, after a layer's attention wrote its KV, once per layer per step.
 
         Blocks: never: records a CUDA event (GPU) on the forward's stream and posts LayerSaved, or holds the layer
-        (see _holds). Failure: none here; the owner fails a transfer whose writes cannot be planned or posted.
+        (post_policy.PostPolicy). Failure: none here; the owner fails a transfer whose writes cannot be planned or
+        posted.
         """
         if not self._step_has_chunks:
             return
@@ -256,25 +235,15 @@ class PrefillWorker:
         if layer is None:
             return
         saved_at = time.time()
-        self._saved_this_step.add(layer)
-        if self._batch_layer_posts and len(self._saved_this_step) > 1 and self._holds(layer):
-            self._held_layers.append((layer, saved_at))
-            return
-        event = self._record_ready_event()
-        self._probe_event, self._next_probe_layer, self._probe_stride = event, layer + 1, 1
-        if self._defers_to_output and len(self._saved_this_step) == 1:
-            # The first layer is held too: its event is the first probe; a layer saved while the GPU is behind
-            # posts it with the others, else the whole step goes with its output (output_left).
-            self._held_layers.append((layer, saved_at))
-            return
-        self._posted_this_step = True
-        message = LayerSaved(layer, event, saved_at)
-        if self._held_layers:
-            held = self._held_messages(event) + [message]  # the event recorded now covers the held layers too
-            self._post(lambda: self.owner.layers_saved(held))
-        else:
+        messages = self.post_policy.layer_saved(layer, saved_at)
+        if not messages:
+            return  # held
+        if len(messages) == 1:
+            message = messages[0]
             self._post(lambda: self.owner.layer_saved(message))
-        if layer == self._last_layer and event is None:
+        else:
+            self._post(lambda: self.owner.layers_saved(messages))
+        if layer == self._last_layer and messages[-1].event is None:
             # CPU: prefill ended now. The step's timeline says so even if the owner has not caught up when this
             # step's worker metadata is built (the request's response is built in this step).
             for request_id in self._step_last_chunks:
@@ -289,21 +258,16 @@ class PrefillWorker:
         """
         if not self._step_has_chunks:
             return
-        now = time.time()
-        self._held_layers += [(layer, now) for layer in range(self._last_layer + 1)
-                              if layer not in self._saved_this_step]
         # One event, recorded after the whole forward was enqueued, covers every held layer.
-        held = self._held_messages(self._record_ready_event()) if self._held_layers else []
+        end = self.post_policy.step_saved(time.time())
         self._step_has_chunks = False
-        self._saved_this_step = set()
-        if self._defers_to_output and not self._posted_this_step:
-            # The GPU kept up throughout: a launch-bound step, whose sampled token is next on this thread. Its
-            # push waits for that token to leave (output_left) rather than take the GIL from the sampling.
-            step_seq = self._step_seq
-            self._deferred_seqs.append(step_seq)
-            self._post(lambda: self.owner.defer_step(step_seq, held, StepSaved()))
+        step_seq = end.deferred_step_seq
+        if step_seq is not None:
+            # A launch-bound step, whose sampled token is next on this thread: its push waits for that token to
+            # leave (output_left) rather than take the GIL from the sampling.
+            self._post(lambda: self.owner.defer_step(step_seq, end.layers))
             return
-        self._post(lambda: self.owner.layers_saved(held, StepSaved()))
+        self._post(lambda: self.owner.layers_saved(end.layers, StepSaved()))
 
     def get_finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Caller: engine thread, get_finished. Requests whose held blocks may be freed now, each once.
@@ -344,28 +308,6 @@ class PrefillWorker:
 
     # ---------------------------------------------------------------- engine-thread internals
 
-    def _holds(self, layer: int) -> bool:
-        """Whether a layer after the step's first is held: while the GPU keeps up with the host.
-
-        Then the forward is bound by its kernel launches, and each CUDA call in a hook lets the connector's other
-        threads take the GIL from those launches, as does each post (it wakes the I/O thread): on the H200 a
-        512-token forward of 32 layers took 9 ms longer with an event per layer. So the GPU is probed at strides
-        growing 4x while it keeps up (layers 1, 5, 21), and other held layers record nothing. Each probe queries an
-        event recorded one layer earlier, whatever the stride: an event 16 layers old is complete whenever the GPU
-        lags less than 16 layers, and on the H200 such reads held 8,192-token prompts' last 10 layers to the end
-        (an 11 ms tail). While the GPU is behind (a long forward) the host has time to spare: the layer goes at
-        once, behind its own event, and its write starts as soon as its kernel is done.
-        """
-        if layer < self._next_probe_layer:
-            if layer + 1 == self._next_probe_layer <= self._last_layer:
-                self._probe_event = self._record_ready_event()
-            return True
-        if not self._is_computed(self._probe_event):
-            return False
-        self._probe_stride *= 4
-        self._next_probe_layer = layer + self._probe_stride
-        return True
-
     def _read_outbox(self, wait_s: float) -> None:
         try:
             item = self._outbox.get(timeout=wait_s) if wait_s > 0 else self._outbox.get_nowait()
@@ -382,11 +324,6 @@ class PrefillWorker:
             except queue.Empty:
                 return
 
-    def _held_messages(self, event: ReadyEvent | None) -> list[LayerSaved]:
-        """The held layers, in order, behind `event`; none held afterwards."""
-        held, self._held_layers = sorted(self._held_layers), []
-        return [LayerSaved(layer, event, saved_at) for layer, saved_at in held]
-
     @staticmethod
     def _is_computed(event: ReadyEvent | None) -> bool:
         return event is None or bool(event.query())  # cudaEventQuery: never blocks
@@ -400,17 +337,6 @@ class PrefillWorker:
         event.record()
         ready: ReadyEvent = event
         return ready
-
-
-@dataclass(slots=True)
-class _DeferredStep:
-    """A launch-bound step's layers, applied once its output left (+ output_grace_s) or at `due` at the latest."""
-
-    step_seq: int
-    chunks: list[PrefillChunk]
-    layers: list[LayerSaved]
-    step: StepSaved
-    due: float  # monotonic
 
 
 class PushOwner:
@@ -434,7 +360,7 @@ class PushOwner:
         self._pending_ready: list[dpb.LayerReady] = []
         self._next_bound_check = 0.0
         self._step_gap = StepGapWatch(_log)  # where the engine is when its steps stop while pushes wait
-        self._deferred: deque[_DeferredStep] = deque()  # post_after_output, oldest first
+        self._deferred = DeferredSteps(config.output_grace_s, config.max_output_wait_s)  # post_after_output
 
     @property
     def book(self) -> PushBook:
@@ -450,7 +376,8 @@ class PushOwner:
         self._step_gap.stepped(now)
         # Deferred steps go first: those whose output left, and every one when this step changes what they
         # cover (a later chunk of their prompt, a hold, a preemption that frees their blocks).
-        self._apply_deferred(now, every=bool(meta.prefill_chunks or meta.held_prefills or meta.preempted))
+        self._apply_deferred(self._deferred.take_due(now, every=bool(meta.prefill_chunks or meta.held_prefills
+                                                                      or meta.preempted)), now)
         traceparents: dict[str, str] = {}
         for chunk in meta.prefill_chunks:
             if self._book.opens(chunk):
@@ -475,22 +402,20 @@ class PushOwner:
         """The step's held layers, in order, then its end when it had one (wait_for_save's one post)."""
         self._deliver(self._book.layers_saved(layers, step is not None, time.monotonic()))
 
-    def defer_step(self, step_seq: int, layers: list[LayerSaved], step: StepSaved) -> None:
-        """A launch-bound step ended (post_after_output): keep its layers until its output left."""
-        self._deferred.append(_DeferredStep(step_seq, self._book.take_step_chunks(), layers, step,
-                                            due=time.monotonic() + self._config.max_output_wait_s))
+    def defer_step(self, step_seq: int, layers: list[LayerSaved]) -> None:
+        """A launch-bound step ended (post_after_output): keep its layers, and its StepSaved, until its output
+        left."""
+        self._deferred.defer(step_seq, self._book.take_step_chunks(), layers, time.monotonic())
 
     def output_left(self, step_seq: int, left_at: float) -> None:
         """Steps up to `step_seq` had their output processed at `left_at`: apply them output_grace_s later."""
-        for deferred in self._deferred:
-            if deferred.step_seq <= step_seq:
-                deferred.due = min(deferred.due, left_at + self._config.output_grace_s)
-        self._apply_deferred(time.monotonic())
+        self._deferred.output_left(step_seq, left_at)
+        now = time.monotonic()
+        self._apply_deferred(self._deferred.take_due(now), now)
 
-    def _apply_deferred(self, now: float, every: bool = False) -> None:
-        """Apply deferred steps that are due (or all), oldest first, each with its own chunks."""
-        while self._deferred and (every or self._deferred[0].due <= now):
-            deferred = self._deferred.popleft()
+    def _apply_deferred(self, steps: list[DeferredStep], now: float) -> None:
+        """Apply deferred steps, oldest first, each with its own chunks."""
+        for deferred in steps:
             self._deliver(self._book.apply_deferred(deferred.chunks, deferred.layers, now))
 
     def step_saved(self, message: StepSaved) -> None:
@@ -557,7 +482,7 @@ class PushOwner:
         met to within the loop's idle wake-up (notif_poll_s).
         """
         if self._deferred:
-            self._apply_deferred(now)
+            self._apply_deferred(self._deferred.take_due(now), now)
         self._deliver(self._book.publish_changed_timelines())
         if now >= self._next_bound_check:
             self._next_bound_check = now + _BOUND_CHECK_S
