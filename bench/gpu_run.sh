@@ -55,6 +55,9 @@ fi
 # Which kvpush runs: the installed one, never the checkout (recorded beside the results).
 (cd /tmp && python3 -c "import kvpush, kvpush.connector; print(kvpush.__file__, kvpush.connector.__file__)") > "$out/kvpush-path.txt" 2>&1
 command=$1; shift
+# `profile` is bench/gpu_profile.py (the prefill engine's CUPTI trace); every other command is gpu_e2e.py's.
+script=gpu_e2e.py
+[ "$command" = profile ] && script=gpu_profile.py
 log_dir=/tmp/kvpush-gpu-logs/$command-$(date +%H%M%S)
 cd /tmp
 status=0
@@ -62,7 +65,7 @@ status=0
 # parent waiting forever (../shared/gpu/README.md).
 # KVPUSH_GPU_LAUNCHER: words put before python3, e.g. a profiler (bench/gpu_nsys.sh runs it under nsys).
 # shellcheck disable=SC2086
-timeout "${KVPUSH_GPU_TIMEOUT_S:-560}" ${KVPUSH_GPU_LAUNCHER:-} python3 "$repo/bench/gpu_e2e.py" "$command" --log-dir "$log_dir" "$@" \
+timeout "${KVPUSH_GPU_TIMEOUT_S:-560}" ${KVPUSH_GPU_LAUNCHER:-} python3 "$repo/bench/$script" "$command" --log-dir "$log_dir" "$@" \
   > "$out/$command${KVPUSH_GPU_TAG:-}.log" 2>&1 || status=$?
 grep -v "waiting [0-9]* s\|Writing model shards" "$out/$command${KVPUSH_GPU_TAG:-}.log" | tail -40
 echo "exit $status; engine logs in $log_dir"

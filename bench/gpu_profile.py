@@ -1,0 +1,203 @@
+"""Where the prefill engine's NIXL copies run next to its forward: a CUPTI trace of long prefills with pushes.
+
+On the GPU machine, through bench/gpu_run.sh (it installs the wheel set and kvpush): starts gpu_e2e's kvpush stack
+with the prefill engine's torch profiler on (vLLM's --profiler-config; CUPTI records every kernel and copy of that
+process, UCX's `cuda_ipc` copies included), sends warm-up prompts, then profiles a few prompts of each length and
+summarises the trace: for each device-to-device copy, its stream, when its driver call was made (enqueued), when
+it ran and for how long, and how much of the wait the forward's kernels filled; with each transfer's push timing
+from the directory (layers landed before the prefill's end, exposed tail).
+
+    KVPUSH_GPU_TIMEOUT_S=400 bash bench/gpu_run.sh profile --lengths 4096,8192 --kv-cache-gib 7
+
+(`gpu_run.sh profile` runs this file in place of gpu_e2e.py: see there.) Writes $OUT/gpu_profile.json.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import gpu_e2e  # bench/, this script's folder
+
+PROFILE_DIR = Path("/tmp/kvpush-torch-profile")
+WINDOW_GAP_US = 500.0
+
+
+def _dist(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {"count": len(ordered), "min": round(ordered[0], 3), "p50": round(statistics.median(ordered), 3),
+            "p90": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 3), "max": round(ordered[-1], 3)}
+
+
+def _busy(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    covered, cursor = 0.0, start
+    for a, b in intervals:
+        if b <= cursor or a >= end:
+            continue
+        a, b = max(a, cursor), min(b, end)
+        if b > a:
+            covered += b - a
+            cursor = b
+    return covered
+
+
+def summarise_trace(path: Path) -> dict[str, Any]:
+    """The copies of a Kineto trace against its kernels (module docstring)."""
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as f:
+        trace = json.load(f)
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels: list[tuple[float, float, int]] = []
+    copies: list[dict[str, Any]] = []
+    calls: dict[int, dict[str, Any]] = {}
+    categories: dict[str, int] = defaultdict(int)
+    for e in events:
+        cat = e.get("cat", "")
+        categories[cat] += 1
+        args = e.get("args", {})
+        if cat == "kernel":
+            kernels.append((e["ts"], e["ts"] + e.get("dur", 0), args.get("stream", -1)))
+        elif cat == "gpu_memcpy":
+            copies.append({"name": e.get("name"), "ts": e["ts"], "dur": e.get("dur", 0),
+                           "stream": args.get("stream", -1), "bytes": args.get("bytes"),
+                           "correlation": args.get("correlation")})
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
+            calls[args["correlation"]] = {"name": e.get("name"), "ts": e["ts"], "tid": e.get("tid")}
+    device_copies = [c for c in copies if "DtoD" in (c["name"] or "") or "PtoP" in (c["name"] or "")
+                     or "Peer" in (c["name"] or "")]
+    copy_streams = {c["stream"] for c in device_copies}
+    forward = sorted((a, b) for a, b, s in kernels if s not in copy_streams)
+    windows: list[list[float]] = []
+    for a, b in forward:
+        if windows and a - windows[-1][1] <= WINDOW_GAP_US:
+            windows[-1][1] = max(windows[-1][1], b)
+        else:
+            windows.append([a, b])
+    rows = []
+    for c in sorted(device_copies, key=lambda c: c["ts"]):
+        call = calls.get(c["correlation"])
+        window = next((w for w in windows if w[0] <= c["ts"] <= w[1]), None)
+        row = {"name": c["name"], "stream": c["stream"], "bytes": c["bytes"], "run_us": c["dur"],
+               "api": call["name"] if call else None, "api_tid": call["tid"] if call else None,
+               "inside_forward": window is not None,
+               "forward_end_minus_copy_end_us": (window[1] - c["ts"] - c["dur"]) if window else None}
+        if call:
+            row["wait_us"] = c["ts"] - call["ts"]
+            row["forward_busy_during_wait_us"] = _busy(forward, call["ts"], c["ts"])
+            row["enqueued_inside_forward"] = any(w[0] <= call["ts"] <= w[1] for w in windows)
+        row["forward_busy_during_run_us"] = _busy(forward, c["ts"], c["ts"] + c["dur"])
+        rows.append(row)
+    long_windows = [w for w in windows if w[1] - w[0] > 20_000]
+    return {
+        "trace": path.name, "categories": dict(categories), "kernels": len(kernels),
+        "kernel_streams": sorted({s for _, _, s in kernels}), "copy_streams": sorted(copy_streams),
+        "copy_names": sorted({c["name"] for c in copies}),
+        "device_copies": len(rows),
+        "wait_us": _dist([r["wait_us"] for r in rows if "wait_us" in r]),
+        "run_us": _dist([r["run_us"] for r in rows]),
+        "forward_busy_during_wait_us": _dist([r["forward_busy_during_wait_us"] for r in rows
+                                              if "forward_busy_during_wait_us" in r]),
+        "forward_busy_during_run_us": _dist([r["forward_busy_during_run_us"] for r in rows]),
+        "enqueued_inside_forward": sum(bool(r.get("enqueued_inside_forward")) for r in rows),
+        "ran_inside_forward": sum(r["inside_forward"] for r in rows),
+        "forward_windows_over_20ms": [{"start_us": w[0], "ms": round((w[1] - w[0]) / 1e3, 2)} for w in long_windows],
+        "copies": rows[:400],
+    }
+
+
+def run_profile(args: Any) -> int:
+    config = gpu_e2e.preset_config(args.preset)
+    model_dir = gpu_e2e.ensure_shaped_model(args.preset)
+    log_dir = Path(args.log_dir or "/tmp/kvpush-gpu-profile-logs")
+    stack = gpu_e2e.Stack(args, model_dir, log_dir)
+    profiler_config = json.dumps({"profiler": "torch", "torch_profiler_dir": str(PROFILE_DIR),
+                                  "torch_profiler_with_stack": False, "ignore_frontend": True,
+                                  "torch_profiler_dump_cuda_time_total": False})
+    spec = stack._spec
+
+    def prefill_with_profiler(name: str, *a: Any, **kw: Any) -> Any:
+        built = spec(name, *a, **kw)
+        if name == "prefill":
+            built.extra_args = [*built.extra_args, "--profiler-config", profiler_config]
+        return built
+
+    stack._spec = prefill_with_profiler  # type: ignore[method-assign]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    report: dict[str, Any] = {"bench": "gpu_profile", "preset": args.preset, "lengths": lengths, "transfers": []}
+    try:
+        stack.start("kvpush-first-token", with_colocated=False)
+        prefill_url = stack.engines["prefill"].url
+        for i, length in enumerate(lengths * 2):  # warm-up: every shape compiled before the profile
+            stack.tokens(stack.gateway.url, gpu_e2e.prompt_of(length, seed=500 + i, vocab=config["vocab_size"]), 4)
+        gpu_e2e.call("POST", prefill_url + "/start_profile", {}, timeout_s=60)
+        ids = []
+        for i, length in enumerate(lengths * args.repeats):
+            prompt = gpu_e2e.prompt_of(length, seed=900 + i, vocab=config["vocab_size"])
+            _, transfer_id = stack.tokens(stack.gateway.url, prompt, 4)
+            ids.append((length, transfer_id))
+            time.sleep(0.3)
+        gpu_e2e.call("POST", prefill_url + "/stop_profile", {}, timeout_s=180)
+        layers = config["num_hidden_layers"]
+        for length, transfer_id in ids:
+            record = stack.transfer(transfer_id)
+            report["transfers"].append({"prompt_tokens": length, "transfer_id": transfer_id,
+                                        "push": gpu_e2e.push_timing(record, layers)})
+    finally:
+        stack.stop()
+    deadline = time.monotonic() + 120
+    traces: list[Path] = []
+    while time.monotonic() < deadline:
+        traces = sorted(PROFILE_DIR.rglob("*.pt.trace.json*"))
+        if traces:
+            break
+        time.sleep(2)
+    report["trace_files"] = [str(t) for t in traces]
+    report["traces"] = [summarise_trace(t) for t in traces]
+    out = gpu_e2e.out_dir() / f"gpu_profile{args.tag}.json"
+    out.write_text(json.dumps(report, indent=1))
+    for t in report["traces"]:
+        gpu_e2e.say(json.dumps({k: t[k] for k in ("trace", "kernels", "kernel_streams", "copy_streams", "copy_names",
+                                                  "device_copies", "wait_us", "run_us", "forward_busy_during_wait_us",
+                                                  "forward_busy_during_run_us", "enqueued_inside_forward",
+                                                  "ran_inside_forward")}))
+    for entry in report["transfers"]:
+        push = entry["push"] or {}
+        gpu_e2e.say(f"{entry['prompt_tokens']} tokens: layers before prefill end "
+                    f"{push.get('layers_before_prefill_end')}/{push.get('layer_count')}, exposed tail "
+                    f"{push.get('exposed_tail_ms')} ms")
+    gpu_e2e.say(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    # gpu_e2e's parser and stack, its hops flags; --lengths / --repeats are this file's.
+    lengths, repeats, rest = "4096,8192", 2, []
+    i = 1 if argv[:1] == ["profile"] else 0  # gpu_run.sh passes its command first
+    while i < len(argv):
+        if argv[i] == "--lengths":
+            lengths = argv[i + 1]
+            i += 2
+        elif argv[i] == "--repeats":
+            repeats = int(argv[i + 1])
+            i += 2
+        else:
+            rest.append(argv[i])
+            i += 1
+
+    def run(args: Any) -> int:
+        args.lengths, args.repeats = lengths, repeats
+        return run_profile(args)
+
+    gpu_e2e.run_hops = run  # main() dispatches by name at call time
+    return gpu_e2e.main(["hops", *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
