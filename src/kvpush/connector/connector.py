@@ -4,10 +4,10 @@ vLLM builds one instance with role SCHEDULER in the EngineCore process and one w
 each worker process (`kv_connector="KVPushConnector"`, `kv_connector_module_path="kvpush.connector"`).
 kv_role "kv_producer" makes a prefill engine, "kv_consumer" a decode engine:
 
-| half | prefill (kv_producer) | decode (kv_consumer) |
-| --- | --- | --- |
-| scheduler | `PrefillScheduler`: per-step chunks, holds blocks while pushing | `DecodeScheduler`: waits for remote KV, reports allocations |
-| worker | `PrefillWorker`: per-layer readiness, writes as layers exist | `DecodeWorker`: notifications + directory events -> finished receives |
+- scheduler half: `PrefillScheduler` (prefill: per-step chunks, holds blocks while pushing), `DecodeScheduler`
+  (decode: waits for remote KV, reports allocations);
+- worker half: `PrefillWorker` (prefill: per-layer readiness, writes as layers exist), `DecodeWorker` (decode:
+  notifications + directory events -> finished receives).
 
 Runs on vLLM 0.25 to 0.32; `kvpush.connector.compat` checks the release at import and lists where their
 connector APIs differ. Per step (model runner): `bind_connector_metadata` -> forward (`save_kv_layer` per
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -52,14 +52,25 @@ from kvpush.observability import configure_logging, get_logger
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvpush.connector.directory_link import DirectoryLink
+    from kvpush.connector.halves import SchedulerHalf, WorkerParts
+    from kvpush.connector.metrics import WorkerMetrics
+    from kvpush.connector.scheduler.prefill import PrefillScheduler
+    from kvpush.connector.worker.decode import DecodeWorker
+    from kvpush.connector.worker.prefill import PrefillWorker
+    from kvpush.dataplane.agent import TransferAgent
+    from kvpush.v1 import types_pb2 as tpb
 
 _log = get_logger("connector")
 
@@ -76,15 +87,19 @@ class KVPushConnector(KVConnectorBase_V1):
             raise ValueError("KVPushConnector supports one KV-cache group (full attention); this model has "
                              f"{len(kv_cache_config.kv_cache_groups)}")
         self._block_size = vllm_config.cache_config.block_size
-        self._scheduler: Any = None
-        self._worker: Any = None
-        self._link: Any = None    # the decode scheduler's DirectoryLink
-        self._parts: Any = None   # a worker process's WorkerParts (halves.build_worker_half)
+        # Scheduler process: its half (a prefill engine's also by its own type, for the output signal).
+        self._scheduler: SchedulerHalf | None = None
+        self._prefill_scheduler: PrefillScheduler | None = None
+        self._link: DirectoryLink | None = None  # the decode scheduler's
+        # Worker process: what halves.build_worker_half wired, and its half by role.
+        self._parts: WorkerParts | None = None
+        self._prefill_worker: PrefillWorker | None = None
+        self._decode_worker: DecodeWorker | None = None
         self._load_errors: set[int] = set()
-        self._metrics: Any = None
+        self._metrics: WorkerMetrics | None = None
         # Load as the scheduler last saw it (worker side, from the step's metadata); requests it holds (scheduler).
         self._engine_load: tuple[int, int, int] | None = None
-        self._block_pool: Any = None
+        self._block_pool: BlockPool | None = None
         self._known_requests: set[str] = set()
         from kvpush.connector.engine_spin import pace_message_queue_spin
 
@@ -101,12 +116,13 @@ class KVPushConnector(KVConnectorBase_V1):
         if self.config.is_prefill:
             from kvpush.connector.scheduler.prefill import PrefillScheduler
 
-            self._scheduler = PrefillScheduler(self.config, self._block_size)
+            scheduler = PrefillScheduler(self.config, self._block_size)
+            self._scheduler = self._prefill_scheduler = scheduler
             from kvpush.connector.output_signal import claim_prefill_worker
 
             worker = claim_prefill_worker(self.config.engine_id)
             if worker is not None and self.config.post_after_output and worker.defers_to_output():
-                self._scheduler.on_output_leaving = worker.output_left
+                scheduler.on_output_leaving = worker.output_left
                 _log.info("prefill worker in the scheduler's process: launch-bound steps push after their output",
                           engine_id=self.config.engine_id)
         else:
@@ -121,6 +137,7 @@ class KVPushConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         from kvpush.connector.halves import build_worker_half
+        from kvpush.connector.worker.prefill import PrefillWorker
 
         tp_rank = get_tensor_model_parallel_rank()
         tp_size = get_tensor_model_parallel_world_size()
@@ -138,7 +155,11 @@ class KVPushConnector(KVConnectorBase_V1):
             model=str(getattr(model_config, "served_model_name", None) or model_config.model),
             compatibility_hash=lambda agent: self._compatibility_hash(agent, num_kv_heads, head_size, len(kv_caches)),
             load_callback=self._load, metrics=self._metrics, forces_first_token=self._forces_first_token())
-        self._worker = self._parts.half
+        half = self._parts.half
+        if isinstance(half, PrefillWorker):
+            self._prefill_worker = half
+        else:
+            self._decode_worker = half
         agent = self._parts.agent
         _log.info("kvpush connector worker ready", engine_id=self.config.engine_id, role=self.config.role,
                   tp_rank=tp_rank, tp_size=tp_size, agent=agent.agent_name, layers=len(kv_caches),
@@ -154,7 +175,7 @@ class KVPushConnector(KVConnectorBase_V1):
             _log.info("first token from prefill", engine_id=self.config.engine_id, forces_first_token=forces)
         return forces
 
-    def _compatibility_hash(self, agent: Any, num_kv_heads: int, head_size: int, layer_count: int) -> str:
+    def _compatibility_hash(self, agent: TransferAgent, num_kv_heads: int, head_size: int, layer_count: int) -> str:
         import vllm
 
         from kvpush.connector.metadata import compatibility_hash
@@ -165,7 +186,7 @@ class KVPushConnector(KVConnectorBase_V1):
             kv_layout=agent.layout.layout_name, num_kv_heads=num_kv_heads, head_size=head_size,
             block_size=self._block_size, layer_count=layer_count, vllm_version=str(vllm.__version__))
 
-    def _load(self) -> Any:
+    def _load(self) -> tpb.EngineLoad | None:
         """This engine's load for a lease renewal (client thread): the scheduler's latest, None before a step."""
         from kvpush.v1 import types_pb2 as tpb
 
@@ -185,32 +206,34 @@ class KVPushConnector(KVConnectorBase_V1):
                             f"KVPushMetadata version {WIRE_VERSION}")
         if connector_metadata.engine_load is not None:
             self._engine_load = connector_metadata.engine_load
-        if self._worker is not None:
-            self._worker.begin_step(connector_metadata)
-            if connector_metadata.receives:
+        if self._prefill_worker is not None:
+            self._prefill_worker.begin_step(connector_metadata)
+        elif self._decode_worker is not None:
+            self._decode_worker.begin_step(connector_metadata)
+            if connector_metadata.receives and self._metrics is not None:
                 self._metrics.on_receives_begun([start.request_id for start in connector_metadata.receives])
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: object) -> None:
         """Nothing to start: pushed KV is written into our blocks by prefill, one-sided."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Never waits: a request only runs once its whole push completed."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+                      **kwargs: object) -> None:
         """Mark this layer's KV ready to push.
 
         Caller: worker forward thread, inside attention, once per layer per step.
         Never blocks on NIXL or the directory: records a CUDA event (GPU), enqueues writes.
         Failure: an unpostable write ends the transfer via the directory, within the lease.
         """
-        if self.config.is_prefill and self._worker is not None:
-            self._worker.save_kv_layer(layer_name)
+        if self._prefill_worker is not None:
+            self._prefill_worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Queue the step's readiness batch to the directory; never waits (blocks stay held until pushed)."""
-        if self.config.is_prefill and self._worker is not None:
-            self._worker.wait_for_save()
+        if self._prefill_worker is not None:
+            self._prefill_worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(pushes done, receives done): prefill reports finished_sending, decode finished_recving.
@@ -218,12 +241,14 @@ class KVPushConnector(KVConnectorBase_V1):
         Caller: worker thread, once per step after the forward (0.30+ through get_transfer_results).
         Failed receives are reported finished too; their blocks go to get_block_ids_with_load_errors.
         """
-        if self._worker is None:
+        if self._prefill_worker is not None:
+            return self._prefill_worker.get_finished_sending(finished_req_ids), None
+        worker = self._decode_worker
+        if worker is None:
             return None, None
-        if self.config.is_prefill:
-            return self._worker.get_finished_sending(finished_req_ids), None
-        finished, load_errors = self._worker.collect()
-        self._metrics.on_receives_finished(finished, self._worker.completed_count, self._worker.failed_count)
+        finished, load_errors = worker.collect()
+        if self._metrics is not None:
+            self._metrics.on_receives_finished(finished, worker.completed_count, worker.failed_count)
         self._load_errors |= load_errors
         return None, finished
 
@@ -238,17 +263,17 @@ class KVPushConnector(KVConnectorBase_V1):
 
         Caller: worker thread, once per step, after get_finished (so the tokens come with their finished_recving).
         """
-        if not self.config.is_prefill and self._worker is not None:
+        if self._decode_worker is not None:
             from kvpush.connector.metadata import KVPushWorkerMetadata
 
-            tokens = self._worker.take_first_tokens()
+            tokens = self._decode_worker.take_first_tokens()
             return KVPushWorkerMetadata(first_tokens=tokens) if tokens else None
-        if self.config.is_prefill and self._worker is not None:
-            meta = self._worker.build_worker_meta()
-            if meta is not None:
+        if self._prefill_worker is not None:
+            meta = self._prefill_worker.build_worker_meta()
+            if meta is not None and self._metrics is not None:
                 # This rank's own timelines (a worker process sees only its rank).
-                self._metrics.on_timelines({request_id: timeline for request_id, by_rank in meta.timelines.items()
-                                            for timeline in by_rank.values()})
+                self._metrics.on_timelines({request_id: report for request_id, by_rank in meta.timelines.items()
+                                            for report in by_rank.values()})
             return meta
         return None
 
@@ -263,28 +288,28 @@ class KVPushConnector(KVConnectorBase_V1):
 
     # ================================================================ scheduler side
 
-    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Keep the block pool: each step's metadata carries its free-block count to the workers (EngineLoad)."""
         self._block_pool = gpu_block_pool
 
     def on_new_request(self, request: Request) -> None:
         """Track a request that carries kvpush kv_transfer_params (and count it for the engine's load)."""
         self._known_requests.add(request.request_id)
-        self._scheduler.on_new_request(request)
+        self._scheduler_half().on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode: prompt tokens beyond the local hit arrive asynchronously by push. Prefill: none. No side effects."""
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_half().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Decode: report the allocation to the directory (submitted, never awaited)."""
         if not self.config.is_prefill:
-            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+            self._scheduler_half().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's chunks / receives / holds for the workers, and the engine's load (does not modify
         scheduler_output)."""
-        meta = self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler_half().build_connector_meta(scheduler_output)
         if self._block_pool is not None:
             running = len(scheduler_output.num_scheduled_tokens)
             meta.engine_load = (self._block_pool.get_num_free_blocks(), running,
@@ -293,26 +318,32 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Release holds and forget receives the workers reported; merge push timelines."""
-        self._scheduler.update_connector_output(connector_output)
+        self._scheduler_half().update_connector_output(connector_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, object] | None]:
         """Exactly once per request, before its blocks are freed: hold them while pushes may still touch them."""
         self._known_requests.discard(request.request_id)
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler_half().request_finished(request, block_ids)
 
-    def take_events(self) -> Iterable[Any]:
+    def take_events(self) -> Iterable[KVCacheEvent]:
         """No KV-cache events. The last connector call of update_from_output: prefill tells an in-process worker
         half that the processed step's output is leaving (output_signal)."""
-        if self.config.is_prefill and self._scheduler is not None:
-            self._scheduler.step_output_processed()
+        if self._prefill_scheduler is not None:
+            self._prefill_scheduler.step_output_processed()
         return ()
 
     def has_pending_push_work(self) -> bool:
         """True while finished prefill requests hold blocks for pushes (keeps the engine stepping)."""
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
+    def _scheduler_half(self) -> SchedulerHalf:
+        """This process's scheduler half (vLLM calls the scheduler hooks only where it built one)."""
+        if self._scheduler is None:
+            raise RuntimeError("KVPushConnector: a scheduler hook was called in a worker process")
+        return self._scheduler
+
     @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, object]) -> bool:
         """False: vLLM keeps FULL_AND_PIECEWISE graphs, which decode engines need for their step time.
 
         Caller: vLLM's config, once at start-up (it does not say the engine's role). Decode never uses the layer
@@ -326,7 +357,7 @@ class KVPushConnector(KVConnectorBase_V1):
     # ================================================================ hooks of newer releases (compat.py)
 
     @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig | None) -> bool:
         """False: vLLM 0.33+ then refuses `--enable-sleep-mode` for this connector at start-up.
 
         Sleep unmaps the KV cache and wake maps fresh pages, so the NIXL registration would have to be dropped and
@@ -354,16 +385,16 @@ class KVPushConnector(KVConnectorBase_V1):
         """Nothing to restore: `unregister_kv_caches` never lets the registration go."""
 
     @classmethod
-    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig | None) -> object:
         """`KVCacheAccess.REGISTERS` (vLLM 0.34+): each worker registers its KV cache with NIXL for RDMA, which
-        needs every segment backed by one physical allocation."""
-        # Imported here: vLLM 0.34 added it, and only 0.34+ calls this hook.
-        from vllm.config.kv_transfer import KVCacheAccess
+        needs every segment backed by one physical allocation. (`object`: the type exists only in 0.34+.)"""
+        # Imported here: vLLM 0.34 added it, and only 0.34+ calls this hook; the installed release may lack it.
+        from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[attr-defined]
 
         return KVCacheAccess.REGISTERS
 
     @classmethod
-    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig | None) -> bool:
         """True (vLLM 0.34+): block hashes that also cover the tokens after each block change nothing here. The
         connector never reads, sends or compares vLLM's block hashes; decode's own prefix hit reaches it as a token
         count (`num_computed_tokens`) and goes to the directory as one."""
@@ -379,4 +410,4 @@ class KVPushConnector(KVConnectorBase_V1):
         if self._scheduler is None or self.config.is_prefill:
             return False
         _, load_async = self._scheduler.get_num_new_matched_tokens(request, 0)
-        return bool(load_async)
+        return load_async

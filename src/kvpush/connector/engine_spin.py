@@ -24,13 +24,21 @@ vLLM version lacks the attributes used here the original wait runs unchanged.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Protocol
 
 from kvpush.observability import get_logger
 
 _log = get_logger("connector.engine_spin")
 _PACE_ATTRIBUTE = "_kvpush_poll_s"
 _MAX_SLEEP_S = 0.001
+
+
+class _PacedSpin(Protocol):
+    """The pacing state kept on a vLLM `SpinCondition` (vLLM's own attributes are read with getattr and a default:
+    its internals are not a typed API)."""
+
+    _kvpush_last_read: object
+    _kvpush_sleep_s: float
 
 
 def pace_message_queue_spin(poll_s: float | None) -> bool:
@@ -53,12 +61,12 @@ def pace_message_queue_spin(poll_s: float | None) -> bool:
         setattr(wait, _PACE_ATTRIBUTE, poll_s)
         return True
 
-    def paced_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def paced_wait(self: _PacedSpin, *args: object, **kwargs: object) -> object:
         last_read = getattr(self, "last_read", None)
         busy_loop_s = getattr(self, "busy_loop_s", None)
         if (getattr(self, "is_reader", False) and last_read is not None and busy_loop_s is not None
                 and time.monotonic() <= last_read + busy_loop_s):
-            base = getattr(paced_wait, _PACE_ATTRIBUTE)
+            base: float = getattr(paced_wait, _PACE_ATTRIBUTE)
             if getattr(self, "_kvpush_last_read", None) != last_read:  # a message came: short sleeps again
                 self._kvpush_last_read = last_read
                 self._kvpush_sleep_s = base

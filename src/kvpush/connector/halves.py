@@ -17,20 +17,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ParamSpec, Protocol, runtime_checkable
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.observability import get_logger
 
 if TYPE_CHECKING:
+    import torch
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvpush.connector.directory_link import DirectoryLink
     from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata
+    from kvpush.connector.metrics import WorkerMetrics
+    from kvpush.connector.worker.decode import DecodeWorker
+    from kvpush.connector.worker.prefill import PrefillWorker
+    from kvpush.connector.worker.push_machine import WriteDone
+    from kvpush.dataplane.agent import TransferAgent
+    from kvpush.dataplane.listener import NotificationListener
+    from kvpush.v1 import directory_pb2 as dpb
+    from kvpush.v1 import types_pb2 as tpb
 
 _log = get_logger("connector.halves")
+_P = ParamSpec("_P")
+
+# Builds a worker's TransferAgent: (config, kv_caches, block_size_tokens, num_kv_heads, head_size, agent_name).
+AgentFactory = Callable[["ConnectorConfig", "dict[str, torch.Tensor]", int, int, int, str], "TransferAgent"]
 
 
 @runtime_checkable
@@ -71,7 +85,7 @@ class SchedulerHalf(Protocol):
         Caller: vLLM's scheduler, once per step, after the model ran. Blocks: never. Failure: none.
         """
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, object] | None]:
         """The request finished; True keeps its blocks until the workers report it finished sending.
 
         Caller: vLLM's scheduler, exactly once per request, before its blocks are freed. Blocks: never.
@@ -146,10 +160,10 @@ class DecodeWorkerHalf(Protocol):
 class WorkerParts:
     """A wired worker half and what it runs on; `shutdown` stops them in order."""
 
-    half: Any                  # PrefillWorker or DecodeWorker
-    agent: Any                 # TransferAgent (its I/O thread owns the prefill push state)
-    link: Any                  # DirectoryLink
-    listener: Any = None       # NotificationListener (decode)
+    half: PrefillWorker | DecodeWorker
+    agent: TransferAgent                          # its I/O thread owns the prefill push state
+    link: DirectoryLink
+    listener: NotificationListener | None = None  # decode
 
     def shutdown(self) -> None:
         """Stop the directory streams, then the notifications and the data plane (each bounded)."""
@@ -159,13 +173,14 @@ class WorkerParts:
         self.agent.stop()
 
 
-def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_size_tokens: int, num_kv_heads: int,
-                      head_size: int, tp_rank: int, tp_size: int, agent_name: str, *,
-                      create_agent: Callable[..., Any] | None = None, model: str = "",
-                      compatibility_hash: Callable[[Any], str] | None = None,
-                      load_callback: Callable[[], Any] | None = None, metrics: Any = None,
-                      tap_write_done: Callable[[Any], None] | None = None,
-                      tap_instruction: Callable[[Any], None] | None = None,
+def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor], block_size_tokens: int,
+                      num_kv_heads: int, head_size: int, tp_rank: int, tp_size: int, agent_name: str, *,
+                      create_agent: AgentFactory | None = None, model: str = "",
+                      compatibility_hash: Callable[[TransferAgent], str] | None = None,
+                      load_callback: Callable[[], tpb.EngineLoad | None] | None = None,
+                      metrics: WorkerMetrics | None = None,
+                      tap_write_done: Callable[[WriteDone], None] | None = None,
+                      tap_instruction: Callable[[dpb.PushInstruction], None] | None = None,
                       tap_notification: Callable[[str, bytes], None] | None = None,
                       forces_first_token: bool = False) -> WorkerParts:
     """Wire this process's worker half and register it with the directory (blocking, bounded; start-up only).
@@ -196,7 +211,7 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_
     if config.is_prefill:
         from kvpush.connector.worker.prefill import PrefillWorker
 
-        holder: list[Any] = []
+        holder: list[PrefillWorker] = []
         on_write_done = _tapped(lambda done: holder[0].on_write_done(done), tap_write_done)
         on_writer_quiet = _tapped(lambda quiet: holder[0].on_writer_quiet(quiet),
                                   metrics.on_writer_quiet if metrics is not None else None)
@@ -235,12 +250,12 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, Any], block_
     return WorkerParts(receiver, agent, link, listener)
 
 
-def _tapped(callback: Callable[..., None], tap: Callable[..., None] | None) -> Callable[..., None]:
+def _tapped(callback: Callable[_P, None], tap: Callable[_P, None] | None) -> Callable[_P, None]:
     if tap is None:
         return callback
 
-    def both(*args: Any) -> None:
-        tap(*args)
-        callback(*args)
+    def both(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        tap(*args, **kwargs)
+        callback(*args, **kwargs)
 
     return both

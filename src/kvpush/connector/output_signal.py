@@ -13,14 +13,28 @@ claims it. Two workers of one engine id in a process are ambiguous: neither is c
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Protocol
 
 _lock = threading.Lock()
-_offered: dict[str, Any] = {}
+
+
+class OutputDeferringWorker(Protocol):
+    """What the scheduler half asks of its in-process prefill worker half (`PrefillWorker`)."""
+
+    def defers_to_output(self) -> bool:
+        """From now on launch-bound steps push after their output left; True if they can."""
+        ...
+
+    def output_left(self, step_seq: int) -> None:
+        """Step `step_seq`'s sampled tokens are leaving."""
+        ...
+
+
+_offered: dict[str, OutputDeferringWorker] = {}
 _ambiguous: set[str] = set()
 
 
-def offer_prefill_worker(engine_id: str, worker: Any) -> None:
+def offer_prefill_worker(engine_id: str, worker: OutputDeferringWorker) -> None:
     """Caller: a prefill worker half as it is built (register_kv_caches)."""
     with _lock:
         if engine_id in _offered or engine_id in _ambiguous:
@@ -30,7 +44,7 @@ def offer_prefill_worker(engine_id: str, worker: Any) -> None:
         _offered[engine_id] = worker
 
 
-def claim_prefill_worker(engine_id: str) -> Any | None:
+def claim_prefill_worker(engine_id: str) -> OutputDeferringWorker | None:
     """Caller: the prefill scheduler half as it is built. The worker of this engine in this process, once."""
     with _lock:
         return _offered.pop(engine_id, None)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvpush.api import params as transfer_params
 from kvpush.api.params import TransferParams
@@ -143,8 +143,7 @@ class DecodeScheduler:
                 meta.failed_receives.append((request_id, reason))
         return meta
 
-    # Any: vLLM's request_finished returns the response's kv_transfer_params as dict[str, Any].
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, object] | None]:
         """On an abort while waiting, cancel the transfer and keep the blocks until the workers confirm."""
         request_id = request.request_id
         leg = self._legs.pop(request_id, None)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.api import params as transfer_params
 from kvpush.connector.config import ConnectorConfig
@@ -196,8 +196,7 @@ class PrefillScheduler:
                 tracked.cached_token_count = token_start
             tracked.chunks_sent += 1
 
-    # Any: vLLM's request_finished returns the response's kv_transfer_params as dict[str, Any].
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, object] | None]:
         """Hold the blocks while pushes may still read them; return the transfer id and push timeline."""
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.worker.layout_wire import layout_from_proto
@@ -24,6 +24,8 @@ from kvpush.observability import get_logger
 from kvpush.v1 import types_pb2 as tpb
 
 if TYPE_CHECKING:
+    import torch
+
     from kvpush.dataplane.agent import TransferAgent
     from kvpush.dataplane.writer import WriteOutcome
 
@@ -43,8 +45,8 @@ def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
                       fault_hold_after_writes=config.fault_hold_after_writes).validate()
 
 
-def create_agent(config: ConnectorConfig, kv_caches: dict[str, Any], block_size_tokens: int, num_kv_heads: int,
-                 head_size: int, agent_name: str) -> TransferAgent:  # Any: vLLM's KV tensors (torch), duck-typed
+def create_agent(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor], block_size_tokens: int,
+                 num_kv_heads: int, head_size: int, agent_name: str) -> TransferAgent:
     """Build the worker's TransferAgent, register its KV memory and start its I/O thread."""
     from kvpush.dataplane.agent import TransferAgent
 
