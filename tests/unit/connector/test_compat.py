@@ -29,7 +29,7 @@ def test_unsupported_release_fails_naming_the_range(version):
 
 
 def test_unreadable_version_fails_naming_the_range():
-    with pytest.raises(compat.UnsupportedVLLMError, match="cannot read vLLM's version 'dev'.*0.25 to 0.34"):
+    with pytest.raises(compat.UnsupportedVLLMError, match=r"cannot read vLLM's version 'dev'.*0\.25 to 0\.34"):
         compat.check_release("dev")
 
 

@@ -41,7 +41,7 @@ def test_a_launch_bound_step_posts_nothing_until_its_output_left_then_pushes_eve
     loop.run()
     assert transport.writes == [] and directory.session.ready == []
     worker.output_left(1)
-    (posted,) = loop.posted
+    assert len(loop.posted) == 1, "the owner hears of the output once"
     loop.run(now=time.monotonic())  # the owner applies it output_grace_s after the output left
     loop.run(now=time.monotonic() + 0.001)
     assert [(layer, start, end) for layer, start, end, *_ in transport.writes] == [(0, 0, 40), (1, 0, 40), (2, 0, 40)]

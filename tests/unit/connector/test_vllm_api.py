@@ -1,12 +1,12 @@
 """The connector against every supported vLLM release's connector-facing API (tests/fixtures/vllm_api/*.json).
 
-The snapshots are read from each release's wheel by scripts/vllm_api_snapshot.py; the connector's side is read
-from its source by the same code, so nothing here imports vLLM. Checked per release: every hook KVPushConnector
-overrides exists there with a signature vLLM's calls fit (or is declared release-specific in src/kvpush/connector/compat.py),
+The snapshots are read from each release's wheel by scripts/vllm_api_snapshot.py; the connector's side is read from
+its source by the same code, so nothing here imports vLLM. Checked per release: every hook KVPushConnector overrides
+exists there with a signature vLLM's calls fit (or is declared release-specific in src/kvpush/connector/compat.py),
 every abstract method is implemented, the factory's constructor call fits, every vLLM member the connector reads
 exists (compat.VLLM_READS, and every read of an annotated vLLM parameter in connector/ is declared there), and the
-first-token logits processor fits each model-runner interface it claims. Each check is shown to fail on a
-snapshot mutated in a temporary copy.
+first-token logits processor fits each model-runner interface it claims. Each check is shown to fail on a snapshot
+mutated in a temporary copy.
 """
 
 from __future__ import annotations

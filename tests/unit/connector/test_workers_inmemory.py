@@ -63,10 +63,10 @@ def test_push_lands_byte_exact_and_decode_finishes_receiving():
     fabric_name, _ = new_fabric()
     with directory_on_loopback() as address:
         p_caches, d_caches = _caches(True), _caches(False)
-        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1, "p-agent",
-                                    create_agent=_in_memory_agent(fabric_name))
-        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
-                                   create_agent=_in_memory_agent(fabric_name))
+        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1,
+                                    "p-agent", create_agent=_in_memory_agent(fabric_name))
+        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1,
+                                   "d-agent", create_agent=_in_memory_agent(fabric_name))
         client = SyncDirectoryClient(ChannelConfig(address=address))
         try:
             assert isinstance(prefill.half, PrefillWorkerHalf) and isinstance(decode.half, DecodeWorkerHalf)
@@ -105,10 +105,10 @@ def test_cancelled_before_dispatch_is_confirmed_and_released():
     fabric_name, _ = new_fabric()
     with directory_on_loopback() as address:
         p_caches, d_caches = _caches(True), _caches(False)
-        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1, "p-agent",
-                                    create_agent=_in_memory_agent(fabric_name))
-        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
-                                   create_agent=_in_memory_agent(fabric_name))
+        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1,
+                                    "p-agent", create_agent=_in_memory_agent(fabric_name))
+        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1,
+                                   "d-agent", create_agent=_in_memory_agent(fabric_name))
         client = SyncDirectoryClient(ChannelConfig(address=address))
         try:
             prompt = 40
@@ -201,7 +201,8 @@ def test_a_write_stalled_past_expiry_lands_before_decode_reuses_the_blocks():
             def push(request: str, src: tuple[int, ...], ttl_s: float | None) -> tuple[str, set[int], float]:
                 transfer_id = client.plan_transfer(prompt_token_count=prompt, ttl_s=ttl_s).transfer.transfer_id
                 decode.link.report_allocation(transfer_id, list(dst), prompt, 0, lambda reason: None)
-                decode.half.begin_step(KVPushMetadata(receives=[ReceiveStart(f"d{request}", transfer_id, dst, prompt, 0)]))
+                receive = ReceiveStart(f"d{request}", transfer_id, dst, prompt, 0)
+                decode.half.begin_step(KVPushMetadata(receives=[receive]))
                 prefill.half.begin_step(KVPushMetadata(prefill_chunks=[
                     PrefillChunk(f"p{request}", transfer_id, 0, prompt, prompt, src)]))
                 for name in p_caches:
@@ -244,10 +245,10 @@ def test_first_token_from_prefill_comes_with_complete_not_before():
     fabric_name, _ = new_fabric()
     with directory_on_loopback() as address:
         p_caches, d_caches = _caches(True), _caches(False)
-        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1, "p-agent",
-                                    create_agent=_in_memory_agent(fabric_name))
-        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
-                                   create_agent=_in_memory_agent(fabric_name))
+        prefill = build_worker_half(connector_config(address, "prefill", "p"), p_caches, BS, HEADS, HEAD, 0, 1,
+                                    "p-agent", create_agent=_in_memory_agent(fabric_name))
+        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1,
+                                   "d-agent", create_agent=_in_memory_agent(fabric_name))
         client = SyncDirectoryClient(ChannelConfig(address=address))
         try:
             prompt, src, dst = 40, (4, 9, 2), (11, 3, 7)
@@ -338,8 +339,8 @@ def test_a_dropped_decode_peer_fails_one_transfer_at_once_and_the_next_gets_its_
         p_caches, d_caches = _caches(True), _caches(False)
         prefill = build_worker_half(connector_config(address, "prefill", "p", preload_peers=False), p_caches, BS, HEADS,
                                     HEAD, 0, 1, "p-agent", create_agent=_in_memory_agent(fabric_name))
-        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1, "d-agent",
-                                   create_agent=_in_memory_agent(fabric_name))
+        decode = build_worker_half(connector_config(address, "decode", "d"), d_caches, BS, HEADS, HEAD, 0, 1,
+                                   "d-agent", create_agent=_in_memory_agent(fabric_name))
         client = SyncDirectoryClient(ChannelConfig(address=address))
         try:
             prompt, dst = 40, (11, 3, 7)
