@@ -1,8 +1,8 @@
 """bench/plan_bench.py against two commits of the package, alternately, in one run: the ratios of their figures.
 
-The newer plan_bench.py (this checkout's) drives both: for the other commit it runs with that commit's
+Each side runs its own plan_bench.py: for the other commit, that commit's script with its
 `kvpush.*` packages imported from a temporary git worktree (its src/, or for older trees the package-dir
-mapping of their pyproject), so both sides run the same measurement code on the same machine, rounds
+mapping of their pyproject), so both sides time the same hook path on the same machine, rounds
 interleaved (old, new, old, new, ...) so that machine load falls on both.
 
 Usage:  python bench/plan_bench_compare.py --old REF [--rounds 3] [--reps 30]
@@ -49,13 +49,16 @@ else:  # older trees mapped kvpush.services and kvpush.connector onto top-level 
         sys.modules[name] = module
         spec.loader.exec_module(module)
         setattr(kvpush, name.rsplit(".", 1)[1], module)
+sys.path.insert(0, str(Path(bench).parent))  # the script's own bench_io
 sys.argv = [bench] + sys.argv[4:] + ["--out", out]
 runpy.run_path(bench, run_name="__main__")
 """
 
 
 def _run(tree: Path, out: Path, reps: int) -> dict:
-    subprocess.run([sys.executable, "-c", _RUNNER, str(tree), str(REPO / "bench" / "plan_bench.py"), str(out),
+    # Each tree runs its own plan_bench.py: its stand-ins for the transport and the directory follow that tree's
+    # interfaces (a newer script's would not fit an older tree); what they time is the same hook path.
+    subprocess.run([sys.executable, "-c", _RUNNER, str(tree), str(tree / "bench" / "plan_bench.py"), str(out),
                     "--reps", str(reps)], check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
