@@ -30,6 +30,7 @@ class Script:
 COMMANDS: dict[str, Script | dict[str, Script]] = {
     "ttft": Script("ttft_bench", "TTFT of one request at a time, kvpush against vLLM's NIXL connectors and a "
                                  "colocated engine (CPU engines, shaped P/D link; root for the namespaces)"),
+    "ttft-ab": Script("ttft_ab", "ttft on two commits of kvpush, rounds alternating in one run: TTFT new / old"),
     "serve": Script("serve_bench", "`vllm bench serve` through the gateway for every P/D connector, side by side"),
     "gateway": {
         "latency": Script("gateway_latency_bench", "what the gateway adds to TTFT, stand-in engines (no vLLM)"),
