@@ -94,7 +94,7 @@ class TestKVLayoutSpec:
 class TestDescribe:
     def test_kv_first_nhd(self):
         """(2, blocks, block, heads, head) contiguous is two NHD planes, V after all K blocks."""
-        layout, arrays, _ = make_kv(2, 10, 16, 4, 64, "kv_first")
+        layout, _arrays, _ = make_kv(2, 10, 16, 4, 64, "kv_first")
         k, v = layout.planes
         assert (k.segment_count, k.segment_bytes_per_token, k.block_bytes) == (1, 4 * 64 * 2, 16 * 4 * 64 * 2)
         assert v.offset_bytes == 10 * 16 * 4 * 64 * 2

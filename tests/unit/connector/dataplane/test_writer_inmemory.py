@@ -70,7 +70,7 @@ def _request(peer, layer, notify=None, src=(3, 5), dst=(7, 2), tokens=2 * BS, re
 
 def test_every_layer_arrives_byte_exact_and_the_notification_after_the_last_write():
     """Scattered blocks of every layer land byte-exact; the transfer outcome is DONE with every write counted."""
-    fab, prefill, decode, writer, out, (pl, pa), (dl, da) = _pair()
+    _fab, prefill, decode, writer, out, (pl, pa), (dl, da) = _pair()
     try:
         for layer in range(LAYERS):
             writer.submit(_request(decode.agent_name, layer, notify=b"t1" if layer == LAYERS - 1 else None))
@@ -196,7 +196,7 @@ class _Gate:
 
 def test_a_write_whose_post_guard_refuses_is_never_posted_and_fails_its_transfer():
     """post_guard (the prefill worker's lease) is asked at post time: a refusal posts nothing and fails the transfer."""
-    fab, prefill, decode, writer, out, _, (dl, da) = _pair()
+    _fab, prefill, decode, writer, out, _, (_dl, da) = _pair()
     try:
         refusal = ["lease gone"]
         request = WriteRequest("t1", decode.agent_name, (0,), (3, 5), (7, 2), 0, 2 * BS,
@@ -212,8 +212,9 @@ def test_a_write_whose_post_guard_refuses_is_never_posted_and_fails_its_transfer
 
 
 def test_a_held_posted_write_cannot_be_cancelled_and_lands_late():
-    """Fault knob fault_hold_posted_s: the write counts as in flight, cancel waits for it, its bytes land after the hold."""
-    fab, prefill, decode, writer, out, (pl, pa), (dl, da) = _pair(fault_hold_posted_s=0.5, max_group_writes=1)
+    """Fault knob fault_hold_posted_s: the write counts as in flight, cancel waits for it, its bytes land after the
+    hold."""
+    _fab, prefill, decode, writer, _out, (pl, pa), (dl, da) = _pair(fault_hold_posted_s=0.5, max_group_writes=1)
     try:
         started = time.monotonic()
         writer.submit(_request(decode.agent_name, 0))
@@ -231,7 +232,7 @@ def test_a_held_posted_write_cannot_be_cancelled_and_lands_late():
 
 def test_a_held_write_past_the_write_bound_is_aborted_and_lands_nothing():
     """A posted write still in flight at transfer_timeout_s (max_write_s) is aborted: nothing of it lands later."""
-    fab, prefill, decode, writer, out, _, (dl, da) = _pair(fault_hold_posted_s=5.0, transfer_timeout_s=0.3)
+    _fab, prefill, decode, writer, out, _, (_dl, da) = _pair(fault_hold_posted_s=5.0, transfer_timeout_s=0.3)
     try:
         writer.submit(_request(decode.agent_name, 0))
         assert out.wait(lambda: out.transfers)
