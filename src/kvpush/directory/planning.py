@@ -5,8 +5,9 @@ their transfer cap, decode engines need room for the prompt in their KV cache (t
 they last reported are a load signal, stale while an engine idles); prefill engines are tried fewest active
 transfers first, then fewest queued (running + waiting) requests; decode engines most free blocks first, then
 fewest queued requests, then fewest active transfers (engine id breaks ties, so a plan is deterministic). The
-first pair whose layouts are compatible wins (`incompatibility`): equal TP size, layer count, dtype and
-compatibility hash.
+first pair whose layouts are compatible wins (`incompatibility`): equal TP size, layer count, block size, dtype,
+block atomicity, plane token shape and compatibility hash. When none is, the refusal names the first pair tried,
+the field that differs and both values.
 """
 
 from __future__ import annotations
@@ -46,37 +47,83 @@ def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_
                                     f"(the largest holds {largest})")
     prefills.sort(key=lambda g: (len(g.active_transfers), g.queued_requests(), g.engine_id))
     decodes.sort(key=lambda g: (-g.free_blocks(), g.queued_requests(), len(g.active_transfers), g.engine_id))
-    why = ""
+    first_why = ""
     for prefill in prefills:
         for decode in decodes:
             why = incompatibility(prefill, decode)
             if not why:
                 return prefill, decode
-    raise FailedPrecondition(f"no compatible prefill/decode pair: {why}")
+            first_why = first_why or why
+    pair_count = len(prefills) * len(decodes)
+    tried = "" if pair_count == 1 else f" (the first of {pair_count} pairs tried)"
+    raise FailedPrecondition(f"no compatible prefill/decode pair: {first_why}{tried}")
 
 
 def incompatibility(prefill: EngineGroup, decode: EngineGroup) -> str:
-    """Why two engines cannot be paired ("" when they can)."""
+    """Why two engines cannot be paired ("" when they can): the first field that differs, with both values."""
     if prefill.tp_size != decode.tp_size:
-        return (f"tp_size {prefill.tp_size} of {prefill.engine_id} differs from {decode.tp_size} of "
-                f"{decode.engine_id} (heterogeneous TP is not supported yet)")
-    return _layout_incompatibility(prefill.layout(), decode.layout(), prefill.engine_id, decode.engine_id)
+        return _differs("tp_size", prefill.tp_size, decode.tp_size, prefill.engine_id, decode.engine_id,
+                        "heterogeneous TP is not supported yet")
+    return _layout_incompatibility(prefill.layout(), decode.layout(), prefill.engine_id, decode.engine_id,
+                                   prefill.model, decode.model)
 
 
 def can_push_to(prefill: Worker, decode: Worker) -> bool:
     """True when a plan could send `prefill`'s instructions to `decode`: the same rank of engines that pair."""
     return (prefill.tp_size == decode.tp_size and prefill.tp_rank == decode.tp_rank
-            and not _layout_incompatibility(prefill.layout, decode.layout, prefill.engine_id, decode.engine_id))
+            and not _layout_incompatibility(prefill.layout, decode.layout, prefill.engine_id, decode.engine_id,
+                                            prefill.model, decode.model))
 
 
-def _layout_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_engine_id: str, decode_engine_id: str) -> str:
-    names = f"prefill {prefill_engine_id!r} and decode {decode_engine_id!r}"
+# What the compatibility hash covers (src/kvpush/connector/metadata.py) that no registered field carries.
+_HASH_ONLY_FACTORS = "model path, cache dtype, KV layout name (NHD/HND, plane order) or vLLM release"
+
+
+def _differs(field_name: str, prefill_value: object, decode_value: object, prefill_engine_id: str,
+             decode_engine_id: str, why: str) -> str:
+    return (f"{field_name} {prefill_value} of prefill {prefill_engine_id!r} differs from {decode_value} of decode "
+            f"{decode_engine_id!r} ({why})")
+
+
+def _layout_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_engine_id: str, decode_engine_id: str,
+                            prefill_model: str = "", decode_model: str = "") -> str:
+    """The first registered layout field that differs, else a differing compatibility hash ("" when they pair).
+
+    The fields come first so that a refusal names what to change; the hash still decides last, as it covers
+    factors no registered field carries. Not compared, as before: the memory kind (each side's descriptors are
+    prepared in its own kind) and the block count (decode bounds its own block ids).
+    """
+    ids = (prefill_engine_id, decode_engine_id)
     if p.layer_count != d.layer_count:
-        return f"layer_count {p.layer_count} differs from {d.layer_count} ({names})"
+        return _differs("layer_count", p.layer_count, d.layer_count, *ids,
+                        "a push writes each layer into the same layer of decode: different models or layer kinds?")
+    if p.block_size_tokens != d.block_size_tokens:
+        return _differs("block_size_tokens", p.block_size_tokens, d.block_size_tokens, *ids,
+                        "pushing between different block sizes is not supported yet: start both with one "
+                        "--block-size")
     if p.dtype != d.dtype:
-        return f"dtype {p.dtype!r} differs from {d.dtype!r} ({names})"
+        return _differs("dtype", repr(p.dtype), repr(d.dtype), *ids,
+                        "KV elements are copied as bytes, so both must hold the same type")
+    if p.block_atomic != d.block_atomic:
+        return _differs("block_atomic", p.block_atomic, d.block_atomic, *ids,
+                        "vLLM CPU attention stores blocks in tiles a GPU layout does not read")
+    if len(p.planes) != len(d.planes):
+        return _differs("plane count", len(p.planes), len(d.planes), *ids,
+                        "K and V fused in one plane on one side and separate on the other")
+    for i, (pp, dp) in enumerate(zip(p.planes, d.planes, strict=True)):
+        if pp.segment_count != dp.segment_count:
+            return _differs(f"planes[{i}].segment_count", pp.segment_count, dp.segment_count, *ids,
+                            "the KV heads a rank holds in an HND layout, 1 in NHD: other heads or another layout")
+        if pp.segment_bytes_per_token != dp.segment_bytes_per_token:
+            return _differs(f"planes[{i}].segment_bytes_per_token", pp.segment_bytes_per_token,
+                            dp.segment_bytes_per_token, *ids,
+                            "one token's bytes per segment: other KV heads per rank or another head size")
     if p.compatibility_hash != d.compatibility_hash:
-        return (f"compatibility hash {p.compatibility_hash or '(none)'} of prefill {prefill_engine_id!r} differs "
-                f"from {d.compatibility_hash or '(none)'} of decode {decode_engine_id!r}: they differ in model, "
-                "dtype, KV layout, block size or vLLM release")
+        if prefill_model and decode_model and prefill_model != decode_model:
+            return _differs("compatibility hash", p.compatibility_hash or "(none)",
+                            d.compatibility_hash or "(none)", *ids,
+                            f"they serve different models: {prefill_model!r} and {decode_model!r}")
+        return _differs("compatibility hash", p.compatibility_hash or "(none)", d.compatibility_hash or "(none)",
+                        *ids, "every registered layout field is equal, so they differ in what only the hash "
+                        f"covers: {_HASH_ONLY_FACTORS}")
     return ""

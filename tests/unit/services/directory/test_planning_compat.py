@@ -1,0 +1,183 @@
+"""Planning names why two engines cannot pair: both engine ids, the registered field that differs and both values;
+only when every registered field is equal does the refusal fall back to the compatibility hash, naming what only
+the hash covers. The gRPC answer is FAILED_PRECONDITION with that text."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from kvpush.directory.errors import FailedPrecondition
+from kvpush.directory.planning import incompatibility
+from kvpush.directory.state import DirectoryState, Limits
+from kvpush.v1 import directory_pb2 as dpb
+from kvpush.v1 import directory_pb2_grpc as dgrpc
+from kvpush.v1 import types_pb2 as tpb
+from tests.fixtures.directory import DECODE, PREFILL, ManualClock, make_layout, register_request, running_directory
+
+
+def _refusal(prefill: dpb.RegisterEngineRequest, *decodes: dpb.RegisterEngineRequest) -> str:
+    """The FailedPrecondition message of a plan over `prefill` and `decodes` (all registered, tp ranks complete)."""
+    state = DirectoryState(Limits(), ManualClock().clock())
+    for request in (prefill, *decodes):
+        state.register(request)
+    with pytest.raises(FailedPrecondition) as refused:
+        state.plan(dpb.PlanTransferRequest(), None)
+    assert state.check_invariants() == []
+    return str(refused.value)
+
+
+def _pair(edit: Callable[[tpb.KVLayout], None]) -> str:
+    """The refusal for prefill 'p0' (the fixture's layout) and decode 'd0' (that layout after `edit`)."""
+    decode_layout = make_layout()
+    edit(decode_layout)
+    return _refusal(register_request("p0", PREFILL), register_request("d0", DECODE, layout=decode_layout))
+
+
+def _set(**fields: object) -> Callable[[tpb.KVLayout], None]:
+    def edit(layout: tpb.KVLayout) -> None:
+        for name, value in fields.items():
+            setattr(layout, name, value)
+    return edit
+
+
+def test_different_block_sizes_name_the_field_both_values_and_both_engines():
+    message = _pair(lambda layout: layout.CopyFrom(make_layout(block_size_tokens=128)))
+    assert message.startswith("no compatible prefill/decode pair: block_size_tokens 16 of prefill 'p0' differs "
+                              "from 128 of decode 'd0' (pushing between different block sizes is not supported yet")
+    assert "pairs tried" not in message  # one pair only
+
+
+def test_different_tp_sizes_name_both_sizes():
+    prefill = register_request("p0", PREFILL)
+    decodes = [register_request("d0", DECODE, rank, 2) for rank in (0, 1)]
+    message = _refusal(prefill, *decodes)
+    assert "tp_size 1 of prefill 'p0' differs from 2 of decode 'd0' (heterogeneous TP is not supported yet)" in message
+
+
+def test_different_layer_counts():
+    message = _pair(lambda layout: layout.CopyFrom(make_layout(layer_count=8)))
+    assert "layer_count 4 of prefill 'p0' differs from 8 of decode 'd0'" in message
+
+
+def test_different_dtypes():
+    message = _pair(_set(dtype="float16"))
+    assert "dtype 'bfloat16' of prefill 'p0' differs from 'float16' of decode 'd0'" in message
+
+
+def test_a_cpu_tiled_layout_and_a_token_addressable_one():
+    message = _pair(_set(block_atomic=True))
+    assert "block_atomic False of prefill 'p0' differs from True of decode 'd0'" in message
+    assert "tiles" in message
+
+
+def test_fused_and_separate_kv_planes():
+    def split(layout: tpb.KVLayout) -> None:
+        half = tpb.KVPlane(block_stride_bytes=2048, block_bytes=2048, segment_count=1, token_stride_bytes=128,
+                           segment_bytes_per_token=128)
+        del layout.planes[:]
+        layout.planes.extend([half, tpb.KVPlane(offset_bytes=2048 * 64, **{
+            f.name: getattr(half, f.name) for f in tpb.KVPlane.DESCRIPTOR.fields if f.name != "offset_bytes"})])
+
+    message = _pair(split)
+    assert "plane count 1 of prefill 'p0' differs from 2 of decode 'd0'" in message
+
+
+def test_an_hnd_layout_against_an_nhd_one_names_the_segment_count():
+    def hnd(layout: tpb.KVLayout) -> None:
+        plane = layout.planes[0]
+        plane.segment_count, plane.segment_stride_bytes, plane.segment_bytes_per_token = 2, 2048, 128
+
+    message = _pair(hnd)
+    assert "planes[0].segment_count 1 of prefill 'p0' differs from 2 of decode 'd0'" in message
+    assert "HND" in message
+
+
+def test_another_head_size_names_the_token_bytes():
+    def smaller_heads(layout: tpb.KVLayout) -> None:
+        layout.planes[0].segment_bytes_per_token = 128
+
+    message = _pair(smaller_heads)
+    assert "planes[0].segment_bytes_per_token 256 of prefill 'p0' differs from 128 of decode 'd0'" in message
+
+
+def test_different_models_with_equal_layouts_name_the_models():
+    prefill = register_request("p0", PREFILL, layout=make_layout(compatibility_hash="hash-a"))
+    decode = register_request("d0", DECODE, layout=make_layout(compatibility_hash="hash-b"))
+    prefill.model, decode.model = "llama", "qwen"
+    message = _refusal(prefill, decode)
+    assert ("compatibility hash hash-a of prefill 'p0' differs from hash-b of decode 'd0' (they serve different "
+            "models: 'llama' and 'qwen')") in message
+
+
+def test_only_the_hash_differs_names_what_only_the_hash_covers():
+    prefill = register_request("p0", PREFILL, layout=make_layout(compatibility_hash="hash-a"))
+    decode = register_request("d0", DECODE, layout=make_layout(compatibility_hash="hash-b"))
+    prefill.model = decode.model = "llama"
+    message = _refusal(prefill, decode)
+    assert "compatibility hash hash-a of prefill 'p0' differs from hash-b of decode 'd0'" in message
+    assert "every registered layout field is equal" in message and "vLLM release" in message
+
+
+def test_a_field_is_named_before_the_hash_it_also_changes():
+    """Real engines hash their block size too: the refusal names the block size, not the hash."""
+    prefill = register_request("p0", PREFILL, layout=make_layout(compatibility_hash="hash-16"))
+    decode = register_request("d0", DECODE, layout=make_layout(block_size_tokens=128, compatibility_hash="hash-128"))
+    message = _refusal(prefill, decode)
+    assert "block_size_tokens 16 of prefill 'p0' differs from 128 of decode 'd0'" in message
+    assert "hash" not in message
+
+
+def test_memory_kind_and_block_count_alone_still_pair():
+    """Not compared (as before): each side's memory kind and block count are its own."""
+    state = DirectoryState(Limits(), ManualClock().clock())
+    decode_layout = make_layout(block_count=128)
+    decode_layout.memory_kind = tpb.MEMORY_KIND_VRAM
+    state.register(register_request("p0", PREFILL))
+    state.register(register_request("d0", DECODE, layout=decode_layout))
+    planned, _ = state.plan(dpb.PlanTransferRequest(), None)
+    assert (planned.prefill_engine_id, planned.decode_engine_id) == ("p0", "d0")
+
+
+def test_several_failing_pairs_name_the_first_pair_tried_and_a_compatible_pair_still_wins():
+    """Decodes are tried most free blocks first: d-big's reason is named; adding a compatible decode plans it."""
+    state = DirectoryState(Limits(), ManualClock().clock())
+    state.register(register_request("p0", PREFILL))
+    state.register(register_request("d-big", DECODE, layout=make_layout(block_count=256, dtype="float16")))
+    state.register(register_request("d-small", DECODE, layout=make_layout(block_count=32, block_size_tokens=128)))
+    with pytest.raises(FailedPrecondition) as refused:
+        state.plan(dpb.PlanTransferRequest(), None)
+    message = str(refused.value)
+    assert "dtype 'bfloat16' of prefill 'p0' differs from 'float16' of decode 'd-big'" in message
+    assert message.endswith("(the first of 2 pairs tried)") and "d-small" not in message
+    state.register(register_request("d-fits", DECODE, layout=make_layout(block_count=8)))
+    planned, _ = state.plan(dpb.PlanTransferRequest(), None)
+    assert planned.decode_engine_id == "d-fits"
+
+
+def test_incompatibility_is_empty_for_equal_layouts():
+    state = DirectoryState(Limits(), ManualClock().clock())
+    state.register(register_request("p0", PREFILL, layout=make_layout(compatibility_hash="h")))
+    state.register(register_request("d0", DECODE, layout=make_layout(block_count=8, compatibility_hash="h")))
+    groups = state.engines.groups
+    assert incompatibility(groups["p0"], groups["d0"]) == ""
+
+
+def test_the_grpc_answer_is_failed_precondition_with_the_field():
+    """Over gRPC: FAILED_PRECONDITION, and the details carry the field, both values and both engine ids."""
+    async def scenario() -> grpc.aio.AioRpcError:
+        async with running_directory() as directory:
+            async with grpc.aio.insecure_channel(directory.address) as channel:
+                stub = dgrpc.KVDirectoryServiceStub(channel)
+                await stub.RegisterEngine(register_request("p0", PREFILL))
+                await stub.RegisterEngine(register_request("d0", DECODE, layout=make_layout(block_size_tokens=128)))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.PlanTransfer(dpb.PlanTransferRequest())
+                return refused.value
+
+    refused = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "block_size_tokens 16 of prefill 'p0' differs from 128 of decode 'd0'" in (refused.details() or "")
