@@ -1,7 +1,7 @@
 """`kvpush`: run the KV-directory and inspect it over gRPC.
 
     kvpush directory [flags]            serve (flags override KVPUSH_DIRECTORY_* env)
-    kvpush engines [--role R] [--json]  registered workers
+    kvpush engines [--role R] [--json]  registered workers, their KV layouts (TP, block size, hash)
     kvpush transfers [ID] [--state S] [--engine E] [--limit N] [--json]
     kvpush health [--json]              exit 0 when SERVING
     kvpush trace TRANSFER_ID [--json]   one transfer's timeline, readable in a terminal
@@ -196,14 +196,21 @@ async def _engines(args: argparse.Namespace) -> int:
             worker.ClearField("agent_metadata")  # binary NIXL metadata is no use on a terminal
         print(_to_json(workers))
         return 0
+    print(engines_table(workers))
+    return 0
+
+
+def engines_table(workers: Sequence[tpb.EngineWorker]) -> str:
+    """`kvpush engines` as a table: one row per worker, with the layout fields planning pairs engines by (TP size,
+    layers, block size, dtype, the compatibility hash's first 8 characters), so a refused pair shows why."""
     rows = [(w.engine_id, _short_enum(tpb.EngineRole, w.role, "ENGINE_ROLE_"), f"{w.tp_rank}/{w.tp_size}",
-             w.agent_name, w.model or "-", w.layout.layer_count, w.layout.block_count,
+             w.tp_size, w.agent_name, w.model or "-", w.layout.layer_count, w.layout.block_size_tokens,
+             w.layout.block_count, w.layout.dtype or "-", w.layout.compatibility_hash[:8] or "-",
              w.load.free_block_count if w.HasField("load") else "-",
              f"{w.load.running_request_count}/{w.load.waiting_request_count}" if w.HasField("load") else "-",
              w.active_transfer_count, _first_token(w), _ts(w.lease_expire_time), w.endpoint or "-") for w in workers]
-    print(_table(["ENGINE", "ROLE", "RANK", "AGENT", "MODEL", "LAYERS", "BLOCKS", "FREE", "RUN/WAIT", "ACTIVE",
-                  "FIRST_TOKEN", "LEASE_UNTIL", "ENDPOINT"], rows))
-    return 0
+    return _table(["ENGINE", "ROLE", "RANK", "TP", "AGENT", "MODEL", "LAYERS", "BLOCK_TOKENS", "BLOCKS", "DTYPE",
+                   "HASH", "FREE", "RUN/WAIT", "ACTIVE", "FIRST_TOKEN", "LEASE_UNTIL", "ENDPOINT"], rows)
 
 
 async def _transfers(args: argparse.Namespace) -> int:

@@ -109,11 +109,19 @@ def test_cli_serves_inspects_and_exports_a_span_per_transfer(receiver):
 
         engines = cli("engines", "--json", *address)
         assert engines.returncode == 0, engines.stderr
-        assert {(e["engine_id"], e["role"]) for e in json.loads(engines.stdout)} == {
-            ("p1", "ENGINE_ROLE_PREFILL"), ("d1", "ENGINE_ROLE_DECODE")}
+        assert {(e["engine_id"], e["role"], e["tp_size"], e["layout"]["block_size_tokens"], e["layout"]["layer_count"],
+                 e["layout"]["dtype"]) for e in json.loads(engines.stdout)} == {
+            ("p1", "ENGINE_ROLE_PREFILL", 1, 16, 4, "bfloat16"), ("d1", "ENGINE_ROLE_DECODE", 1, 16, 4, "bfloat16")}
         table = cli("engines", *address)
-        assert table.stdout.splitlines()[0].split()[:3] == ["ENGINE", "ROLE", "RANK"]
+        header, *rows = table.stdout.splitlines()
+        assert header.split()[:3] == ["ENGINE", "ROLE", "RANK"]
         assert "http://p1:8000" in table.stdout
+        # The layout columns planning pairs engines by: TP, layers, block size (tokens), dtype, hash ("-": none).
+        columns = header.split()
+        by_engine = {row.split()[0]: dict(zip(columns, row.split(), strict=False)) for row in rows}
+        assert {engine: (c["TP"], c["LAYERS"], c["BLOCK_TOKENS"], c["DTYPE"], c["HASH"])
+                for engine, c in by_engine.items()} == {"p1": ("1", "4", "16", "bfloat16", "-"),
+                                                        "d1": ("1", "4", "16", "bfloat16", "-")}
 
         listed = json.loads(cli("transfers", "--json", *address).stdout)
         assert [t["transfer_id"] for t in listed] == [failed, completed]
