@@ -1,8 +1,8 @@
 """bench/plan_bench.py against two commits of the package, alternately, in one run: the ratios of their figures.
 
-Each side runs its own plan_bench.py: for the other commit, that commit's script with its
+This checkout's plan_bench.py drives both: for the other commit it runs with that commit's
 `kvpush.*` packages imported from a temporary git worktree (its src/, or for older trees the package-dir
-mapping of their pyproject), so both sides time the same hook path on the same machine, rounds
+mapping of their pyproject), so both sides run the same measurement code on the same machine, rounds
 interleaved (old, new, old, new, ...) so that machine load falls on both.
 
 Usage:  python bench/plan_bench_compare.py --old REF [--rounds 3] [--reps 30]
@@ -56,9 +56,9 @@ runpy.run_path(bench, run_name="__main__")
 
 
 def _run(tree: Path, out: Path, reps: int) -> dict:
-    # Each tree runs its own plan_bench.py: its stand-ins for the transport and the directory follow that tree's
-    # interfaces (a newer script's would not fit an older tree); what they time is the same hook path.
-    subprocess.run([sys.executable, "-c", _RUNNER, str(tree), str(tree / "bench" / "plan_bench.py"), str(out),
+    # This checkout's plan_bench.py drives both trees: its stand-ins fit the worker's ports of both (an older tree's
+    # own script may not fit the worker it shipped with), so both sides run the same measurement code.
+    subprocess.run([sys.executable, "-c", _RUNNER, str(tree), str(REPO / "bench" / "plan_bench.py"), str(out),
                     "--reps", str(reps)], check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
