@@ -72,8 +72,11 @@ def summarise_trace(path: Path) -> dict[str, Any]:
             calls[args["correlation"]] = {"name": e.get("name"), "ts": e["ts"], "tid": e.get("tid")}
     device_copies = [c for c in copies if "DtoD" in (c["name"] or "") or "PtoP" in (c["name"] or "")
                      or "Peer" in (c["name"] or "")]
-    copy_streams = {c["stream"] for c in device_copies}
-    forward = sorted((a, b) for a, b, s in kernels if s not in copy_streams)
+    # The copies' own streams: those that run device copies and no kernel (vLLM's compute stream also copies).
+    kernel_streams = {s for _, _, s in kernels}
+    copy_streams = {c["stream"] for c in device_copies} - kernel_streams
+    device_copies = [c for c in device_copies if c["stream"] in copy_streams]
+    forward = sorted((a, b) for a, b, s in kernels)
     windows: list[list[float]] = []
     for a, b in forward:
         if windows and a - windows[-1][1] <= WINDOW_GAP_US:
@@ -95,6 +98,18 @@ def summarise_trace(path: Path) -> dict[str, Any]:
         row["forward_busy_during_run_us"] = _busy(forward, c["ts"], c["ts"] + c["dur"])
         rows.append(row)
     long_windows = [w for w in windows if w[1] - w[0] > 20_000]
+    per_forward = []
+    for start, end in long_windows:  # each long prefill: its copies during the forward and after its end
+        during = [c for c in device_copies if start <= c["ts"] <= end]
+        after = [c for c in device_copies if end < c["ts"] <= end + 50_000]
+        per_forward.append({
+            "forward_ms": round((end - start) / 1e3, 2), "copies_during": len(during),
+            "bytes_during": sum(c["bytes"] or 0 for c in during), "copies_after": len(after),
+            "bytes_after": sum(c["bytes"] or 0 for c in after),
+            "first_copy_ms_from_forward_end": round((during[0]["ts"] - end) / 1e3, 2) if during else None,
+            "last_copy_end_ms_from_forward_end": round((max(c["ts"] + c["dur"] for c in during + after) - end) / 1e3, 2)
+            if during or after else None,
+        })
     return {
         "trace": path.name, "categories": dict(categories), "kernels": len(kernels),
         "kernel_streams": sorted({s for _, _, s in kernels}), "copy_streams": sorted(copy_streams),
@@ -107,6 +122,7 @@ def summarise_trace(path: Path) -> dict[str, Any]:
         "forward_busy_during_run_us": _dist([r["forward_busy_during_run_us"] for r in rows]),
         "enqueued_inside_forward": sum(bool(r.get("enqueued_inside_forward")) for r in rows),
         "ran_inside_forward": sum(r["inside_forward"] for r in rows),
+        "per_forward": per_forward,
         "forward_windows_over_20ms": [{"start_us": w[0], "ms": round((w[1] - w[0]) / 1e3, 2)} for w in long_windows],
         "copies": rows[:400],
     }
