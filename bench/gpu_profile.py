@@ -176,8 +176,7 @@ def run_profile(args: Any) -> int:
         time.sleep(2)
     report["trace_files"] = [str(t) for t in traces]
     report["traces"] = [summarise_trace(t) for t in traces]
-    out = gpu_e2e.out_dir() / f"gpu_profile{args.tag}.json"
-    out.write_text(json.dumps(report, indent=1))
+    out = gpu_e2e.write_result(gpu_e2e.out_dir() / f"gpu_profile{args.tag}.json", report, indent=1, echo=False)
     for t in report["traces"]:
         gpu_e2e.say(json.dumps({k: t[k] for k in ("trace", "kernels", "kernel_streams", "copy_streams", "copy_names",
                                                   "device_copies", "wait_us", "run_us", "forward_busy_during_wait_us",

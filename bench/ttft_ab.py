@@ -56,7 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--old", required=True, help="the commit to compare this checkout with")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "ttft_ab.json"))
-    args, passthrough = parser.parse_known_args(argv)
+    # ttft_bench's own flags, passed on to every round (its --help says what each does).
+    parser.add_argument("--phases", default="kvpush-first-token")
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rates", default="unshaped")
+    parser.add_argument("--tokens", default=None)
+    parser.add_argument("--no-netns", action="store_true")
+    args = parser.parse_args(argv)
+    passthrough = ["--phases", args.phases, "--iterations", str(args.iterations), "--warmup", str(args.warmup),
+                   "--rates", args.rates, *(["--tokens", args.tokens] if args.tokens else []),
+                   *(["--no-netns"] if args.no_netns else [])]
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"old": [], "new": []}
     with tempfile.TemporaryDirectory(prefix="kvpush-ab-") as tmp:
         tree = Path(tmp) / "old"
