@@ -40,38 +40,37 @@ def _pid_of_global_tid(global_tid: int) -> int:
     return (global_tid >> 24) & 0xFFFFFF
 
 
-def _windows(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
+def merge_windows(intervals: list[tuple[float, float]], gap: float) -> list[tuple[float, float]]:
+    """Busy windows: intervals closer than `gap` merged (a forward's kernels follow each other closely)."""
+    merged: list[list[float]] = []
     for start, end in sorted(intervals):
-        if merged and start - merged[-1][1] <= WINDOW_GAP_NS:
+        if merged and start - merged[-1][1] <= gap:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
     return [(a, b) for a, b in merged]
 
 
-def _busy_ns(intervals: list[tuple[int, int]], start: int, end: int) -> int:
-    """Time in [start, end] covered by the union of intervals."""
-    covered = 0
-    cursor = start
-    for a, b in sorted(intervals):
+def busy(sorted_intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Time in [start, end] covered by the union of intervals (sorted by start)."""
+    covered, cursor = 0.0, start
+    for a, b in sorted_intervals:
         if b <= cursor or a >= end:
             continue
-        a = max(a, cursor)
-        b = min(b, end)
+        a, b = max(a, cursor), min(b, end)
         if b > a:
             covered += b - a
             cursor = b
     return covered
 
 
-def _dist(values: list[float]) -> dict[str, float]:
+def distribution(values: list[float]) -> dict[str, float]:
+    """count, min, p50, p90 and max of `values` ({} when empty)."""
     if not values:
         return {}
     ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"count": len(values), "min": round(ordered[0], 3), "p50": round(statistics.median(values), 3),
-            "p90": round(pick(0.9), 3), "max": round(ordered[-1], 3)}
+    return {"count": len(ordered), "min": round(ordered[0], 3), "p50": round(statistics.median(ordered), 3),
+            "p90": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 3), "max": round(ordered[-1], 3)}
 
 
 def summarize(path: str) -> dict[str, Any]:
@@ -120,11 +119,12 @@ def summarize(path: str) -> dict[str, Any]:
     if prefill is None:
         return report
     pushes = sorted((c for c in copies[prefill] if c["kind"] in DEVICE_COPIES), key=lambda c: c["start"])
-    copy_streams = {c["stream"] for c in pushes}
-    own = [(s, e) for s, e, stream in kernels[prefill] if stream not in copy_streams]
-    own_starts = sorted(own)
-    other = [(s, e) for pid, ks in kernels.items() if pid != prefill for s, e, _ in ks]
-    windows = _windows(own)
+    # The copies' own streams: those that run device copies and no kernel (vLLM's compute stream also copies).
+    copy_streams = {c["stream"] for c in pushes} - {stream for _, _, stream in kernels[prefill]}
+    pushes = [c for c in pushes if c["stream"] in copy_streams]
+    own = sorted((s, e) for s, e, _ in kernels[prefill])
+    other = sorted((s, e) for pid, ks in kernels.items() if pid != prefill for s, e, _ in ks)
+    windows = merge_windows(own, WINDOW_GAP_NS)
     window_starts = [w[0] for w in windows]
     rows = []
     for c in pushes:
@@ -142,13 +142,12 @@ def summarize(path: str) -> dict[str, Any]:
             "forward_window_end_minus_copy_end_us": ((windows[i][1] - c["end"]) / 1e3) if inside else None,
         }
         if enqueued is not None:
-            row["own_kernel_busy_during_wait_us"] = _busy_ns(own, enqueued, c["start"]) / 1e3
-            row["other_process_kernel_busy_during_wait_us"] = _busy_ns(other, enqueued, c["start"]) / 1e3
-            row["own_kernel_busy_during_run_us"] = _busy_ns(own, c["start"], c["end"]) / 1e3
+            row["own_kernel_busy_during_wait_us"] = busy(own, enqueued, c["start"]) / 1e3
+            row["other_process_kernel_busy_during_wait_us"] = busy(other, enqueued, c["start"]) / 1e3
+            row["own_kernel_busy_during_run_us"] = busy(own, c["start"], c["end"]) / 1e3
             row["enqueued_ns"] = enqueued
         row["start_ns"], row["end_ns"] = c["start"], c["end"]
         rows.append(row)
-    del own_starts
     long_windows = [(a, b) for a, b in windows if b - a > 5_000_000]
     report["prefill"] = {
         "copy_streams": sorted(copy_streams),
@@ -156,16 +155,16 @@ def summarize(path: str) -> dict[str, Any]:
         "compute_stream_priorities": {str(s): streams.get((prefill, s), {}).get("priority")
                                       for s in {st for _, _, st in kernels[prefill]} - copy_streams},
         "copies": len(rows),
-        "copy_bytes": _dist([r["bytes"] for r in rows]),
-        "wait_us": _dist([r["wait_us"] for r in rows if r["wait_us"] is not None]),
-        "run_us": _dist([r["run_us"] for r in rows]),
+        "copy_bytes": distribution([r["bytes"] for r in rows]),
+        "wait_us": distribution([r["wait_us"] for r in rows if r["wait_us"] is not None]),
+        "run_us": distribution([r["run_us"] for r in rows]),
         "started_inside_forward_window": sum(r["started_inside_forward_window"] for r in rows),
-        "own_kernel_busy_during_wait_us": _dist([r["own_kernel_busy_during_wait_us"] for r in rows
+        "own_kernel_busy_during_wait_us": distribution([r["own_kernel_busy_during_wait_us"] for r in rows
                                                  if "own_kernel_busy_during_wait_us" in r]),
-        "other_process_kernel_busy_during_wait_us": _dist([r["other_process_kernel_busy_during_wait_us"]
+        "other_process_kernel_busy_during_wait_us": distribution([r["other_process_kernel_busy_during_wait_us"]
                                                            for r in rows
                                                            if "other_process_kernel_busy_during_wait_us" in r]),
-        "own_kernel_busy_during_run_us": _dist([r["own_kernel_busy_during_run_us"] for r in rows
+        "own_kernel_busy_during_run_us": distribution([r["own_kernel_busy_during_run_us"] for r in rows
                                                 if "own_kernel_busy_during_run_us" in r]),
         "forward_windows_over_5ms": [{"start_ns": a, "ms": round((b - a) / 1e6, 3)} for a, b in long_windows[-12:]],
         "copies_detail_last": rows[-200:],

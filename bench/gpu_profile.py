@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -24,29 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import gpu_e2e  # bench/, this script's folder
+from gpu_nsys_summary import busy, distribution, merge_windows
 
 PROFILE_DIR = Path("/tmp/kvpush-torch-profile")
 WINDOW_GAP_US = 500.0
-
-
-def _dist(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    return {"count": len(ordered), "min": round(ordered[0], 3), "p50": round(statistics.median(ordered), 3),
-            "p90": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 3), "max": round(ordered[-1], 3)}
-
-
-def _busy(intervals: list[tuple[float, float]], start: float, end: float) -> float:
-    covered, cursor = 0.0, start
-    for a, b in intervals:
-        if b <= cursor or a >= end:
-            continue
-        a, b = max(a, cursor), min(b, end)
-        if b > a:
-            covered += b - a
-            cursor = b
-    return covered
 
 
 def summarise_trace(path: Path) -> dict[str, Any]:
@@ -77,12 +57,7 @@ def summarise_trace(path: Path) -> dict[str, Any]:
     copy_streams = {c["stream"] for c in device_copies} - kernel_streams
     device_copies = [c for c in device_copies if c["stream"] in copy_streams]
     forward = sorted((a, b) for a, b, s in kernels)
-    windows: list[list[float]] = []
-    for a, b in forward:
-        if windows and a - windows[-1][1] <= WINDOW_GAP_US:
-            windows[-1][1] = max(windows[-1][1], b)
-        else:
-            windows.append([a, b])
+    windows = merge_windows(forward, WINDOW_GAP_US)
     rows = []
     for c in sorted(device_copies, key=lambda c: c["ts"]):
         call = calls.get(c["correlation"])
@@ -93,9 +68,9 @@ def summarise_trace(path: Path) -> dict[str, Any]:
                "forward_end_minus_copy_end_us": (window[1] - c["ts"] - c["dur"]) if window else None}
         if call:
             row["wait_us"] = c["ts"] - call["ts"]
-            row["forward_busy_during_wait_us"] = _busy(forward, call["ts"], c["ts"])
+            row["forward_busy_during_wait_us"] = busy(forward, call["ts"], c["ts"])
             row["enqueued_inside_forward"] = any(w[0] <= call["ts"] <= w[1] for w in windows)
-        row["forward_busy_during_run_us"] = _busy(forward, c["ts"], c["ts"] + c["dur"])
+        row["forward_busy_during_run_us"] = busy(forward, c["ts"], c["ts"] + c["dur"])
         rows.append(row)
     long_windows = [w for w in windows if w[1] - w[0] > 20_000]
     per_forward = []
@@ -115,11 +90,11 @@ def summarise_trace(path: Path) -> dict[str, Any]:
         "kernel_streams": sorted({s for _, _, s in kernels}), "copy_streams": sorted(copy_streams),
         "copy_names": sorted({c["name"] for c in copies}),
         "device_copies": len(rows),
-        "wait_us": _dist([r["wait_us"] for r in rows if "wait_us" in r]),
-        "run_us": _dist([r["run_us"] for r in rows]),
-        "forward_busy_during_wait_us": _dist([r["forward_busy_during_wait_us"] for r in rows
+        "wait_us": distribution([r["wait_us"] for r in rows if "wait_us" in r]),
+        "run_us": distribution([r["run_us"] for r in rows]),
+        "forward_busy_during_wait_us": distribution([r["forward_busy_during_wait_us"] for r in rows
                                               if "forward_busy_during_wait_us" in r]),
-        "forward_busy_during_run_us": _dist([r["forward_busy_during_run_us"] for r in rows]),
+        "forward_busy_during_run_us": distribution([r["forward_busy_during_run_us"] for r in rows]),
         "enqueued_inside_forward": sum(bool(r.get("enqueued_inside_forward")) for r in rows),
         "ran_inside_forward": sum(r["inside_forward"] for r in rows),
         "per_forward": per_forward,
