@@ -6,12 +6,11 @@ them to and from the directory's API for the connector's workers.
 
 from __future__ import annotations
 
-from kvpush.api.outcome import PUSH_ACTIVE, PushOutcome, PushStop, ReceiveOutcome, StopCause
+from kvpush.api.outcome import PushOutcome, ReceiveOutcome
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
-__all__ = ["PUSH_ACTIVE", "PushOutcome", "PushStop", "ReceiveOutcome", "StopCause", "receive_outcome_of",
-           "write_result_status"]
+__all__ = ["receive_outcome_of", "write_result_status"]
 
 _WRITE_RESULT_STATUS: dict[PushOutcome, dpb.WriteResultStatus] = {
     PushOutcome.DONE: dpb.WRITE_RESULT_STATUS_DONE,
