@@ -216,6 +216,9 @@ def run_profile(args: Any) -> int:
                               "push": gpu_e2e.push_timing(record, layers), "io": io})
         report["variants"].append({"name": name, "connector_extra": extra, "cupti": cupti,
                                    "transfers": transfers})
+        report["transfers"] = report["variants"][0]["transfers"]
+        # Written after every variant: a run cut short by its time limit keeps what it measured.
+        gpu_e2e.write_result(gpu_e2e.out_dir() / f"gpu_profile{args.tag}.json", report, indent=1, echo=False)
         for entry in transfers:
             push, io = entry["push"] or {}, entry["io"]
             check = io.get("check", {})
@@ -224,7 +227,6 @@ def run_profile(args: Any) -> int:
                         f"{push.get('exposed_tail_ms')} ms; I/O iterations {io.get('iterations')}, late p50/max "
                         f"{io.get('late_ms', {}).get('p50')}/{io.get('late_ms', {}).get('max')} ms, checks "
                         f"{check.get('calls')} mean {check.get('mean_ms')} longest {check.get('longest_ms')} ms")
-    report["transfers"] = report["variants"][0]["transfers"]
     if args.cupti:
         deadline = time.monotonic() + 120
         traces: list[Path] = []
