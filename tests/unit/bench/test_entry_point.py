@@ -42,7 +42,7 @@ def test_a_group_without_its_mode_and_an_unknown_name_answer_with_usage():
 def test_help_runs_as_a_module_and_a_script_help_names_the_subcommand():
     top = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
-    assert top.returncode == 0 and "dataplane <cpu|gpu|gil>" in top.stdout
+    assert top.returncode == 0 and "dataplane <cpu|gpu|gil|stream>" in top.stdout
     plan = subprocess.run([sys.executable, "-m", "bench", "plan", "run", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr
