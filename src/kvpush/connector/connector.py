@@ -187,7 +187,7 @@ class KVPushConnector(KVConnectorBase_V1):
         return compatibility_hash(
             model=str(model_config.model), dtype=str(model_config.dtype), cache_dtype=str(cache_config.cache_dtype),
             kv_layout=agent.layout.layout_name, num_kv_heads=num_kv_heads, head_size=head_size,
-            block_size=self._block_size, layer_count=layer_count, vllm_version=str(vllm.__version__))
+            layer_count=layer_count, vllm_version=str(vllm.__version__))
 
     def _load(self) -> tpb.EngineLoad | None:
         """This engine's load for a lease renewal (client thread): the scheduler's latest, None before a step."""

@@ -86,13 +86,15 @@ class ReceiveStart:
 
 
 def compatibility_hash(*, model: str, dtype: str, cache_dtype: str, kv_layout: str, num_kv_heads: int,
-                       head_size: int, block_size: int, layer_count: int, vllm_version: str) -> str:
+                       head_size: int, layer_count: int, vllm_version: str) -> str:
     """A short hash over everything that makes one engine's KV unreadable by another (KVLayout.compatibility_hash).
 
-    Every engine sets it at registration; the directory pairs a prefill and a decode engine only when equal.
+    Every engine sets it at registration; the directory pairs a prefill and a decode engine only when equal. The
+    block size is not in it: it is a registered field of its own, and token-addressable layouts of different block
+    sizes pair (the directory's planning decides, `planning._block_size_mapping`).
     """
     factors = dict(model=model, dtype=dtype, cache_dtype=cache_dtype, kv_layout=kv_layout, num_kv_heads=num_kv_heads,
-                   head_size=head_size, block_size=block_size, layer_count=layer_count, vllm_version=vllm_version)
+                   head_size=head_size, layer_count=layer_count, vllm_version=vllm_version)
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
 
 

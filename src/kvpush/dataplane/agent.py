@@ -40,6 +40,7 @@ from kvpush.dataplane.io_trace import IoLoopTrace
 from kvpush.dataplane.layout import MEMORY_VRAM, KVLayoutSpec, LayoutError, check_compatible
 from kvpush.dataplane.nixl_api import NixlAgentApi, RegisteredMemory
 from kvpush.dataplane.peers import DescriptorTables, Peer
+from kvpush.dataplane.plan import TABLE_CHUNK, granule_tokens
 from kvpush.observability import get_logger
 
 _log = get_logger("kvpush.dataplane.agent")
@@ -405,6 +406,11 @@ class TransferAgent:
                     raise ValueError(f"metadata is for agent {loaded_name!r}, not {agent_name!r}")
                 peer = Peer(agent_name, layout, DescriptorTables(self._nixl, agent_name, layout))
                 peer.tables.block_table()  # prepare the common case now, off the first write's path
+                if self._layout is not None and self._layout.block_size_tokens != layout.block_size_tokens:
+                    # Another block size: writes to it use both sides' chunk tables at the common granule.
+                    granule = granule_tokens(self._layout, layout)
+                    peer.tables.table(TABLE_CHUNK, granule)
+                    self.local_tables().table(TABLE_CHUNK, granule)
                 self._peers[agent_name] = peer
             except BaseException:
                 with self._lock:

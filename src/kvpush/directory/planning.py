@@ -5,9 +5,9 @@ their transfer cap, decode engines need room for the prompt in their KV cache (t
 they last reported are a load signal, stale while an engine idles); prefill engines are tried fewest active
 transfers first, then fewest queued (running + waiting) requests; decode engines most free blocks first, then
 fewest queued requests, then fewest active transfers (engine id breaks ties, so a plan is deterministic). The
-first pair whose layouts are compatible wins (`incompatibility`): equal TP size, layer count, block size, dtype,
-block atomicity, plane token shape and compatibility hash. When none is, the refusal names the first pair tried,
-the field that differs and both values.
+first pair whose layouts are compatible wins (`incompatibility`): equal TP size, layer count, dtype, block
+atomicity, plane token shape and compatibility hash, and block sizes the data plane can map (`_block_size_mapping`).
+When none is, the refusal names the first pair tried, the field that differs and both values.
 """
 
 from __future__ import annotations
@@ -85,6 +85,38 @@ def _differs(field_name: str, prefill_value: object, decode_value: object, prefi
             f"{decode_engine_id!r} ({why})")
 
 
+# NIXL indexes a prepared descriptor table with int32 (kvpush.dataplane.plan._MAX_TABLE_ENTRIES).
+_MAX_TABLE_ENTRIES = 2**31 - 1
+
+
+def _block_size_mapping(p: tpb.KVLayout, d: tpb.KVLayout) -> str:
+    """Why the data plane cannot map prefill's blocks onto decode's of another size ("" when it can).
+
+    The rule of `kvpush.dataplane.plan`: any two sizes map through chunk tables of g = gcd(sizes) tokens per entry
+    (16 and 128: g 16; 32 and 48: g 16), on both sides, when tokens have addresses (not block_atomic) and each
+    segment's tokens are contiguous; each side's table of (layers x segments x block_size / g x blocks) entries must
+    fit NIXL's int32 index.
+    """
+    for role, layout in (("prefill", p), ("decode", d)):
+        if layout.block_atomic:
+            return (f"{role}'s layout is block_atomic (vLLM CPU attention tiles tokens inside a block), so its KV "
+                    "moves only as whole blocks between equal block sizes: start both with one --block-size")
+    for role, layout in (("prefill", p), ("decode", d)):
+        for i, plane in enumerate(layout.planes):
+            if plane.token_stride_bytes != plane.segment_bytes_per_token:
+                return (f"{role}'s planes[{i}] has gaps between tokens (token_stride_bytes "
+                        f"{plane.token_stride_bytes} > segment_bytes_per_token {plane.segment_bytes_per_token}); "
+                        "mapping block sizes needs token-contiguous segments")
+    granule = math.gcd(p.block_size_tokens, d.block_size_tokens)
+    for role, layout in (("prefill", p), ("decode", d)):
+        entries = (layout.layer_count * sum(plane.segment_count for plane in layout.planes)
+                   * (layout.block_size_tokens // granule) * layout.block_count)
+        if entries > _MAX_TABLE_ENTRIES:
+            return (f"mapping them needs {role} descriptor tables of {granule}-token chunks with {entries} entries, "
+                    f"past NIXL's int32 index range: sizes with a larger common divisor, or fewer blocks")
+    return ""
+
+
 def _layout_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_engine_id: str, decode_engine_id: str,
                             prefill_model: str = "", decode_model: str = "") -> str:
     """The first registered layout field that differs, else a differing compatibility hash ("" when they pair).
@@ -98,9 +130,9 @@ def _layout_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_engine_id:
         return _differs("layer_count", p.layer_count, d.layer_count, *ids,
                         "a push writes each layer into the same layer of decode: different models or layer kinds?")
     if p.block_size_tokens != d.block_size_tokens:
-        return _differs("block_size_tokens", p.block_size_tokens, d.block_size_tokens, *ids,
-                        "pushing between different block sizes is not supported yet: start both with one "
-                        "--block-size")
+        why = _block_size_mapping(p, d)
+        if why:
+            return _differs("block_size_tokens", p.block_size_tokens, d.block_size_tokens, *ids, why)
     if p.dtype != d.dtype:
         return _differs("dtype", repr(p.dtype), repr(d.dtype), *ids,
                         "KV elements are copied as bytes, so both must hold the same type")

@@ -56,11 +56,17 @@ class _Transport:
         self.guards: list = []
         self.peers: list[tuple[str, bytes]] = []
         self.refuse_peers = False
+        self.block_sizes: dict[str, int] = {}
 
     def ensure_peer(self, agent_name, metadata, layout) -> None:
         if self.refuse_peers:
             raise ValueError("layouts cannot exchange KV")
         self.peers.append((agent_name, bytes(metadata)))
+        if layout is not None:
+            self.block_sizes[agent_name] = layout.block_size_tokens
+
+    def peer_block_size_tokens(self, agent_name) -> int:
+        return self.block_sizes.get(agent_name, 0)  # 0: the worker's own
 
     def has_peer(self, agent_name) -> bool:
         return any(name == agent_name for name, _ in self.peers)

@@ -325,3 +325,51 @@ def test_any_sequence_of_inputs_keeps_every_invariant(ops, sends_first_token, ch
         assert result.timeline is not None and result.layers_written_count == LAYERS
     blocks = _written_blocks(h.orders)
     assert len(blocks) == len(set(blocks)), "a block written twice"
+
+
+# ---------------------------------------------------------------- decode of another block size
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 300), st.lists(st.integers(1, 299), max_size=4), st.sampled_from([BLOCK, 128, 8, 24]),
+       st.integers(0, 12), st.integers(1, 4))
+def test_a_push_into_decode_blocks_of_another_size_writes_every_token_once(prompt, cuts, decode_block, hit_blocks,
+                                                                          instruct_after):
+    """Prefill blocks of 16, decode blocks of 16, 128, 8 or 24; the prompt in chunks ending anywhere; decode's prefix
+    hit a multiple of its block size; the instruction between or after the chunks (the directory dispatches it
+    after the first readiness). Each write lists
+    prefill's blocks and decode's (in decode's size) holding [0, token_end), and every token after the hit is
+    written exactly once per layer; the push ends DONE and the blocks are released."""
+    ends = sorted({c for c in cuts if c < prompt} | {prompt})
+    skip = min(hit_blocks * decode_block, prompt)
+    h = Harness()
+    src = tuple(range(10, 10 + -(-prompt // BLOCK)))
+    dst = tuple(range(50, 50 + -(-prompt // decode_block)))
+
+    def instruct() -> None:
+        h.apply(h.book.instruction(Instruction("t1", "d-agent", "d", dst, skip, prompt, b"t1", decode_block), None,
+                                   None, h.now))
+
+    start = 0
+    for i, end in enumerate(ends):
+        if i == instruct_after:
+            instruct()
+        h.step(PrefillChunk("r1", "t1", start, end, prompt, src[:-(-end // BLOCK)]))
+        h.layers(*range(LAYERS), step_saved=True)
+        start = end
+    if instruct_after >= len(ends):
+        instruct()
+    while h.accepted:
+        h.land()
+    h.quiet()
+    h.step(held={"r1": 1})
+    assert h.released == ["r1"]
+    assert [r.outcome for r in h.results] == [PushOutcome.DONE], h.results
+    for order in h.orders:
+        w = order.write
+        assert w.src_block_ids == src[:-(-w.token_end // BLOCK)], w
+        assert w.dst_block_ids == dst[:-(-w.token_end // decode_block)], w
+    for layer in range(LAYERS):
+        tokens = sorted(t for o in h.orders if o.write.layer == layer
+                        for t in range(o.write.token_start, o.write.token_end))
+        assert tokens == list(range(skip, prompt)), (layer, skip)
+    assert sum(o.write.notify for o in h.orders) == (1 if skip < prompt else 0)

@@ -180,3 +180,68 @@ def test_each_layer_keeps_when_its_last_write_was_posted_and_ended():
     assert timing.layer_write_post_times == {0: 2.0, 1: 7.0}
     assert timing.layer_write_end_times == {0: 8.0, 1: 7.5}
     assert timing.first_write_start_time == 1.0
+
+
+# ---- decode of another block size ---------------------------------------------------------------------------------
+def _covered(writes, block_size: int, field: str) -> list[tuple[int, ...]]:
+    """Per write, the blocks of `field` (src or dst, of `block_size` tokens) that hold its tokens."""
+    return [getattr(w, field)[w.token_start // block_size:-(-w.token_end // block_size)] for w in writes]
+
+
+def test_decode_blocks_of_another_size_are_listed_in_decode_size():
+    """Prefill 128, decode 16: a 300-token prompt needs 19 decode blocks; each write lists decode's blocks holding
+    [0, token_end) and the tokens land in the decode blocks of their position."""
+    push = _push(300, layers=1)
+    dst = tuple(range(700, 719))
+    push.set_instruction("d", dst, 0, 300, b"n", dst_block_size_tokens=16)
+    push.mark_ready(0, 200)
+    (first,) = push.next_writes()
+    assert (first.token_start, first.token_end) == (0, 128)
+    assert first.src_block_ids == (100,) and first.dst_block_ids == dst[:8]
+    push.mark_ready(0, 300)
+    (second,) = push.next_writes()
+    assert (second.token_start, second.token_end, second.notify) == (128, 300, True)
+    assert second.src_block_ids == (100, 101, 102) and second.dst_block_ids == dst
+    assert _covered([second], 16, "dst_block_ids") == [dst[8:]]
+
+
+def test_small_prefill_blocks_into_large_decode_blocks_cut_each_decode_block_by_token_range():
+    """Prefill 16, decode 128: chunks of 100 tokens write up to the last full 16-token block, so decode block 0
+    gets tokens [0, 96) from one write and [96, 128) from the next: disjoint ranges, every token once."""
+    push = PushTransfer("t1", "r1", 300, 2, 16)
+    push.set_source_blocks(tuple(range(100, 119)))
+    push.set_instruction("d", (500, 501, 502, 503), 0, 300, b"n", dst_block_size_tokens=128)
+    writes = []
+    for end in (100, 200, 300):
+        for layer in range(2):
+            push.mark_ready(layer, end)
+        writes += push.next_writes()
+    for layer in range(2):
+        ranges = [(w.token_start, w.token_end) for w in writes if w.layer == layer]
+        assert ranges == [(0, 96), (96, 192), (192, 300)]
+    assert [w.dst_block_ids for w in writes if w.layer == 0] == [(500,), (500, 501), (500, 501, 502)]
+    assert [w.src_block_ids for w in writes if w.layer == 0][-1] == tuple(range(100, 119))
+    assert [w.notify for w in writes] == [False] * 5 + [True]
+
+
+def test_a_decode_prefix_hit_inside_a_prefill_block_starts_the_first_write_there():
+    """Decode 48 holds 96 tokens (two of its blocks); prefill 64: the first write starts at 96, inside prefill
+    block 1, and the blocks before the hit are never written."""
+    push = PushTransfer("t1", "r1", 200, 1, 64)
+    push.set_source_blocks((10, 11, 12, 13))
+    push.set_instruction("d", (20, 21, 22, 23, 24), 96, 200, b"n", dst_block_size_tokens=48)
+    push.mark_ready(0, 200)
+    (write,) = push.next_writes()
+    assert (write.token_start, write.token_end, write.notify) == (96, 200, True)
+    assert write.src_block_ids == (10, 11, 12, 13) and write.dst_block_ids == (20, 21, 22, 23, 24)
+
+
+def test_too_few_decode_blocks_of_decode_size_are_refused():
+    """300 tokens in decode blocks of 16 need 19: 18 are refused, naming decode's block size; nothing changes."""
+    push = _push(300)
+    with pytest.raises(ValueError, match="18 decode blocks of 16 tokens cannot hold 300 tokens"):
+        push.set_instruction("d", tuple(range(18)), 0, 300, b"", dst_block_size_tokens=16)
+    assert not push.has_instruction
+    with pytest.raises(ValueError, match="negative"):
+        push.set_instruction("d", tuple(range(19)), 0, 300, b"", dst_block_size_tokens=-16)
+    assert not push.has_instruction

@@ -105,6 +105,10 @@ class PushTransportPort(Protocol):
         """Load a decode worker's agent once; raise ValueError / RuntimeError when it cannot be."""
         ...
 
+    def peer_block_size_tokens(self, agent_name: str) -> int:
+        """The block size of a decode worker's layout (its agent loaded or loading); ValueError when unknown."""
+        ...
+
     def submit(self, transfer_id: str, peer_agent: str, write: PlannedWrite, notification: bytes,
                ready_event: ReadyEvent | None, traceparent: str, post_guard: PostGuard | None = None) -> None:
         """Queue one planned write; raise (nothing queued) when refused."""

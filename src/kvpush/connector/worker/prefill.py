@@ -431,18 +431,21 @@ class PushOwner:
         """Record where to write and submit the backlog of ready layers."""
         peer_error: str | None = None
         guard: PostGuard | None = None
+        decode_block_size = 0
         if self._book.wants_instruction(instruction.transfer_id):
             try:
                 self._transport.ensure_peer(instruction.decode_agent_name, instruction.decode_agent_metadata,
                                             instruction.decode_layout if instruction.HasField("decode_layout")
                                             else None)
+                # decode_block_ids count in decode's block size, which may not be this engine's.
+                decode_block_size = self._transport.peer_block_size_tokens(instruction.decode_agent_name)
             except (ValueError, RuntimeError) as exc:
                 peer_error = str(exc)
             guard = self._lease_guard()
         self._deliver(self._book.instruction(Instruction(
             instruction.transfer_id, instruction.decode_agent_name, instruction.decode_engine_id,
             tuple(instruction.decode_block_ids), instruction.skip_token_count, instruction.prompt_token_count,
-            bytes(instruction.notification)), peer_error, guard, time.monotonic()))
+            bytes(instruction.notification), decode_block_size), peer_error, guard, time.monotonic()))
 
     def apply_peer(self, peer: dpb.PeerAnnouncement) -> None:
         """Load an announced decode worker's agent ahead of the first instruction to it: its wire-up (NIXL holds

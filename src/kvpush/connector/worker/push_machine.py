@@ -70,6 +70,8 @@ class Instruction:
     skip_token_count: int
     prompt_token_count: int
     notification: bytes
+    # Decode's block size, which decode_block_ids count in (the decode agent's layout); 0: this worker's.
+    decode_block_size_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,7 +408,7 @@ class PushBook:
                 raise ValueError(peer_error)
             push.set_instruction(instruction.decode_agent_name, instruction.decode_block_ids,
                                  instruction.skip_token_count, instruction.prompt_token_count,
-                                 instruction.notification)
+                                 instruction.notification, instruction.decode_block_size_tokens)
         except ValueError as exc:
             self._stop(record, PushStop(StopCause.INSTRUCTION_REFUSED, f"instruction refused: {exc}"), effects, now)
             return effects

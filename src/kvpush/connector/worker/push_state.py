@@ -11,6 +11,11 @@ per transfer, driven by the prefill worker's `PushOwner` on the NIXL I/O thread:
      block once the whole prompt is computed. A block of a layer is therefore written exactly once
      (a chunk ending mid-block leaves that block to a later chunk), and nothing before decode's
      prefix hit is written. The write that completes every layer carries the notification.
+     Blocks here are this (prefill) engine's; decode's may be of another size (token-addressable layouts
+     only, which the data plane writes token-exact): a write lists decode's blocks holding [0, token_end) in
+     decode's size, and a decode block cut by two writes gets two disjoint token ranges.
+     Decode's prefix hit is a multiple of decode's block size, not necessarily of this engine's: the first
+     write then starts inside a block, at the hit.
   4. Outcomes: `write_submitted()` after the data plane accepted a write, `write_finished(outcome, ...)`
      per write, `writer_is_quiet()` once the data plane holds no handle of the transfer; the push is DONE
      when every planned write landed, FAILED on the first failure; `stop(PushStop)` (cancellation, abort,
@@ -30,7 +35,8 @@ from kvpush.api.outcome import PUSH_ACTIVE, PushOutcome, PushStop, StopCause
 
 @dataclass(frozen=True)
 class PlannedWrite:
-    """One write: tokens [token_start, token_end) of one layer, block lists in token order from token 0."""
+    """One write: tokens [token_start, token_end) of one layer, block lists in token order from token 0 (source
+    blocks in prefill's block size, destination blocks in decode's)."""
 
     layer: int
     token_start: int
@@ -112,6 +118,7 @@ class PushTransfer:
         # Set by the instruction.
         self.peer_agent = ""
         self.dst_block_ids: tuple[int, ...] = ()
+        self.dst_block_size_tokens = block_size_tokens
         self.skip_token_count = 0
         self.notification = b""
         self._blocks_planned: list[int] = []  # per layer: blocks [0, n) are written or in flight
@@ -204,8 +211,11 @@ class PushTransfer:
             self._layers_to_plan.add(layer)
 
     def set_instruction(self, peer_agent: str, dst_block_ids: tuple[int, ...], skip_token_count: int,
-                        prompt_token_count: int, notification: bytes) -> None:
-        """Record where to write; raise ValueError if it cannot fit this transfer."""
+                        prompt_token_count: int, notification: bytes, dst_block_size_tokens: int = 0) -> None:
+        """Record where to write; raise ValueError if it cannot fit this transfer.
+
+        dst_block_size_tokens: decode's block size (0: this engine's), which `dst_block_ids` count in.
+        """
         if self.has_instruction:
             raise ValueError(f"transfer {self.transfer_id} already has an instruction")
         if not peer_agent:
@@ -215,10 +225,16 @@ class PushTransfer:
                 f"decode expects {prompt_token_count} prompt tokens, this prefill computes {self.prompt_token_count}")
         if not 0 <= skip_token_count <= self.prompt_token_count:
             raise ValueError(f"skip_token_count {skip_token_count} outside [0, {self.prompt_token_count}]")
-        if len(dst_block_ids) < self.total_blocks:
-            raise ValueError(f"{len(dst_block_ids)} decode blocks cannot hold {self.prompt_token_count} tokens")
+        dst_block_size = dst_block_size_tokens or self.block_size_tokens
+        if dst_block_size < 0:
+            raise ValueError(f"decode block size {dst_block_size} is negative")
+        dst_blocks = -(-self.prompt_token_count // dst_block_size)
+        if len(dst_block_ids) < dst_blocks:
+            raise ValueError(f"{len(dst_block_ids)} decode blocks of {dst_block_size} tokens cannot hold "
+                             f"{self.prompt_token_count} tokens")
         self.peer_agent = peer_agent
-        self.dst_block_ids = tuple(dst_block_ids[: self.total_blocks])
+        self.dst_block_size_tokens = dst_block_size
+        self.dst_block_ids = tuple(dst_block_ids[:dst_blocks])
         self.skip_token_count = skip_token_count
         self.notification = notification
         first_block = skip_token_count // self.block_size_tokens
@@ -255,8 +271,9 @@ class PushTransfer:
             if len(self.src_block_ids) < end_block:
                 raise ValueError(f"transfer {self.transfer_id}: no source block ids for tokens up to {token_end}")
             self.planned_ranges[layer].append((token_start, token_end))
+            dst_end_block = -(-token_end // self.dst_block_size_tokens)
             writes.append(PlannedWrite(layer, token_start, token_end, self.src_block_ids[:end_block],
-                                       self.dst_block_ids[:end_block], notify=False))
+                                       self.dst_block_ids[:dst_end_block], notify=False))
         if writes and self._all_planned():
             last = writes[-1]
             writes[-1] = PlannedWrite(last.layer, last.token_start, last.token_end, last.src_block_ids,

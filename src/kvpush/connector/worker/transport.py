@@ -94,6 +94,13 @@ class PushTransport:
 
         loading.add_done_callback(loaded)
 
+    def peer_block_size_tokens(self, agent_name: str) -> int:
+        """The block size of a decode worker's layout (its agent loaded or loading); ValueError when unknown."""
+        try:
+            return self._agent.peer_layout(agent_name).block_size_tokens
+        except KeyError:
+            raise ValueError(f"decode agent {agent_name!r} is unknown here") from None
+
     def submit(self, transfer_id: str, peer_agent: str, write: PlannedWrite, notification: bytes,
                ready_event: ReadyEvent | None, traceparent: str, post_guard: PostGuard | None = None) -> None:
         """Queue one planned write; raises (nothing queued) when the data plane refuses it.

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from kvpush.directory.errors import FailedPrecondition
-from kvpush.directory.planning import incompatibility
+from kvpush.directory.planning import can_push_to, incompatibility
 from kvpush.directory.state import DirectoryState, Limits
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import directory_pb2_grpc as dgrpc
@@ -44,11 +44,90 @@ def _set(**fields: object) -> Callable[[tpb.KVLayout], None]:
     return edit
 
 
-def test_different_block_sizes_name_the_field_both_values_and_both_engines():
-    message = _pair(lambda layout: layout.CopyFrom(make_layout(block_size_tokens=128)))
+def _plans(prefill: dpb.RegisterEngineRequest, decode: dpb.RegisterEngineRequest) -> tuple[str, str]:
+    """(prefill, decode) engine ids of a plan over one prefill and one decode engine."""
+    state = DirectoryState(Limits(), ManualClock().clock())
+    state.register(prefill)
+    state.register(decode)
+    planned, _ = state.plan(dpb.PlanTransferRequest(prompt_token_count=300), None)
+    assert state.check_invariants() == []
+    return planned.prefill_engine_id, planned.decode_engine_id
+
+
+@pytest.mark.parametrize(("prefill_size", "decode_size"), [(16, 128), (128, 16), (32, 48), (48, 32)])
+def test_token_addressable_layouts_of_different_block_sizes_pair(prefill_size: int, decode_size: int):
+    """GPU layouts (tokens have addresses, contiguous per segment) map through chunks of gcd(sizes) tokens."""
+    prefill = register_request("p0", PREFILL, layout=make_layout(block_size_tokens=prefill_size))
+    decode = register_request("d0", DECODE, layout=make_layout(block_size_tokens=decode_size))
+    assert _plans(prefill, decode) == ("p0", "d0")
+
+
+def test_block_atomic_layouts_of_different_block_sizes_name_the_field_both_values_and_both_engines():
+    """vLLM CPU attention tiles tokens inside a block: its KV moves only as whole blocks of one size."""
+    atomic_16, atomic_128 = make_layout(), make_layout(block_size_tokens=128)
+    atomic_16.block_atomic = atomic_128.block_atomic = True
+    message = _refusal(register_request("p0", PREFILL, layout=atomic_16),
+                       register_request("d0", DECODE, layout=atomic_128))
     assert message.startswith("no compatible prefill/decode pair: block_size_tokens 16 of prefill 'p0' differs "
-                              "from 128 of decode 'd0' (pushing between different block sizes is not supported yet")
+                              "from 128 of decode 'd0' (prefill's layout is block_atomic")
+    assert "start both with one --block-size" in message
     assert "pairs tried" not in message  # one pair only
+    message = _refusal(register_request("p0", PREFILL, layout=atomic_128),
+                       register_request("d0", DECODE, layout=atomic_16))
+    assert "block_size_tokens 128 of prefill 'p0' differs from 16 of decode 'd0'" in message
+
+
+def test_block_atomic_layouts_of_one_block_size_still_pair():
+    atomic_p, atomic_d = make_layout(), make_layout()
+    atomic_p.block_atomic = atomic_d.block_atomic = True
+    assert _plans(register_request("p0", PREFILL, layout=atomic_p),
+                  register_request("d0", DECODE, layout=atomic_d)) == ("p0", "d0")
+
+
+def test_a_token_addressable_layout_and_a_tiled_one_of_another_block_size_are_refused():
+    decode_layout = make_layout(block_size_tokens=128)
+    decode_layout.block_atomic = True
+    message = _refusal(register_request("p0", PREFILL), register_request("d0", DECODE, layout=decode_layout))
+    assert ("block_size_tokens 16 of prefill 'p0' differs from 128 of decode 'd0' (decode's layout is "
+            "block_atomic") in message
+
+
+def test_tokens_with_gaps_cannot_be_mapped_between_block_sizes():
+    """A segment whose tokens are not adjacent would need one descriptor per token: refused, naming the plane."""
+    decode_layout = make_layout(block_size_tokens=128)
+    plane = decode_layout.planes[0]
+    plane.token_stride_bytes, plane.segment_bytes_per_token = 256, 128
+    message = _refusal(register_request("p0", PREFILL), register_request("d0", DECODE, layout=decode_layout))
+    assert "block_size_tokens 16 of prefill 'p0' differs from 128 of decode 'd0'" in message
+    assert "decode's planes[0] has gaps between tokens" in message
+
+
+def test_sizes_whose_chunk_tables_overflow_nixl_indices_are_refused():
+    """16 and 17 tokens share only 1-token chunks: decode's table of 32 layers x 17 chunks x 4M blocks is past int32;
+    the same sizes with few blocks pair."""
+    prefill = register_request("p0", PREFILL, layout=make_layout(layer_count=32))
+    decode = register_request("d0", DECODE, layout=make_layout(layer_count=32, block_size_tokens=17,
+                                                               block_count=1 << 22))
+    message = _refusal(prefill, decode)
+    assert "block_size_tokens 16 of prefill 'p0' differs from 17 of decode 'd0'" in message
+    assert "1-token chunks with 2281701376 entries, past NIXL's int32 index range" in message
+    small = register_request("d0", DECODE, layout=make_layout(layer_count=32, block_size_tokens=17))
+    assert _plans(prefill, small) == ("p0", "d0")
+
+
+def test_peer_announcements_follow_the_block_size_rule():
+    """A prefill worker is told of decode workers it may push to: the token-addressable one of another block size,
+    not the tiled one of another block size."""
+    state = DirectoryState(Limits(), ManualClock().clock())
+    state.register(register_request("p0", PREFILL))
+    groups = state.engines.groups
+    tiled = make_layout(block_size_tokens=128)
+    tiled.block_atomic = True
+    state.register(register_request("d-gpu", DECODE, layout=make_layout(block_size_tokens=128)))
+    state.register(register_request("d-cpu", DECODE, layout=tiled))
+    prefill_worker = groups["p0"].workers[0]
+    assert can_push_to(prefill_worker, groups["d-gpu"].workers[0])
+    assert not can_push_to(prefill_worker, groups["d-cpu"].workers[0])
 
 
 def test_different_tp_sizes_name_both_sizes():
@@ -123,11 +202,11 @@ def test_only_the_hash_differs_names_what_only_the_hash_covers():
 
 
 def test_a_field_is_named_before_the_hash_it_also_changes():
-    """Real engines hash their block size too: the refusal names the block size, not the hash."""
-    prefill = register_request("p0", PREFILL, layout=make_layout(compatibility_hash="hash-16"))
-    decode = register_request("d0", DECODE, layout=make_layout(block_size_tokens=128, compatibility_hash="hash-128"))
+    """Real engines hash their layer count too: the refusal names the layer count, not the hash."""
+    prefill = register_request("p0", PREFILL, layout=make_layout(compatibility_hash="hash-4"))
+    decode = register_request("d0", DECODE, layout=make_layout(layer_count=8, compatibility_hash="hash-8"))
     message = _refusal(prefill, decode)
-    assert "block_size_tokens 16 of prefill 'p0' differs from 128 of decode 'd0'" in message
+    assert "layer_count 4 of prefill 'p0' differs from 8 of decode 'd0'" in message
     assert "hash" not in message
 
 
@@ -147,7 +226,7 @@ def test_several_failing_pairs_name_the_first_pair_tried_and_a_compatible_pair_s
     state = DirectoryState(Limits(), ManualClock().clock())
     state.register(register_request("p0", PREFILL))
     state.register(register_request("d-big", DECODE, layout=make_layout(block_count=256, dtype="float16")))
-    state.register(register_request("d-small", DECODE, layout=make_layout(block_count=32, block_size_tokens=128)))
+    state.register(register_request("d-small", DECODE, layout=make_layout(block_count=32, layer_count=8)))
     with pytest.raises(FailedPrecondition) as refused:
         state.plan(dpb.PlanTransferRequest(), None)
     message = str(refused.value)
@@ -172,8 +251,11 @@ def test_the_grpc_answer_is_failed_precondition_with_the_field():
         async with running_directory() as directory:
             async with grpc.aio.insecure_channel(directory.address) as channel:
                 stub = dgrpc.KVDirectoryServiceStub(channel)
-                await stub.RegisterEngine(register_request("p0", PREFILL))
-                await stub.RegisterEngine(register_request("d0", DECODE, layout=make_layout(block_size_tokens=128)))
+                tiled_128 = make_layout(block_size_tokens=128)
+                tiled_16 = make_layout()
+                tiled_128.block_atomic = tiled_16.block_atomic = True
+                await stub.RegisterEngine(register_request("p0", PREFILL, layout=tiled_16))
+                await stub.RegisterEngine(register_request("d0", DECODE, layout=tiled_128))
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.PlanTransfer(dpb.PlanTransferRequest())
                 return refused.value

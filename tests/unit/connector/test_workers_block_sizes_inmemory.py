@@ -1,0 +1,18 @@
+"""Prefill and decode workers of different block sizes (16 -> 128, 128 -> 16, 32 -> 48, 48 -> 32) on the in-memory
+NIXL, against a real directory: decode's cache equals prefill's token by token, every block released
+(tests/fixtures/block_size_push.py says which prompts: mid-block ends, chunked prefill, prefix hits on either side)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.dataplane.agent import TransferAgent
+from tests.fixtures.block_size_push import run_block_size_cases
+from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
+
+
+# 32 and 48: neither a multiple of the other (16-token chunks on both sides).
+@pytest.mark.parametrize(("prefill_size", "decode_size"), [(16, 128), (128, 16), (32, 48), (48, 32)])
+def test_decode_holds_prefill_kv_token_by_token_across_block_sizes(prefill_size: int, decode_size: int):
+    fabric_name, _ = new_fabric()
+    run_block_size_cases(prefill_size, decode_size, lambda name: TransferAgent(name, nixl_config(fabric_name)))
