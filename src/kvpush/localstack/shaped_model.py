@@ -1,8 +1,12 @@
-"""Random-weight models of real shapes (Llama-3.1-8B's config), made on the machine that runs them and cached.
+"""Random-weight models of real shapes, made on the machine that runs them and cached.
+
+Presets: `llama-3.1-8b` (its config) and `tiny-llama`; `deepseek-v2-shaped` (DeepSeek-V2-Lite's MLA attention, few
+dense layers) and `tiny-deepseek-v2`; `tiny-gemma3` (sliding-window and full-attention layers). The tiny ones are
+float32 for vLLM CPU engines (`vllm_cpu_engine_args` says what else such an engine needs).
 
 No model can be downloaded where the GPU runs, and vLLM's own dummy weights (uniform in ±1e-3, norms
 included) give logits so flat that bf16 rounding decides most greedy tokens. So the weights here are what
-`transformers` initialises (normal, std = initializer_range; norms 1), seeded, in bf16, made on the GPU
+`transformers` initialises (normal, std = initializer_range; norms 1), seeded, in the preset's dtype, made on the GPU
 when there is one (seconds) and saved as safetensors. The tokenizer is a word-level one over exactly the
 model's vocabulary (`t0 ... tN`, plus Llama 3's begin/end-of-text ids), so any token sequence decodes to
 text that encodes back to the same ids: `vllm bench serve`'s random dataset gets prompts of exactly the
@@ -44,7 +48,43 @@ TINY_LLAMA: dict[str, Any] = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 2048,
     "max_position_embeddings": 32768, "bos_token_id": 2000, "eos_token_id": 2001, "dtype": "float32",
 }
-PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "tiny-llama": TINY_LLAMA}
+# DeepSeek-V2's attention (MLA) exactly as in DeepSeek-V2-Lite: 16 heads, no query LoRA, a 512-wide KV latent plus
+# a 64-wide decoupled RoPE key (the cache holds 576 values per token and layer, once, for all heads), nope/V head
+# dims 128. The rest is cut to fit P, D and a colocated engine on one 80 GB GPU: 8 layers, every one a dense MLP
+# (first_k_dense_replace = the layer count, so no MoE layer exists), ~1.6 GB of bf16 weights. Plain RoPE: V2's
+# YaRN scaling changes attention scores, not what the cache holds.
+DEEPSEEK_V2_SHAPED: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+    "intermediate_size": 5632, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "first_k_dense_replace": 8, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1408, "moe_layer_freq": 1, "topk_method": "greedy", "routed_scaling_factor": 1.0,
+    "vocab_size": 102400, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "initializer_range": 0.02,
+    "bos_token_id": 100000, "eos_token_id": 100001, "dtype": "bfloat16",
+}
+# The same attention for vLLM CPU engines: vLLM's CPU MLA kernels exist only for a 576-wide latent (512 + 64), so
+# those stay; everything else is tiny, in float32 (the P/D tests compare tokens with a colocated engine).
+TINY_DEEPSEEK_V2: dict[str, Any] = {
+    **DEEPSEEK_V2_SHAPED, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "first_k_dense_replace": 4, "vocab_size": 2048,
+    "initializer_range": 0.2, "bos_token_id": 2000, "eos_token_id": 2001, "dtype": "float32",
+}
+# Gemma 3's attention pattern (text model): sliding-window layers with full-attention layers between them (here
+# every second layer full, Gemma 3's own is every sixth), at a size for vLLM CPU engines (head_dim 32 is one CPU
+# attention accepts), float32. The window (64 tokens) is shorter than the tests' prompts, so it shapes every output.
+# Untied embeddings: tied ones at this init range make a random Gemma repeat one token forever.
+TINY_GEMMA3: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 64, "sliding_window_pattern": 2,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "vocab_size": 2048, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False, "initializer_range": 0.2,
+    "pad_token_id": 0, "bos_token_id": 2000, "eos_token_id": 2001, "dtype": "float32",
+}
+PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "tiny-llama": TINY_LLAMA, "deepseek-v2-shaped": DEEPSEEK_V2_SHAPED,
+           "tiny-deepseek-v2": TINY_DEEPSEEK_V2, "tiny-gemma3": TINY_GEMMA3}
 _FORMAT_VERSION = 1
 _SEED = 0
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }} {{ message['content'] }} "
@@ -59,10 +99,40 @@ def preset_config(preset: str) -> dict[str, Any]:
         raise KeyError(f"unknown model preset {preset!r}; known: {sorted(PRESETS)}") from None
 
 
+def is_mla(config: dict[str, Any]) -> bool:
+    """Whether the preset's attention is MLA (DeepSeek V2/V3 style: a compressed KV latent in the cache)."""
+    return config.get("kv_lora_rank") is not None
+
+
 def kv_bytes_per_token(config: dict[str, Any]) -> int:
-    """Bytes of K and V one token occupies in one layer (the unit of every push)."""
+    """Bytes of KV one token occupies in one layer (the unit of every push).
+
+    MLA caches one latent per token (kv_lora_rank + qk_rope_head_dim values) shared by every head; other
+    layouts cache K and V per KV head.
+    """
     element = 2 if config["dtype"] in ("bfloat16", "float16") else 4
+    if is_mla(config):
+        return (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * element
     return 2 * config["num_key_value_heads"] * config["head_dim"] * element
+
+
+def runs_on_cpu(preset: str) -> bool:
+    """Whether a preset is made for vLLM CPU engines (float32, tiny) rather than a GPU."""
+    return preset_config(preset)["dtype"] == "float32"
+
+
+def vllm_cpu_engine_args(config: dict[str, Any]) -> list[str]:
+    """Extra `vllm serve` arguments a vllm-cpu 0.32 engine needs for this model to run and be right.
+
+    MLA: CPU_MLA, the reference backend that takes float32 (AMX_MLA, chosen by default where AMX exists, takes
+    bf16 weights only; CPU_MLA forces 16-token blocks and turns chunked prefill and prefix caching off), and
+    PyTorch's rope instead of vLLM's CPU rope kernel, with which DeepSeek-V2's prefill is not causal (a prefix's
+    prompt log-probabilities change with the tokens after it; measured with CPU_MLA and AMX_MLA).
+    """
+    if not is_mla(config):
+        return []
+    return ["--attention-backend", "CPU_MLA", "--block-size", "16",
+            "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
 
 
 def ensure_shaped_model(preset: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
@@ -115,8 +185,8 @@ def _write_tokenizer(config: dict[str, Any], folder: Path) -> None:
 
 def _write_weights(config: dict[str, Any], folder: Path) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
+    config_class, model_class = _model_classes(config["model_type"])
     dtype = getattr(torch, config["dtype"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(_SEED)
@@ -124,7 +194,7 @@ def _write_weights(config: dict[str, Any], folder: Path) -> None:
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(LlamaConfig(**config))
+            model = model_class(config_class(**config))
     finally:
         torch.set_default_dtype(previous)
     model.save_pretrained(folder, safe_serialization=True, max_shard_size="5GB")
@@ -133,3 +203,17 @@ def _write_weights(config: dict[str, Any], folder: Path) -> None:
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+def _model_classes(model_type: str) -> tuple[Any, Any]:
+    """The transformers config and causal-LM classes of a preset's model_type."""
+    import transformers
+
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+               "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+    try:
+        config_name, model_name = classes[model_type]
+    except KeyError:
+        raise KeyError(f"no weights writer for model_type {model_type!r}; known: {sorted(classes)}") from None
+    return getattr(transformers, config_name), getattr(transformers, model_name)

@@ -1,0 +1,100 @@
+"""kvpush.localstack.shaped_model: the presets' shapes, their KV bytes per token, what ensure_shaped_model writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpush.localstack import shaped_model
+from kvpush.localstack.shaped_model import (
+    PRESETS,
+    ensure_shaped_model,
+    is_mla,
+    kv_bytes_per_token,
+    preset_config,
+    runs_on_cpu,
+)
+
+
+def test_deepseek_v2_shaped_has_v2_lites_attention_and_is_dense():
+    config = preset_config("deepseek-v2-shaped")
+    attention = {k: config[k] for k in ("num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+                                        "qk_nope_head_dim", "v_head_dim")}
+    assert attention == {"num_attention_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+                         "qk_nope_head_dim": 128, "v_head_dim": 128}
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"] and config["dtype"] == "bfloat16"
+    # Every layer index is below first_k_dense_replace: no MoE layer exists.
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"]
+
+
+def test_deepseek_v2_shaped_weights_fit_a_shared_80_gb_gpu():
+    """Parameters counted on the meta device (nothing allocated): under 4 GB in bf16, for P, D and colocated."""
+    torch = pytest.importorskip("torch")
+    config = preset_config("deepseek-v2-shaped")
+    config_class, model_class = shaped_model._model_classes(config["model_type"])
+    with torch.device("meta"):
+        model = model_class(config_class(**config))
+    weight_bytes = 2 * sum(p.numel() for p in model.parameters())
+    assert 1e9 < weight_bytes < 4e9, weight_bytes
+    assert not any("experts" in name for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("preset,expected", [
+    ("llama-3.1-8b", 2 * 8 * 128 * 2),  # K and V of 8 KV heads x 128, bf16
+    ("tiny-llama", 2 * 2 * 32 * 4),
+    ("deepseek-v2-shaped", (512 + 64) * 2),  # one latent per token, shared by all 16 heads, bf16
+    ("tiny-deepseek-v2", (512 + 64) * 4),
+    ("tiny-gemma3", 2 * 2 * 32 * 4),  # sliding layers hold full attention's K and V (no HMA)
+])
+def test_kv_bytes_per_token_per_layer(preset, expected):
+    assert kv_bytes_per_token(preset_config(preset)) == expected
+
+
+def test_mla_is_told_by_the_latent_rank():
+    assert [p for p in PRESETS if is_mla(preset_config(p))] == ["deepseek-v2-shaped", "tiny-deepseek-v2"]
+
+
+def test_tiny_presets_run_on_cpu_in_float32():
+    assert {p for p in PRESETS if runs_on_cpu(p)} == {"tiny-llama", "tiny-deepseek-v2", "tiny-gemma3"}
+    # vLLM's CPU MLA kernels exist only for a 576-wide latent (kv_lora_rank 512 + rope 64).
+    tiny = preset_config("tiny-deepseek-v2")
+    assert tiny["kv_lora_rank"] + tiny["qk_rope_head_dim"] == 576
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_special_token_ids_fit_the_vocabulary(preset):
+    """The word-level tokenizer names ids 0, bos and eos specially: they must be distinct ids inside the vocab."""
+    config = preset_config(preset)
+    ids = {0, config["bos_token_id"], config["eos_token_id"]}
+    assert len(ids) == 3 and max(ids) < config["vocab_size"]
+
+
+def test_tiny_gemma3_mixes_sliding_and_full_layers():
+    config = preset_config("tiny-gemma3")
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert config["sliding_window"] < 128  # shorter than one CPU block, so the tests' prompts all exceed it
+
+
+@pytest.mark.parametrize("preset,arch", [("tiny-deepseek-v2", "DeepseekV2ForCausalLM"),
+                                         ("tiny-gemma3", "Gemma3ForCausalLM")])
+def test_ensure_shaped_model_builds_the_tiny_presets(tmp_path, preset, arch):
+    pytest.importorskip("torch")
+    from transformers import AutoTokenizer
+
+    folder = ensure_shaped_model(preset, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    want = preset_config(preset)
+    assert config["architectures"] == [arch] and config["dtype"] == "float32"
+    assert {k: config[k] for k in ("num_hidden_layers", "vocab_size", "bos_token_id", "eos_token_id")} \
+        == {k: want[k] for k in ("num_hidden_layers", "vocab_size", "bos_token_id", "eos_token_id")}
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer("t5 t1999 t7", add_special_tokens=False)["input_ids"]
+    assert ids == [5, 1999, 7] and tokenizer.decode(ids) == "t5 t1999 t7"
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (want["bos_token_id"], want["eos_token_id"])
+    assert ensure_shaped_model(preset, tmp_path) == folder  # cached: same folder, not rebuilt
+
+
+def test_unknown_model_type_is_refused_by_name():
+    with pytest.raises(KeyError, match="no weights writer for model_type 'mamba'"):
+        shaped_model._model_classes("mamba")
