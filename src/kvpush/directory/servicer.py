@@ -175,13 +175,14 @@ class DeliveredAgents:
 
     def strip_delivered(self, instruction: dpb.PushInstruction) -> None:
         """Clear the metadata and layout of an instruction whose agent holds them already; else record them sent."""
-        for target in (instruction, *instruction.more_destinations):
-            agent = (target.decode_agent_name, hash(target.decode_agent_metadata))
-            if agent in self._agents:
-                target.ClearField("decode_agent_metadata")
-                target.ClearField("decode_layout")
-            else:
-                self._agents.add(agent)
+        # Only the first destination: a worker reports only that agent dropped (WriteResult), so further
+        # destinations (different TP sizes) always carry their metadata; a worker that holds the agent skips it.
+        agent = (instruction.decode_agent_name, hash(instruction.decode_agent_metadata))
+        if agent in self._agents:
+            instruction.ClearField("decode_agent_metadata")
+            instruction.ClearField("decode_layout")
+        else:
+            self._agents.add(agent)
 
     def forget(self, agent_name: str) -> None:
         """The worker no longer holds `agent_name` (any metadata of it)."""
