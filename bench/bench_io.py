@@ -3,8 +3,9 @@
 Every result file starts with the same fields, so a figure can be traced back and rerun:
   command   the command line as typed (`python -m bench plan run --reps 30`), the interpreter shown as `python`
             and paths inside the checkout relative to it;
-  commit    `git rev-parse HEAD` of the checkout, and `dirty` (uncommitted changes to tracked files); a copy without
-            .git takes KVPUSH_BENCH_COMMIT (`KVPUSH_BENCH_COMMIT=$(git rev-parse HEAD)` where it was copied from);
+  commit    `git rev-parse HEAD` of the checkout, and `dirty` (uncommitted changes to tracked files); a copy (the GPU
+            machine's, whose .git may be stale) takes KVPUSH_BENCH_COMMIT when it is set (`KVPUSH_BENCH_COMMIT=$(git
+            rev-parse HEAD)` where it was copied from), with `dirty` null;
   machine   what the figure depends on, nothing that names the host: CPU model, core count, GPU names, Python,
             torch / vLLM / NIXL versions;
   date      UTC, ISO 8601.
@@ -82,10 +83,13 @@ def machine() -> dict[str, Any]:
 
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """command, commit, dirty, machine and date of the run in progress."""
-    commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
-    if commit is None:  # a copy of the checkout without .git (the GPU machine's) says which commit it is
-        commit = os.environ.get("KVPUSH_BENCH_COMMIT") or "unknown"
+    named = os.environ.get("KVPUSH_BENCH_COMMIT")
+    if named:  # a copy of the checkout (the GPU machine's) says which commit it is; a .git there may be stale
+        commit, status = named, None
+    else:
+        commit = _git("rev-parse", "HEAD")
+        status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+        commit = commit or "unknown"
     return {"command": command_line(argv), "commit": commit, "dirty": bool(status) if status is not None else None,
             "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

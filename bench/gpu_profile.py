@@ -10,11 +10,21 @@ from the directory (layers landed before the prefill's end, exposed tail).
     KVPUSH_GPU_TIMEOUT_S=400 bash bench/gpu_run.sh profile --lengths 4096,8192 --kv-cache-gib 7
 
 (`gpu_run.sh profile` runs this file in place of gpu_e2e.py: see there.) Writes $OUT/gpu_profile.json.
+
+Every run also records the prefill data plane's I/O loop (`nixl_io_trace_path`) and summarises it over each
+transfer's writes: how late the thread woke, how often it ran, how long its NIXL calls took. `--variant NAME=JSON`
+(repeatable) runs a fresh stack per kv_connector_extra_config variant, side by side in one run; `--no-cupti` leaves
+the torch profiler off (it slows the host):
+
+    bash bench/gpu_run.sh profile --lengths 8192 --repeats 3 --kv-cache-gib 7 --no-cupti \
+        --variant 'all-checks={"nixl_check_in_post_order": false}' --variant 'in-order={}' \
+        --variant 'in-order-switch={"gil_switch_interval_s": 0.0002}'
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import sys
 import time
@@ -26,6 +36,7 @@ import gpu_e2e  # bench/, this script's folder
 from gpu_nsys_summary import busy, distribution, merge_windows
 
 PROFILE_DIR = Path("/tmp/kvpush-torch-profile")
+IO_TRACE_DIR = Path("/tmp/kvpush-io-trace")
 WINDOW_GAP_US = 500.0
 
 
@@ -103,72 +114,143 @@ def summarise_trace(path: Path) -> dict[str, Any]:
     }
 
 
+def summarise_io(rows: list[dict[str, Any]], start: float, end: float) -> dict[str, Any]:
+    """The prefill I/O thread's iterations between `start` and `end` (unix seconds): how late it woke, how often it
+    ran, and how long its NIXL calls took (GIL hand-back included: io_trace.py)."""
+    inside = [r for r in rows if start <= r.get("t", 0.0) <= end]
+    out: dict[str, Any] = {"iterations": len(inside), "handles_done": sum(r.get("done", 0) for r in inside)}
+    if not inside:
+        return out
+    out["late_ms"] = distribution([r["late_ms"] for r in inside])
+    gaps = [(b["t"] - a["t"]) * 1e3 for a, b in itertools.pairwise(inside)]
+    if gaps:
+        out["iteration_gap_ms"] = distribution(gaps)
+    for kind in ("check", "post", "event", "notif"):
+        calls = [r[kind] for r in inside if kind in r]
+        if calls:
+            count = sum(c[0] for c in calls)
+            out[kind] = {"calls": count, "total_ms": round(sum(c[1] for c in calls), 3),
+                         "mean_ms": round(sum(c[1] for c in calls) / count, 4),
+                         "longest_ms": max(c[2] for c in calls),
+                         "iterations_longest_ms": distribution([c[2] for c in calls])}
+    return out
+
+
+def _read_io_traces(folder: Path) -> list[dict[str, Any]]:
+    """Rows of the trace files that posted (the prefill worker's; decode's only polls notifications)."""
+    best: list[dict[str, Any]] = []
+    for path in sorted(folder.glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if "t" in r]
+        if any("post" in r for r in rows) and len(rows) > len(best):
+            best = rows
+    return best
+
+
+def _parse_variants(raw: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    variants = []
+    for item in raw:
+        name, _, extra = item.partition("=")
+        if not name or not extra:
+            raise SystemExit(f"--variant wants NAME=JSON, got {item!r}")
+        variants.append((name, json.loads(extra)))
+    return variants or [("default", {})]
+
+
 def run_profile(args: Any) -> int:
     config = gpu_e2e.preset_config(args.preset)
     model_dir = gpu_e2e.ensure_shaped_model(args.preset)
     log_dir = Path(args.log_dir or "/tmp/kvpush-gpu-profile-logs")
-    stack = gpu_e2e.Stack(args, model_dir, log_dir)
     profiler_config = json.dumps({"profiler": "torch", "torch_profiler_dir": str(PROFILE_DIR),
                                   "torch_profiler_with_stack": False, "ignore_frontend": True,
                                   "torch_profiler_dump_cuda_time_total": False})
-    spec = stack._spec
-
-    def prefill_with_profiler(name: str, *a: Any, **kw: Any) -> Any:
-        built = spec(name, *a, **kw)
-        if name == "prefill":
-            built.extra_args = [*built.extra_args, "--profiler-config", profiler_config]
-        return built
-
-    stack._spec = prefill_with_profiler  # type: ignore[method-assign]
     lengths = [int(x) for x in args.lengths.split(",")]
-    report: dict[str, Any] = {"bench": "gpu_profile", "preset": args.preset, "lengths": lengths, "transfers": []}
-    try:
-        stack.start("kvpush-first-token", with_colocated=False)
-        prefill_url = stack.engines["prefill"].url
-        for i, length in enumerate(lengths * 2):  # warm-up: every shape compiled before the profile
-            stack.tokens(stack.gateway.url, gpu_e2e.prompt_of(length, seed=500 + i, vocab=config["vocab_size"]), 4)
-        gpu_e2e.call("POST", prefill_url + "/start_profile", {}, timeout_s=60)
-        ids = []
-        for i, length in enumerate(lengths * args.repeats):
-            prompt = gpu_e2e.prompt_of(length, seed=900 + i, vocab=config["vocab_size"])
-            _, transfer_id = stack.tokens(stack.gateway.url, prompt, 4)
-            ids.append((length, transfer_id))
-            time.sleep(0.3)
-        gpu_e2e.call("POST", prefill_url + "/stop_profile", {}, timeout_s=180)
-        layers = config["num_hidden_layers"]
-        for length, transfer_id in ids:
-            record = stack.transfer(transfer_id)
-            report["transfers"].append({"prompt_tokens": length, "transfer_id": transfer_id,
-                                        "push": gpu_e2e.push_timing(record, layers)})
-    finally:
-        stack.stop()
-    deadline = time.monotonic() + 120
-    traces: list[Path] = []
-    while time.monotonic() < deadline:
-        traces = sorted(PROFILE_DIR.rglob("*.pt.trace.json*"))
-        if traces:
-            break
-        time.sleep(2)
-    report["trace_files"] = [str(t) for t in traces]
-    report["traces"] = [summarise_trace(t) for t in traces]
+    layers = config["num_hidden_layers"]
+    base_extra = dict(args.connector_extra)
+    report: dict[str, Any] = {"bench": "gpu_profile", "preset": args.preset, "lengths": lengths,
+                              "cupti": args.cupti, "variants": []}
+    for index, (name, extra) in enumerate(args.variants):
+        io_dir = IO_TRACE_DIR / name
+        args.connector_extra = {**base_extra, **extra, "nixl_io_trace_path": str(io_dir / "{pid}-{agent}.jsonl")}
+        stack = gpu_e2e.Stack(args, model_dir, log_dir / name)
+        cupti = args.cupti and index == 0  # one CUPTI trace (the first variant): it slows the host
+        if cupti:
+            spec = stack._spec
+
+            def prefill_with_profiler(role: str, *a: Any, _spec: Any = spec, **kw: Any) -> Any:
+                built = _spec(role, *a, **kw)
+                if role == "prefill":
+                    built.extra_args = [*built.extra_args, "--profiler-config", profiler_config]
+                return built
+
+            stack._spec = prefill_with_profiler  # type: ignore[method-assign]
+        records: list[tuple[int, str, dict[str, Any]]] = []
+        try:
+            stack.start("kvpush-first-token", with_colocated=False)
+            prefill_url = stack.engines["prefill"].url
+            for i, length in enumerate(lengths * 2):  # warm-up: every shape compiled before measuring
+                stack.tokens(stack.gateway.url, gpu_e2e.prompt_of(length, seed=500 + i, vocab=config["vocab_size"]), 4)
+            if cupti:
+                gpu_e2e.call("POST", prefill_url + "/start_profile", {}, timeout_s=60)
+            ids = []
+            for i, length in enumerate(lengths * args.repeats):
+                prompt = gpu_e2e.prompt_of(length, seed=900 + i, vocab=config["vocab_size"])
+                _, transfer_id = stack.tokens(stack.gateway.url, prompt, 4)
+                ids.append((length, transfer_id))
+                time.sleep(0.3)
+            if cupti:
+                gpu_e2e.call("POST", prefill_url + "/stop_profile", {}, timeout_s=180)
+            for length, transfer_id in ids:
+                records.append((length, transfer_id, stack.transfer(transfer_id)))
+        finally:
+            stack.stop()
+        rows = _read_io_traces(io_dir)
+        transfers = []
+        for length, transfer_id, record in records:
+            ranks = record.get("rank_timings") or []
+            timing = (ranks[0].get("timing") if ranks else None) or {}
+            first = gpu_e2e.ts(timing.get("first_write_start_time"))
+            last = gpu_e2e.ts(timing.get("last_write_end_time"))
+            io = summarise_io(rows, first - 0.001, last + 0.001) if first and last else {}
+            transfers.append({"prompt_tokens": length, "transfer_id": transfer_id,
+                              "push": gpu_e2e.push_timing(record, layers), "io": io})
+        report["variants"].append({"name": name, "connector_extra": extra, "cupti": cupti,
+                                   "transfers": transfers})
+        report["transfers"] = report["variants"][0]["transfers"]
+        # Written after every variant: a run cut short by its time limit keeps what it measured.
+        gpu_e2e.write_result(gpu_e2e.out_dir() / f"gpu_profile{args.tag}.json", report, indent=1, echo=False)
+        for entry in transfers:
+            push, io = entry["push"] or {}, entry["io"]
+            check = io.get("check", {})
+            gpu_e2e.say(f"{name}: {entry['prompt_tokens']} tokens: layers before prefill end "
+                        f"{push.get('layers_before_prefill_end')}/{push.get('layer_count')}, exposed tail "
+                        f"{push.get('exposed_tail_ms')} ms; I/O iterations {io.get('iterations')}, late p50/max "
+                        f"{io.get('late_ms', {}).get('p50')}/{io.get('late_ms', {}).get('max')} ms, checks "
+                        f"{check.get('calls')} mean {check.get('mean_ms')} longest {check.get('longest_ms')} ms")
+    if args.cupti:
+        deadline = time.monotonic() + 120
+        traces: list[Path] = []
+        while time.monotonic() < deadline:
+            traces = sorted(PROFILE_DIR.rglob("*.pt.trace.json*"))
+            if traces:
+                break
+            time.sleep(2)
+        report["trace_files"] = [str(t) for t in traces]
+        report["traces"] = [summarise_trace(t) for t in traces]
+        for t in report["traces"]:
+            gpu_e2e.say(json.dumps({k: t[k] for k in ("trace", "kernels", "kernel_streams", "copy_streams",
+                                                      "copy_names", "device_copies", "wait_us", "run_us",
+                                                      "forward_busy_during_wait_us", "forward_busy_during_run_us",
+                                                      "enqueued_inside_forward", "ran_inside_forward")}))
     out = gpu_e2e.write_result(gpu_e2e.out_dir() / f"gpu_profile{args.tag}.json", report, indent=1, echo=False)
-    for t in report["traces"]:
-        gpu_e2e.say(json.dumps({k: t[k] for k in ("trace", "kernels", "kernel_streams", "copy_streams", "copy_names",
-                                                  "device_copies", "wait_us", "run_us", "forward_busy_during_wait_us",
-                                                  "forward_busy_during_run_us", "enqueued_inside_forward",
-                                                  "ran_inside_forward")}))
-    for entry in report["transfers"]:
-        push = entry["push"] or {}
-        gpu_e2e.say(f"{entry['prompt_tokens']} tokens: layers before prefill end "
-                    f"{push.get('layers_before_prefill_end')}/{push.get('layer_count')}, exposed tail "
-                    f"{push.get('exposed_tail_ms')} ms")
     gpu_e2e.say(f"wrote {out}")
     return 0
 
 
 def main(argv: list[str]) -> int:
-    # gpu_e2e's parser and stack, its hops flags; --lengths / --repeats are this file's.
-    lengths, repeats, rest = "4096,8192", 2, []
+    # gpu_e2e's parser and stack, its hops flags; --lengths, --repeats, --variant NAME=JSON (repeatable: each a
+    # fresh stack with that kv_connector_extra_config over --connector-extra) and --no-cupti are this file's.
+    lengths, repeats, cupti, variants, rest = "4096,8192", 2, True, [], []
     i = 1 if argv[:1] == ["profile"] else 0  # gpu_run.sh passes its command first
     while i < len(argv):
         if argv[i] == "--lengths":
@@ -177,12 +259,19 @@ def main(argv: list[str]) -> int:
         elif argv[i] == "--repeats":
             repeats = int(argv[i + 1])
             i += 2
+        elif argv[i] == "--variant":
+            variants.append(argv[i + 1])
+            i += 2
+        elif argv[i] == "--no-cupti":
+            cupti = False
+            i += 1
         else:
             rest.append(argv[i])
             i += 1
 
     def run(args: Any) -> int:
-        args.lengths, args.repeats = lengths, repeats
+        args.lengths, args.repeats, args.cupti = lengths, repeats, cupti
+        args.variants = _parse_variants(variants)
         return run_profile(args)
 
     gpu_e2e.run_hops = run  # main() dispatches by name at call time

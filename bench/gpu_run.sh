@@ -6,6 +6,7 @@
 #
 #   bash bench/gpu_run.sh e2e                 # arguments go to bench/gpu_e2e.py
 #   bash bench/gpu_run.sh serve --connectors kvpush,nixl-push
+#   bash bench/gpu_run.sh probe --variants default,side-stream,host-bound   (bench/gpu_stream_probe.py)
 #   KVPUSH_GPU_TIMEOUT_S=250 KVPUSH_GPU_TAG=_eager bash bench/gpu_run.sh e2e --eager   (bound and log name)
 #   KVPUSH_GPU_WHEEL='dist/kvpush-*.whl' bash bench/gpu_run.sh e2e   (the built wheel instead of the sources)
 #
@@ -55,12 +56,20 @@ fi
 # Which kvpush runs: the installed one, never the checkout (recorded beside the results).
 (cd /tmp && python3 -c "import kvpush, kvpush.connector; print(kvpush.__file__, kvpush.connector.__file__)") > "$out/kvpush-path.txt" 2>&1
 command=$1; shift
-# `profile` is bench/gpu_profile.py (the prefill engine's CUPTI trace); every other command is gpu_e2e.py's.
+# `profile` is bench/gpu_profile.py (the prefill engine's CUPTI trace); `probe` is bench/gpu_stream_probe.py (streamed
+# writes behind a stand-in forward, no vLLM); every other command is gpu_e2e.py's.
 script=gpu_e2e.py
 [ "$command" = profile ] && script=gpu_profile.py
 log_dir=/tmp/kvpush-gpu-logs/$command-$(date +%H%M%S)
 cd /tmp
 status=0
+if [ "$command" = probe ]; then
+  timeout "${KVPUSH_GPU_TIMEOUT_S:-560}" python3 "$repo/bench/gpu_stream_probe.py" "$@" > "$out/probe${KVPUSH_GPU_TAG:-}.log" 2>&1 \
+    || status=$?
+  grep -v "debug\|info " "$out/probe${KVPUSH_GPU_TAG:-}.log" | tail -20
+  echo "exit $status"
+  exit $status
+fi
 # Bounded: one remote command may run 10 minutes at most, and a vLLM engine that dies at start-up can leave its
 # parent waiting forever (../shared/gpu/README.md).
 # KVPUSH_GPU_LAUNCHER: words put before python3, e.g. a profiler (bench/gpu_nsys.sh runs it under nsys).

@@ -38,6 +38,13 @@ class ConnectorConfig:
     nixl_poll_max_s / nixl_notif_poll_s: the data plane's longest sleep between completion polls while writes
         are in flight, and its notification poll interval (default 1 ms each; 200 µs / 100 µs on GPU servers
         with cores to spare, see docs/dataplane.md).
+    nixl_check_in_post_order: check each transfer's in-flight writes oldest first and stop at the first still in
+        progress (default True; `NixlConfig.check_in_post_order` says why).
+    nixl_io_trace_path: a file the data plane's I/O thread appends per-iteration timings to (`{pid}` and `{agent}`
+        filled in; default none). A profiling aid: `python -m bench gpu profile` reads it.
+    gil_switch_interval_s: this engine's processes call `sys.setswitchinterval` with it (default null: Python's
+        5 ms). A thread that hands the GIL back around a NIXL or CUDA call waits up to this long to take it again
+        while the forward thread runs Python; the data plane's thread makes one such call per post and per check.
     engine_endpoint: this engine's HTTP URL, registered with the directory (optional).
     transfer_timeout_s: decode-side bound on waiting for one transfer (default 60).
     push_timeout_s: prefill-side bound on holding a finished request's blocks for pushes (default 60).
@@ -98,6 +105,9 @@ class ConnectorConfig:
     nixl_num_threads: int = 0
     nixl_poll_max_s: float = 0.001
     nixl_notif_poll_s: float = 0.001
+    nixl_check_in_post_order: bool = True
+    nixl_io_trace_path: str = ""
+    gil_switch_interval_s: float | None = None
     engine_endpoint: str = ""
     transfer_timeout_s: float = 60.0
     push_timeout_s: float = 60.0
@@ -175,6 +185,10 @@ class ConnectorConfig:
             nixl_num_threads=_int(extra, "nixl_num_threads", 0, minimum=0, maximum=256),
             nixl_poll_max_s=_seconds(extra, "nixl_poll_max_s", 0.001, low=50e-6, low_included=True, high=0.1),
             nixl_notif_poll_s=_seconds(extra, "nixl_notif_poll_s", 0.001, low=50e-6, low_included=True, high=0.1),
+            nixl_check_in_post_order=_bool(extra, "nixl_check_in_post_order", True),
+            nixl_io_trace_path=_optional_str(extra, "nixl_io_trace_path") or "",
+            gil_switch_interval_s=_optional_seconds(extra, "gil_switch_interval_s", None, low=1e-6, low_included=True,
+                                                    high=0.1, nullable=True),
             engine_endpoint=_optional_str(extra, "engine_endpoint") or "",
             transfer_timeout_s=_seconds(extra, "transfer_timeout_s", 60.0),
             push_timeout_s=_seconds(extra, "push_timeout_s", 60.0),

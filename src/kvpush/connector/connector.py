@@ -34,6 +34,7 @@ thread off and every NIXL call on the data plane's one I/O thread.
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -104,6 +105,8 @@ class KVPushConnector(KVConnectorBase_V1):
         from kvpush.connector.engine_spin import pace_message_queue_spin
 
         pace_message_queue_spin(self.config.message_queue_poll_s)
+        if self.config.gil_switch_interval_s is not None:
+            sys.setswitchinterval(self.config.gil_switch_interval_s)
         if role == KVConnectorRole.SCHEDULER:
             self._build_scheduler()
         from kvpush.connector.tracing import configure_engine_tracing

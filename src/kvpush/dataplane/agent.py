@@ -36,6 +36,7 @@ import numpy as np
 
 from kvpush.dataplane.config import NixlConfig, create_nixl_agent
 from kvpush.dataplane.describe import KVTensor, describe_kv_caches
+from kvpush.dataplane.io_trace import IoLoopTrace
 from kvpush.dataplane.layout import MEMORY_VRAM, KVLayoutSpec, LayoutError, check_head_compatible
 from kvpush.dataplane.nixl_api import NixlAgentApi, RegisteredMemory
 from kvpush.dataplane.peers import DescriptorTables, Peer
@@ -110,6 +111,8 @@ class TransferAgent:
         self._stopping = threading.Event()
         self._closed = False
         self._log = _log.bind(agent=self._name)
+        # I/O thread only: per-iteration timings for profiling, when configured (io_trace.py).
+        self.io_trace = IoLoopTrace(self._config.io_trace_path, self._name) if self._config.io_trace_path else None
 
     # ---- identity and registration -------------------------------------------------------------
     @property
@@ -267,7 +270,12 @@ class TransferAgent:
         self._bind_cuda_device()
         delay = self._config.poll_min_s
         next_notif_poll = 0.0
+        trace = self.io_trace
+        late_s = 0.0
         while True:
+            if trace is not None:
+                trace.woke(late_s)
+                late_s = 0.0
             if self._drain_ready_commands():
                 delay = self._config.poll_min_s  # new work resets the poll back-off
             now = time.monotonic()
@@ -283,8 +291,13 @@ class TransferAgent:
                         self._log.exception("participant_shutdown_failed")
             self._finish_leaving_peers()
             if now >= next_notif_poll:
+                started = time.perf_counter()
                 self._poll_notifications()
+                if trace is not None:
+                    trace.call("notif", time.perf_counter() - started)
                 next_notif_poll = now + self._config.notif_poll_s
+            if trace is not None:
+                trace.end_iteration(busy)
             if self._stopping.is_set() and not busy:
                 break
             if busy:
@@ -294,12 +307,16 @@ class TransferAgent:
                 delay = self._config.poll_min_s
                 timeout = max(0.0, next_notif_poll - time.monotonic())
             # The only wait: blocks until a command arrives or the poll interval passes.
+            waited_from = time.perf_counter()
             try:
                 fn, future = self._commands.get(timeout=timeout)
             except queue.Empty:
+                late_s = time.perf_counter() - waited_from - timeout
                 continue
             self._run_command(fn, future)
             delay = self._config.poll_min_s
+        if trace is not None:
+            trace.flush()
         self._drain_commands(RuntimeError("TransferAgent stopped"))
 
     def _drain_ready_commands(self) -> bool:

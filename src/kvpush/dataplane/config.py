@@ -46,6 +46,12 @@ class NixlConfig:
     max_group_writes: how many queued writes of one transfer that are ready together may share one
         handle (1 = one handle per write).
     backend_params: extra init parameters per backend name, e.g. {"UCX": {"split_batch_size": "64"}}.
+    check_in_post_order: check a transfer's in-flight handles oldest first and stop at the first still in
+        progress. Its writes go to one peer and complete in order, and each NIXL call hands the GIL back and must
+        take it again (up to Python's switch interval, 5 ms, while the forward thread runs Python), so checking
+        every handle every round delays seeing any of them done.
+    io_trace_path: when set, the I/O thread writes per-iteration timings there as JSON lines (`io_trace.py`;
+        `{pid}` and `{agent}` are filled in). A profiling aid; off by default.
     """
 
     backends: tuple[str, ...] = (BACKEND_UCX,)
@@ -64,6 +70,8 @@ class NixlConfig:
     fault_hold_after_writes: int = 0
     max_group_writes: int = 64
     backend_params: dict[str, dict[str, str]] = field(default_factory=dict)
+    check_in_post_order: bool = True
+    io_trace_path: str = ""
 
     def validate(self) -> NixlConfig:
         """Raise ValueError on a setting that cannot work; return self."""

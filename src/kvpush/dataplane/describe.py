@@ -19,7 +19,9 @@ Layouts understood (`layout_hint` names in brackets; None guesses from rank and 
 * 5-D `(2, num_blocks, block_size, kv_heads, head)`: K/V-first FlashAttention form, NHD or its HND
   permutation (["kv_first"]).
 * 5-D `(num_blocks, 2, block_size, kv_heads, head)`: blocks-first (["blocks_first"]).
-* 3-D `(num_blocks, block_size, dim)`: MLA latent cache (["mla"]).
+* 3-D `(num_blocks, block_size, dim)`: MLA latent cache (["mla"]), and its vLLM 0.32 form, 4-D
+  `(num_blocks, 1, block_size, dim)` with one KV head and `dim == head_size` (kv_lora_rank + rope dims): one
+  latent per token, token-addressable (vLLM CPU MLA and AMX MLA write each token's row whole).
 
 Every layer must have the same shape, strides and dtype; the call refuses anything else with a
 LayoutError naming the offending layer.
@@ -217,7 +219,12 @@ def describe_kv_caches(
                 "layers must share one layout"
             )
     elem = int(first.element_size())
-    if len(shape) == 4:
+    if len(shape) == 4 and _is_mla_4d(shape, num_kv_heads, head_size, layout_hint):
+        # vLLM 0.32 views every cache as (blocks, heads, block_size, content): MLA's is one latent "head" of
+        # head_size values per token, where K/V layouts carry 2 * head_size.
+        planes, name = _planes_3d((shape[0], shape[2], shape[3]), (strides[0], strides[2], strides[3]), elem,
+                                  block_size_tokens)
+    elif len(shape) == 4:
         hint = layout_hint or (LAYOUT_CPU_ATTN if memory_kind == MEMORY_DRAM else LAYOUT_FUSED_KV)
         if hint not in (LAYOUT_CPU_ATTN, LAYOUT_FUSED_KV):
             raise LayoutError(f"layout_hint {hint!r} does not fit a 4-D KV cache")
@@ -255,6 +262,12 @@ def describe_kv_caches(
         layout_name=name,
     ).validate()
     return layout, tensors
+
+
+def _is_mla_4d(shape: tuple[int, ...], num_kv_heads: int, head_size: int, hint: str | None) -> bool:
+    """A 4-D cache of one latent per token: `(blocks, 1, block_size, head_size)` with one KV head (MLA)."""
+    # Any other 4-D cache with hint "mla" is refused by the K/V branch ("does not fit a 4-D KV cache").
+    return shape[1] == 1 and num_kv_heads == 1 and shape[3] == head_size and hint in (None, LAYOUT_MLA)
 
 
 def _region_bytes(shape: Sequence[int], strides: Sequence[int], elem: int) -> int:

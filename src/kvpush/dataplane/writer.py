@@ -12,9 +12,10 @@ Life of a write (`WriteRequest`, one per layer or layer group of a transfer):
    so NIXL's sticky per-handle notification never repeats. Writes of the same transfer queued behind
    it whose events are already complete ride on the same handle (up to `max_group_writes`): a
    writer that fell behind catches up with one handle instead of one per layer.
-4. Completion: `check_xfer_state` on every in-flight handle, only while some are in flight, with a
-   sleep between rounds (the agent's back-off); DONE, ERR, an exception or `transfer_timeout_s`
-   ends the handle; handles are released (a release that fails is retried, never forgotten).
+4. Completion: `check_xfer_state` on in-flight handles, only while some are in flight, with a sleep between
+   rounds (the agent's back-off); each transfer's oldest first, stopping at the first still in progress
+   (`check_in_post_order`); DONE, ERR, an exception or `transfer_timeout_s` ends the handle; handles are
+   released (a release that fails is retried, never forgotten).
 5. Outcomes: `on_request_done(WriteOutcome)` per write as soon as it completes or fails;
    `on_transfer_done(WriteOutcome)` once per transfer after its closing write (one with `notify`,
    or `ends_transfer`) and every earlier write completed, or after a failure/cancel once none of its
@@ -38,7 +39,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 from opentelemetry import trace
@@ -241,6 +242,7 @@ class PushWriter:
         self._slices_lock = threading.Lock()
         self._watched: list[tuple[QueryableEvent, Callable[[float], None], float]] = []  # I/O thread only
         self.max_group_writes = self._config.max_group_writes
+        self._trace = agent.io_trace
         agent.attach(self)
 
     # ---- caller side ----------------------------------------------------------------------------
@@ -355,7 +357,7 @@ class PushWriter:
             return
         waiting = []
         for event, callback, watched_at in self._watched:
-            if event.query():
+            if self._query(event):
                 try:
                     callback(time.time())
                 except Exception:  # a caller's bug must not stop the I/O thread
@@ -461,7 +463,7 @@ class PushWriter:
         if event is None:
             return True
         if hasattr(event, "query"):
-            if event.query():
+            if self._query(cast(QueryableEvent, event)):
                 # Events complete in stream order: stamp every watched one that is done before this write can
                 # post (and be reported done within this same iteration).
                 self._stamp_completed_events()
@@ -473,6 +475,14 @@ class PushWriter:
             return False
         event.synchronize()
         return True
+
+    def _query(self, event: QueryableEvent) -> bool:
+        if self._trace is None:
+            return event.query()
+        started = time.perf_counter()
+        done = event.query()
+        self._trace.call("event", time.perf_counter() - started)
+        return done
 
     def _post(self, write: _Write, transfer: _Transfer) -> None:
         req = write.request
@@ -562,6 +572,8 @@ class PushWriter:
             self._fail_transfer(transfer, _failed(reason))
             return
         write.post_seconds = time.perf_counter() - started
+        if self._trace is not None:
+            self._trace.call("post", write.post_seconds)
         transfer.post_seconds += write.post_seconds
         transfer.in_flight.append(write)
         _log.debug("write posted", transfer_id=req.transfer_id, layers=write.handle_layers,
@@ -570,19 +582,31 @@ class PushWriter:
 
     def _check_in_flight(self, now: float) -> bool:
         nixl = self._agent.nixl
+        trace = self._trace
+        in_order = self._config.check_in_post_order
         any_open = False
         for transfer in list(self._transfers.values()):
+            earlier_open = False  # an earlier write of this transfer is still in progress
             for write in list(transfer.in_flight):
                 if write.held_until is not None:
                     any_open = self._release_held(write, transfer, now) or any_open
                     continue
+                if in_order and earlier_open and now - write.posted_at <= self._config.transfer_timeout_s:
+                    # Posted after one still in progress: checked once that one is done (config.py says why).
+                    any_open = True
+                    continue
                 for handle in list(write.open_handles):
+                    started = time.perf_counter()
                     try:
                         state = nixl.check_xfer_state(handle)
                     except Exception as exc:
                         state, detail = "ERR", repr(exc)
                     else:
                         detail = "transfer state ERR"
+                    if trace is not None:
+                        trace.call("check", time.perf_counter() - started)
+                        if state == "DONE":
+                            trace.handle_done()
                     if state == "DONE":
                         write.open_handles.remove(handle)
                         self._collect_telemetry(write, handle)
@@ -603,7 +627,7 @@ class PushWriter:
                         self._fail_transfer(transfer, _failed(reason))
                         self._agent.remove_peer(transfer.peer, f"a write to it was aborted: {reason}")
                 if write.open_handles:
-                    any_open = True
+                    any_open = earlier_open = True
                     continue
                 transfer.in_flight.remove(write)
                 if write.error is None:

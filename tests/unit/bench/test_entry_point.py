@@ -42,7 +42,7 @@ def test_a_group_without_its_mode_and_an_unknown_name_answer_with_usage():
 def test_help_runs_as_a_module_and_a_script_help_names_the_subcommand():
     top = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
-    assert top.returncode == 0 and "dataplane <cpu|gpu|gil>" in top.stdout
+    assert top.returncode == 0 and "dataplane <cpu|gpu|gil|stream>" in top.stdout
     plan = subprocess.run([sys.executable, "-m", "bench", "plan", "run", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr
@@ -71,3 +71,12 @@ def test_emit_names_the_file_by_prefix_and_utc_time(tmp_path, capsys):
     path = bench_io.emit({"x": 1}, tmp_path, "hops")
     assert path.parent == tmp_path and path.name.startswith("hops-2") and path.name.endswith("Z.json")
     assert json.loads(capsys.readouterr().out)["x"] == 1
+
+
+def test_a_named_commit_wins_over_the_checkouts_git(monkeypatch):
+    """KVPUSH_BENCH_COMMIT (set where a copy runs) is recorded as the commit, with dirty unknown."""
+    monkeypatch.setenv("KVPUSH_BENCH_COMMIT", "e05f99a")
+    stamp = bench_io.provenance()
+    assert (stamp["commit"], stamp["dirty"]) == ("e05f99a", None)
+    monkeypatch.delenv("KVPUSH_BENCH_COMMIT")
+    assert bench_io.provenance()["commit"] != "e05f99a"

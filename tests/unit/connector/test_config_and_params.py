@@ -41,6 +41,25 @@ def test_data_plane_polling_reaches_the_nixl_config():
     assert (nixl.poll_max_s, nixl.notif_poll_s) == (0.0002, 0.0001)
 
 
+def test_completion_checks_trace_and_switch_interval_reach_their_owners():
+    """Defaults: checks in post order, no trace, Python's own switch interval; each key reaches the data plane."""
+    from kvpush.connector.worker.transport import nixl_config_from
+
+    default = ConnectorConfig.from_extra_config({"directory_address": "h:1"}, role="prefill", engine_id="p")
+    assert (default.nixl_check_in_post_order, default.nixl_io_trace_path, default.gil_switch_interval_s) == \
+        (True, "", None)
+    assert nixl_config_from(default).check_in_post_order is True
+    config = ConnectorConfig.from_extra_config(
+        {"directory_address": "h:1", "nixl_check_in_post_order": False, "nixl_io_trace_path": "/tmp/t-{pid}.jsonl",
+         "gil_switch_interval_s": 0.0002}, role="prefill", engine_id="p")
+    nixl = nixl_config_from(config)
+    assert (nixl.check_in_post_order, nixl.io_trace_path) == (False, "/tmp/t-{pid}.jsonl")
+    assert config.gil_switch_interval_s == 0.0002
+    with pytest.raises(ConnectorConfigError, match="gil_switch_interval_s"):
+        ConnectorConfig.from_extra_config({"directory_address": "h:1", "gil_switch_interval_s": 0}, role="prefill",
+                                          engine_id="p")
+
+
 def test_message_queue_pacing_can_be_turned_off():
     """null keeps vLLM's own spin."""
     config = ConnectorConfig.from_extra_config({"directory_address": "h:1", "message_queue_poll_s": None},

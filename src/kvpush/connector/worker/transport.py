@@ -44,7 +44,9 @@ def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
                       num_threads=config.nixl_num_threads, poll_max_s=config.nixl_poll_max_s,
                       notif_poll_s=config.nixl_notif_poll_s, transfer_timeout_s=config.max_write_s,
                       post_timeout_s=config.push_timeout_s, fault_hold_posted_s=config.fault_hold_posted_write_s,
-                      fault_hold_after_writes=config.fault_hold_after_writes).validate()
+                      fault_hold_after_writes=config.fault_hold_after_writes,
+                      check_in_post_order=config.nixl_check_in_post_order,
+                      io_trace_path=config.nixl_io_trace_path).validate()
 
 
 def create_agent(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor], block_size_tokens: int,

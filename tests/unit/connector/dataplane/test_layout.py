@@ -134,6 +134,21 @@ class TestDescribe:
         layout, _, _ = make_kv(2, 10, 16, 1, 576, "mla")
         assert layout.planes[0].segment_bytes_per_token == 576 * 2
 
+    def test_mla_in_vllm_032_form_is_one_token_addressable_latent(self):
+        """vLLM 0.32 hands MLA caches as (blocks, 1, block, 576): one plane, each token's 576 values at t * 576."""
+        arr = np.zeros((6, 1, 16, 576), np.float32)
+        base = arr.__array_interface__["data"][0]
+        layout, _ = describe_kv_caches({"a": NumpyTensor(arr), "b": NumpyTensor(arr.copy())}, 16, 1, 576)
+        (plane,) = layout.planes
+        assert (layout.layout_name, layout.block_atomic, layout.block_count) == ("mla", False, 6)
+        assert (plane.segment_count, plane.segment_bytes_per_token, plane.token_stride_bytes) == (1, 576 * 4, 576 * 4)
+        assert layout.block_bytes_per_layer == 16 * 576 * 4 == plane.block_stride_bytes
+        assert layout.layer_base_addresses[0] == base
+        # Same answer with the hint; a K/V cache of one head (content 2 * head_size) stays vLLM CPU attention's.
+        assert describe_kv_caches({"a": NumpyTensor(arr)}, 16, 1, 576, "mla")[0].layout_name == "mla"
+        kv_one_head = np.zeros((6, 1, 16, 64), np.float32)
+        assert describe_kv_caches({"a": NumpyTensor(kv_one_head)}, 16, 1, 32)[0].layout_name == "cpu_attn"
+
     def test_layers_with_different_shapes_are_refused(self):
         """Every layer must share one layout; the error names the layer."""
         a = NumpyTensor(np.zeros((4, 2, 32, 64), np.uint16))

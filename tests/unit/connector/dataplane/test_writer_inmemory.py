@@ -6,8 +6,10 @@ in flight, complete them in any order and fail them, in milliseconds.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 from kvpush.api.outcome import PushOutcome
 from kvpush.dataplane.writer import PushWriter, WriteRequest
@@ -239,6 +241,114 @@ def test_a_held_write_past_the_write_bound_is_aborted_and_lands_nothing():
         assert out.requests[0].outcome is PushOutcome.FAILED and "not done within 0.3s" in out.requests[0].error
         time.sleep(0.2)
         assert not da[0].any()
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def _held_writes(fab, decode, writer, count: int) -> list:
+    for layer in range(count):
+        writer.submit(_request(decode.agent_name, layer, notify=b"t1" if layer == count - 1 else None))
+    deadline = time.monotonic() + BOUND_S
+    while len(fab.held()) < count and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return fab.held()
+
+
+def test_in_post_order_later_handles_are_checked_only_once_the_earlier_one_is_done():
+    """check_in_post_order: while a transfer's oldest handle is in progress nothing after it is checked (one NIXL call
+    per transfer per round), so a later handle that finished first is reported right after the earlier one."""
+    fab, prefill, decode, writer, out, *_ = _pair(max_group_writes=1)
+    checked: list = []
+    check = prefill.nixl.check_xfer_state
+
+    def counting_check(handle):
+        checked.append(handle)
+        return check(handle)
+
+    prefill.nixl.check_xfer_state = counting_check  # type: ignore[method-assign]
+    fab.hold = True
+    try:
+        first, second, closing = _held_writes(fab, decode, writer, 3)
+        fab.complete(closing)
+        fab.complete(second)
+        time.sleep(0.05)
+        assert checked and not out.requests, "a write after one still in progress was reported"
+        assert len(set(map(id, checked))) == 1, "handles after the oldest one in progress were checked"
+        fab.complete(first)
+        assert out.wait(lambda: out.transfers)
+        assert [r.layers for r in out.requests] == [(0,), (1,), (2,)]
+        assert out.transfers[0].outcome is PushOutcome.DONE and out.transfers[0].notified
+    finally:
+        fab.hold = False
+        prefill.stop()
+        decode.stop()
+
+
+def test_without_post_order_a_later_handle_is_reported_as_soon_as_it_is_done():
+    """check_in_post_order off: every handle is checked each round; the transfer still ends only after all."""
+    fab, prefill, decode, writer, out, *_ = _pair(max_group_writes=1, check_in_post_order=False)
+    fab.hold = True
+    try:
+        first, second, _closing = _held_writes(fab, decode, writer, 3)
+        fab.complete(second)
+        assert out.wait(lambda: out.requests)
+        assert [r.layers for r in out.requests] == [(1,)] and not out.transfers
+        fab.complete(first)
+        fab.hold = False
+        fab.complete(_closing)
+        assert out.wait(lambda: out.transfers)
+        assert out.transfers[0].outcome is PushOutcome.DONE
+    finally:
+        fab.hold = False
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_write_past_the_bound_behind_one_in_progress_is_still_aborted(tmp_path):
+    """A write skipped behind an earlier one in progress is still held to transfer_timeout_s."""
+    fab, prefill, decode, writer, out, *_ = _pair(max_group_writes=1, transfer_timeout_s=0.3)
+    fab.hold = True
+    try:
+        _held_writes(fab, decode, writer, 2)
+        assert out.wait(lambda: out.transfers)
+        assert out.transfers[0].outcome is PushOutcome.FAILED
+        assert "not done within 0.3s" in (out.transfers[0].error or "")
+    finally:
+        fab.hold = False
+        prefill.stop()
+        decode.stop()
+
+
+def test_the_io_trace_records_each_iteration_that_called_nixl(tmp_path):
+    """io_trace_path: JSON lines per iteration with the calls it made and the handles seen done, written once idle."""
+    import json
+
+    path = tmp_path / "io-{pid}.jsonl"
+    _fab, prefill, decode, writer, out, *_ = _pair(max_group_writes=1, io_trace_path=str(path))
+    try:
+        for layer in range(LAYERS):
+            writer.submit(_request(decode.agent_name, layer, notify=b"t1" if layer == LAYERS - 1 else None))
+        assert out.wait(lambda: out.transfers)
+        traced = prefill.io_trace
+        assert traced is not None
+        deadline = time.monotonic() + BOUND_S
+        rows: list = []
+        while time.monotonic() < deadline:
+            if Path(traced.path).exists():
+                rows = [json.loads(line) for line in Path(traced.path).read_text().splitlines()]
+                if sum(r.get("done", 0) for r in rows) >= LAYERS and sum(r.get("post", [0])[0] for r in rows) >= LAYERS:
+                    break
+            time.sleep(0.01)
+        assert str(os.getpid()) in traced.path
+        assert sum(r.get("post", [0])[0] for r in rows) == LAYERS, rows
+        assert sum(r.get("done", 0) for r in rows) == LAYERS, rows
+        assert all(r["t"] > 1e9 and r["late_ms"] >= 0 for r in rows)
+        for r in rows:
+            for kind in ("check", "post", "notif", "event"):
+                if kind in r:
+                    count, total_ms, longest_ms = r[kind]
+                    assert count >= 1 and 0 <= longest_ms <= total_ms + 1e-3
     finally:
         prefill.stop()
         decode.stop()

@@ -1,0 +1,212 @@
+"""When does the prefill side learn that a streamed layer's WRITE landed, on one GPU shared with decode?
+
+Without vLLM: this process is the prefill side (KV on cuda:0, a TransferAgent + PushWriter), a spawned process the
+decode side (zeroed KV on the same GPU, as when both engines share a card: UCX's `cuda_ipc`). A stand-in forward
+computes `--layers` layers of matmuls over `--tokens` rows, writes each layer's KV, records a CUDA event and submits
+that layer's write behind it, as the connector does. Per repetition it records when the I/O thread saw each layer's
+event complete and when it saw each layer's write done, so:
+
+  landed_before_end   layers whose write was seen done before the last layer's event was seen complete
+  completion_lag_ms   per layer: write seen done - its event seen complete (copy + NIXL completion + polling)
+  tail_ms             transfer done - last layer's event seen complete
+
+Variants (`--variants`, each a fresh pair of agents, side by side in one run):
+  default        the forward on the default (legacy) stream, the host far ahead of the GPU
+  side-stream    the forward on a torch side stream (non-blocking)
+  host-bound     the default stream, with `--host-us` of Python work per layer (a launch-bound host holding
+                 the GIL, as vLLM's eager forward)
+  prog-thread    default, with NIXL's progress thread on (100 us delay)
+  workers-4      default, with 4 UCX workers (`num_threads`)
+
+    python bench/gpu_stream_probe.py --tokens 8192 --reps 4 --variants default,side-stream,host-bound
+
+Writes $OUT/gpu_stream_probe.json (or bench/results/) and prints one line per variant. `--cpu` runs the same
+plumbing on host memory (no events: a layer is ready when submitted), a dry run for machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_io import write_result  # bench/, this script's folder
+from dataplane_bench import LAYOUT_HINT, KVShape, Receiver
+
+from kvpush.dataplane import NixlConfig, PushWriter, TransferAgent, WriteOutcome, WriteRequest
+
+DEVICE = "cuda:0"
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "side-stream": {"side_stream": True},
+    "host-bound": {"host_bound": True},
+    "prog-thread": {"nixl": {"enable_prog_thread": True, "progress_thread_delay_us": 100}},
+    "workers-4": {"nixl": {"num_threads": 4}},
+}
+
+
+class _Seen:
+    """Times (monotonic) the I/O thread saw each layer's event complete and each layer's write done."""
+
+    def __init__(self, layers: int) -> None:
+        self.computed: list[float | None] = [None] * layers
+        self.landed: list[float | None] = [None] * layers
+        self.done = threading.Event()
+        self.final: WriteOutcome | None = None
+        self.done_at = 0.0
+
+
+class _Outcomes:
+    """The writer's callbacks (I/O thread), recorded into the current repetition's `_Seen`."""
+
+    def __init__(self) -> None:
+        self.current = _Seen(0)
+
+    def on_write(self, outcome: WriteOutcome) -> None:
+        now = time.monotonic()
+        for layer in outcome.layers:
+            self.current.landed[layer] = now
+
+    def on_transfer(self, outcome: WriteOutcome) -> None:
+        seen = self.current
+        seen.done_at = time.monotonic()
+        seen.final = outcome
+        seen.done.set()
+
+
+class _Ready:
+    """--cpu: the KV is written when the layer is submitted."""
+
+    def record(self, _stream: object) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+def _spin(microseconds: float) -> None:
+    end = time.perf_counter() + microseconds * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+def run_variant(name: str, args: argparse.Namespace, shape: KVShape) -> dict[str, Any]:
+    spec = VARIANTS[name]
+    config = {"poll_max_s": args.poll_max_us * 1e-6, "notif_poll_s": args.poll_max_us * 1e-6,
+              **spec.get("nixl", {})}
+    device = "cpu" if args.cpu else DEVICE
+    receiver = Receiver(shape, device, config, name=f"probe-decode-{name}")
+    if not args.cpu:
+        torch.cuda.set_device(DEVICE)
+    kv = {f"layers.{i}": torch.zeros(2, shape.blocks, shape.block_size, shape.heads, shape.head_size,
+                                     dtype=torch.bfloat16, device=device) for i in range(shape.layers)}
+    agent = TransferAgent(f"probe-prefill-{name}", NixlConfig(**config))
+    agent.register(kv, shape.block_size, shape.heads, shape.head_size, LAYOUT_HINT)
+    agent.start()
+    n_blocks = args.tokens // shape.block_size
+    ids, dst = list(range(n_blocks)), list(range(shape.blocks - n_blocks, shape.blocks))
+    weights = [torch.randn(args.hidden, args.hidden, dtype=torch.bfloat16, device=device) / args.hidden ** 0.5
+               for _ in range(args.matmuls)]
+    x0 = torch.randn(args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
+    if args.cpu:
+        stream, sync = None, (lambda: None)
+    else:
+        stream = torch.cuda.Stream() if spec.get("side_stream") else torch.cuda.current_stream()
+        sync = torch.cuda.synchronize
+    rows: list[dict[str, Any]] = []
+    try:
+        agent.add_peer(receiver.name, receiver.metadata, receiver.layout).result(120)
+        outcomes = _Outcomes()
+        writer = PushWriter(agent, outcomes.on_write, outcomes.on_transfer)
+        for rep in range(args.reps + 1):
+            seen = outcomes.current = _Seen(shape.layers)
+            tid = f"{name}-{rep}"
+            sync()
+            started = time.monotonic()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                x = x0 + float(rep)
+                for layer in range(shape.layers):
+                    for w in weights:
+                        x = torch.nn.functional.gelu(x @ w)
+                    target = kv[f"layers.{layer}"][:, :n_blocks]
+                    flat = x.reshape(-1)
+                    if flat.numel() < target.numel():
+                        flat = flat.repeat(-(-target.numel() // flat.numel()))
+                    target.copy_(flat[: target.numel()].view_as(target))
+                    event = _Ready() if stream is None else torch.cuda.Event()
+                    event.record(stream)
+                    writer.when_complete(event, lambda _t, k=layer, s=seen: s.computed.__setitem__(k, time.monotonic()))
+                    writer.submit(WriteRequest(tid, receiver.name, range(layer, layer + 1), ids, dst, 0, args.tokens,
+                                               notify=tid.encode() if layer == shape.layers - 1 else None,
+                                               ready_event=event))
+                    if spec.get("host_bound"):
+                        _spin(args.host_us)
+            launched = time.monotonic()
+            if not seen.done.wait(120) or seen.final is None or not seen.final.ok:
+                raise RuntimeError(f"{name}: transfer did not complete: {seen.final}")
+            sync()
+            if rep == 0:
+                continue  # warm-up
+            end = seen.computed[-1]
+            if end is None or any(t is None for t in seen.landed):
+                raise RuntimeError(f"{name}: a layer's event or write was not seen")
+            lags = [(land - comp) * 1e3 for land, comp in zip(seen.landed, seen.computed)
+                    if land is not None and comp is not None]
+            rows.append({
+                "forward_ms": round((end - started) * 1e3, 2),
+                "host_launch_ms": round((launched - started) * 1e3, 2),
+                "landed_before_end": sum(1 for t in seen.landed if t is not None and t < end),
+                "tail_ms": round((seen.done_at - end) * 1e3, 3),
+                "completion_lag_ms": [round(x, 2) for x in lags],
+            })
+    finally:
+        agent.stop()
+        receiver.close()
+    lag_all = [x for r in rows for x in r["completion_lag_ms"]]
+    return {"variant": name, "spec": spec, "layers": shape.layers, "tokens": args.tokens,
+            "layer_bytes": n_blocks * shape.block_bytes, "reps": rows,
+            "landed_before_end": [r["landed_before_end"] for r in rows],
+            "tail_ms": [r["tail_ms"] for r in rows],
+            "forward_ms": statistics.median(r["forward_ms"] for r in rows),
+            "host_launch_ms": statistics.median(r["host_launch_ms"] for r in rows),
+            "completion_lag_ms_p50": round(statistics.median(lag_all), 3),
+            "completion_lag_ms_max": round(max(lag_all), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--matmuls", type=int, default=6, help="matmuls per layer (~1 ms each at 8,192 x 4,096)")
+    parser.add_argument("--host-us", type=float, default=3000.0, help="host-bound: Python work per layer")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--poll-max-us", type=float, default=200.0)
+    parser.add_argument("--variants", default="default,side-stream,host-bound")
+    parser.add_argument("--out-name", default="gpu_stream_probe.json")
+    parser.add_argument("--cpu", action="store_true", help="host memory, no GPU: a dry run of the plumbing")
+    args = parser.parse_args()
+    shape = KVShape(layers=args.layers, blocks=2 * (args.tokens // 128) + 8)
+    results = []
+    for name in args.variants.split(","):
+        result = run_variant(name, args, shape)
+        results.append(result)
+        print(f"{name}: forward {result['forward_ms']} ms (host launched in {result['host_launch_ms']} ms); "
+              f"landed before end {result['landed_before_end']} of {shape.layers}; tail {result['tail_ms']} ms; "
+              f"completion lag p50 {result['completion_lag_ms_p50']} max {result['completion_lag_ms_max']} ms",
+              flush=True)
+        out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
+        write_result(out_dir / args.out_name, {"bench": "gpu_stream_probe", "variants": results}, echo=False)
+
+
+if __name__ == "__main__":
+    main()
