@@ -202,15 +202,24 @@ async def _engines(args: argparse.Namespace) -> int:
 
 def engines_table(workers: Sequence[tpb.EngineWorker]) -> str:
     """`kvpush engines` as a table: one row per worker, with the layout fields planning pairs engines by (TP size,
-    layers, block size, dtype, the compatibility hash's first 8 characters), so a refused pair shows why."""
+    KV heads held / the model's, layers, block size, dtype, the compatibility hash's first 8 characters), so a
+    refused pair shows why. KV_HEADS "-": the worker registered no head counts, and pairs only with its TP size."""
     rows = [(w.engine_id, _short_enum(tpb.EngineRole, w.role, "ENGINE_ROLE_"), f"{w.tp_rank}/{w.tp_size}",
-             w.tp_size, w.agent_name, w.model or "-", w.layout.layer_count, w.layout.block_size_tokens,
-             w.layout.block_count, w.layout.dtype or "-", w.layout.compatibility_hash[:8] or "-",
+             w.tp_size, _kv_heads(w.layout), w.agent_name, w.model or "-", w.layout.layer_count,
+             w.layout.block_size_tokens, w.layout.block_count, w.layout.dtype or "-",
+             w.layout.compatibility_hash[:8] or "-",
              w.load.free_block_count if w.HasField("load") else "-",
              f"{w.load.running_request_count}/{w.load.waiting_request_count}" if w.HasField("load") else "-",
              w.active_transfer_count, _first_token(w), _ts(w.lease_expire_time), w.endpoint or "-") for w in workers]
-    return _table(["ENGINE", "ROLE", "RANK", "TP", "AGENT", "MODEL", "LAYERS", "BLOCK_TOKENS", "BLOCKS", "DTYPE",
-                   "HASH", "FREE", "RUN/WAIT", "ACTIVE", "FIRST_TOKEN", "LEASE_UNTIL", "ENDPOINT"], rows)
+    return _table(["ENGINE", "ROLE", "RANK", "TP", "KV_HEADS", "AGENT", "MODEL", "LAYERS", "BLOCK_TOKENS", "BLOCKS",
+                   "DTYPE", "HASH", "FREE", "RUN/WAIT", "ACTIVE", "FIRST_TOKEN", "LEASE_UNTIL", "ENDPOINT"], rows)
+
+
+def _kv_heads(layout: tpb.KVLayout) -> str:
+    """"held/model" KV heads, or "-" when the worker did not register them."""
+    if not (layout.kv_head_count and layout.model_kv_head_count):
+        return "-"
+    return f"{layout.kv_head_count}/{layout.model_kv_head_count}"
 
 
 async def _transfers(args: argparse.Namespace) -> int:

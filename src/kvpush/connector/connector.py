@@ -146,6 +146,8 @@ class KVPushConnector(KVConnectorBase_V1):
         tp_size = get_tensor_model_parallel_world_size()
         model_config = self._vllm_config.model_config
         num_kv_heads = model_config.get_num_kv_heads(self._vllm_config.parallel_config)
+        # The model's KV heads before the TP split: engines of different TP sizes pair by head slices of them.
+        model_kv_heads = model_config.get_total_num_kv_heads()
         agent_name = f"{self.config.engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:8]}"
         head_size = model_config.get_head_size()
         from kvpush.connector import metrics
@@ -156,7 +158,8 @@ class KVPushConnector(KVConnectorBase_V1):
         self._parts = build_worker_half(
             self.config, kv_caches, self._block_size, num_kv_heads, head_size, tp_rank, tp_size, agent_name,
             model=str(getattr(model_config, "served_model_name", None) or model_config.model),
-            compatibility_hash=lambda agent: self._compatibility_hash(agent, num_kv_heads, head_size, len(kv_caches)),
+            compatibility_hash=lambda agent: self._compatibility_hash(agent, model_kv_heads, head_size, len(kv_caches)),
+            model_kv_head_count=model_kv_heads,
             load_callback=self._load, metrics=self._metrics, forces_first_token=self._forces_first_token())
         half = self._parts.half
         if isinstance(half, PrefillWorker):
@@ -178,7 +181,9 @@ class KVPushConnector(KVConnectorBase_V1):
             _log.info("first token from prefill", engine_id=self.config.engine_id, forces_first_token=forces)
         return forces
 
-    def _compatibility_hash(self, agent: TransferAgent, num_kv_heads: int, head_size: int, layer_count: int) -> str:
+    def _compatibility_hash(self, agent: TransferAgent, model_kv_heads: int, head_size: int, layer_count: int) -> str:
+        """Over the model's KV heads, not this rank's: ranks of engines of different TP sizes hash alike (the
+        registered kv_head_count carries the per-rank split, which planning compares)."""
         import vllm
 
         from kvpush.connector.metadata import compatibility_hash
@@ -186,7 +191,7 @@ class KVPushConnector(KVConnectorBase_V1):
         model_config, cache_config = self._vllm_config.model_config, self._vllm_config.cache_config
         return compatibility_hash(
             model=str(model_config.model), dtype=str(model_config.dtype), cache_dtype=str(cache_config.cache_dtype),
-            kv_layout=agent.layout.layout_name, num_kv_heads=num_kv_heads, head_size=head_size,
+            kv_layout=agent.layout.layout_name, num_kv_heads=model_kv_heads, head_size=head_size,
             layer_count=layer_count, vllm_version=str(vllm.__version__))
 
     def _load(self) -> tpb.EngineLoad | None:

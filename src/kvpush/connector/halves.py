@@ -182,13 +182,15 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor
                       tap_write_done: Callable[[WriteDone], None] | None = None,
                       tap_instruction: Callable[[dpb.PushInstruction], None] | None = None,
                       tap_notification: Callable[[str, bytes], None] | None = None,
-                      forces_first_token: bool = False) -> WorkerParts:
+                      forces_first_token: bool = False, model_kv_head_count: int = 0) -> WorkerParts:
     """Wire this process's worker half and register it with the directory (blocking, bounded; start-up only).
 
     create_agent: builds the TransferAgent (default: `transport.create_agent`, real NIXL).
     model: the served model name registered with the directory (plans that name a model pick by it).
     forces_first_token: a decode worker registers that its engine forces prefill's first token.
     compatibility_hash(agent): the layout's compatibility hash, once the agent described the KV memory.
+    model_kv_head_count: the model's KV heads before the TP split (registered with the layout; 0: not said, and the
+        engine then pairs only with engines of its own TP size).
     load_callback: the engine's load for each lease renewal (client thread, must not block).
     metrics: a `metrics.WorkerMetrics` fed with write settlements, quiet transfers, lost leases, the backlog.
     tap_*: called before the half's own callback with the same argument (the GPU harness stamps times).
@@ -205,6 +207,7 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor
     layout = layout_to_proto(agent.layout)
     if compatibility_hash is not None:
         layout.compatibility_hash = compatibility_hash(agent)
+    layout.model_kv_head_count = model_kv_head_count
     lease_lost = metrics.on_lease_lost if metrics is not None else None
     if metrics is not None:
         tap_write_done = _tapped(metrics.on_write_done, tap_write_done)

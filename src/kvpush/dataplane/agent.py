@@ -37,7 +37,7 @@ import numpy as np
 from kvpush.dataplane.config import NixlConfig, create_nixl_agent
 from kvpush.dataplane.describe import KVTensor, describe_kv_caches
 from kvpush.dataplane.io_trace import IoLoopTrace
-from kvpush.dataplane.layout import MEMORY_VRAM, KVLayoutSpec, LayoutError, check_compatible
+from kvpush.dataplane.layout import MEMORY_VRAM, KVLayoutSpec, LayoutError, check_head_compatible
 from kvpush.dataplane.nixl_api import NixlAgentApi, RegisteredMemory
 from kvpush.dataplane.peers import DescriptorTables, Peer
 from kvpush.dataplane.plan import TABLE_CHUNK, granule_tokens
@@ -383,7 +383,7 @@ class TransferAgent:
         """
         layout.validate()
         if self._layout is not None:
-            check_compatible(self._layout, layout)
+            check_head_compatible(self._layout, layout)
         with self._lock:
             if agent_name in self._peer_layouts:
                 raise ValueError(f"peer {agent_name!r} is already added")

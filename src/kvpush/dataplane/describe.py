@@ -258,6 +258,7 @@ def describe_kv_caches(
         layer_base_addresses=tuple(int(t.data_ptr()) for t in tensors),
         layer_region_bytes=region,
         layer_names=tuple(names),
+        kv_head_count=num_kv_heads,
         layout_name=name,
     ).validate()
     return layout, tensors

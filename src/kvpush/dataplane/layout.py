@@ -17,7 +17,7 @@ layouts one segment per KV head; vLLM CPU's fused block has 2 segments per head 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MEMORY_DRAM = "DRAM"
 MEMORY_VRAM = "VRAM"
@@ -112,6 +112,10 @@ class KVLayoutSpec:
     compatibility_hash: str = ""
     # Tokens inside a block are not addressable (vLLM CPU attention tiles them): whole blocks only.
     block_atomic: bool = False
+    # KV heads this worker holds (0: unknown), and the model's before the TP split (0: unknown): head slices
+    # (`slice_heads`) between workers of different TP sizes need the first.
+    kv_head_count: int = 0
+    model_kv_head_count: int = 0
     # Not on the wire: which describer produced it (for logs and errors only).
     layout_name: str = field(default="", compare=False)
 
@@ -134,6 +138,8 @@ class KVLayoutSpec:
             )
         if self.layer_names and len(self.layer_names) != self.layer_count:
             raise LayoutError(f"layer_names has {len(self.layer_names)} entries for {self.layer_count} layers")
+        if self.kv_head_count < 0 or self.model_kv_head_count < 0:
+            raise LayoutError("kv_head_count and model_kv_head_count must be >= 0")
         if any(addr <= 0 for addr in self.layer_base_addresses):
             raise LayoutError("layer_base_addresses must all be positive")
         plane_bytes = 0
@@ -232,6 +238,67 @@ class KVLayoutSpec:
         return [(start, end - start) for start, end in merged]
 
 
+@dataclass(frozen=True)
+class HeadSlice:
+    """KV heads [source_start, source_start + count) of a source worker written into heads
+    [destination_start, destination_start + count) of a destination worker (each worker's own head order)."""
+
+    source_start: int
+    destination_start: int
+    count: int
+
+
+def head_sliceable(layout: KVLayoutSpec) -> str:
+    """Why heads of `layout` cannot be cut out as contiguous runs ("" when they can).
+
+    HND planes hold one segment per head; vLLM CPU attention's block-atomic plane holds each head's K and V
+    rows as one contiguous run inside a block (`describe` module docstring), so a head run of a block is one
+    span. NHD planes interleave heads within every token: a head run would be one span per token.
+    """
+    heads = layout.kv_head_count
+    if heads <= 0:
+        return "kv_head_count is not set"
+    for i, plane in enumerate(layout.planes):
+        if plane.segment_count == heads or heads == 1:
+            continue
+        if layout.block_atomic and plane.segment_count == 1 and plane.block_bytes % heads == 0:
+            continue
+        return (f"planes[{i}].segment_count {plane.segment_count} does not give each of the {heads} KV heads its "
+                "own segment (an NHD layout interleaves heads in every token; head slices need HND)")
+    return ""
+
+
+def slice_heads(layout: KVLayoutSpec, start: int, count: int) -> KVLayoutSpec:
+    """`layout` restricted to its KV heads [start, start + count): the same blocks, tokens and tables, fewer bytes.
+
+    Raises LayoutError for a range outside the worker's heads or a layout whose heads are not contiguous runs
+    (`head_sliceable`). The whole range returns `layout` itself.
+    """
+    heads = layout.kv_head_count
+    why = head_sliceable(layout)
+    if why:
+        raise LayoutError(f"layout {layout.layout_name or ''} cannot be cut by KV head: {why}".replace("  ", " "))
+    if count < 1 or start < 0 or start + count > heads:
+        raise LayoutError(f"heads [{start}, {start + count}) are not inside the worker's {heads} KV heads")
+    if start == 0 and count == heads:
+        return layout
+    planes = []
+    for plane in layout.planes:
+        if plane.segment_count == heads:
+            seg = plane.segment_stride_bytes
+            cut = KVPlaneSpec(plane.offset_bytes + start * seg, plane.block_stride_bytes, 0, count,
+                              seg if count > 1 else 0, plane.token_stride_bytes, plane.segment_bytes_per_token)
+            cut = replace(cut, block_bytes=cut.extent_bytes(layout.block_size_tokens))
+        else:  # block-atomic: each head a contiguous run of block_bytes / heads
+            head_bytes = plane.block_bytes // heads
+            token_bytes = count * head_bytes // layout.block_size_tokens
+            cut = KVPlaneSpec(plane.offset_bytes + start * head_bytes, plane.block_stride_bytes, count * head_bytes,
+                              1, 0, token_bytes, token_bytes)
+        planes.append(cut)
+    return replace(layout, planes=tuple(planes), block_bytes_per_layer=sum(p.block_bytes for p in planes),
+                   kv_head_count=count, layout_name=f"{layout.layout_name}[heads {start}:{start + count}]").validate()
+
+
 def check_compatible(src: KVLayoutSpec, dst: KVLayoutSpec) -> None:
     """Raise LayoutError unless KV can be written from `src` into `dst` token by token.
 
@@ -262,3 +329,17 @@ def check_compatible(src: KVLayoutSpec, dst: KVLayoutSpec) -> None:
         for i, (sp, dp) in enumerate(zip(src.planes, dst.planes, strict=True)):
             if not (sp.tokens_contiguous and dp.tokens_contiguous):
                 raise LayoutError(f"plane {i}: block-size mapping needs token-contiguous segments on both sides")
+
+
+def check_head_compatible(src: KVLayoutSpec, dst: KVLayoutSpec) -> None:
+    """Like `check_compatible`, but workers holding different numbers of KV heads (TP sizes differ) pass when
+    one head of each is compatible with the other: they exchange KV by head slice only."""
+    if src.kv_head_count == dst.kv_head_count or not (src.kv_head_count and dst.kv_head_count):
+        check_compatible(src, dst)
+        return
+    for side, layout in (("source", src), ("destination", dst)):
+        why = head_sliceable(layout)
+        if why:
+            raise LayoutError(f"{side} holds {layout.kv_head_count} KV heads, the other side "
+                              f"{(dst if layout is src else src).kv_head_count}, and cannot be cut by head: {why}")
+    check_compatible(slice_heads(src, 0, 1), slice_heads(dst, 0, 1))

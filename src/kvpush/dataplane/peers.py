@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvpush.dataplane.layout import KVLayoutSpec
+from kvpush.dataplane.layout import KVLayoutSpec, slice_heads
 from kvpush.dataplane.nixl_api import DlistHandle, NixlAgentApi
 from kvpush.dataplane.plan import TABLE_BLOCK, block_table_rows, chunk_table_rows
 
@@ -27,6 +27,7 @@ class DescriptorTables:
         self._owner = owner
         self._layout = layout
         self._handles: dict[tuple[str, int], DlistHandle] = {}
+        self._head_tables: dict[tuple[int, int], DescriptorTables] = {}
 
     @property
     def layout(self) -> KVLayoutSpec:
@@ -47,8 +48,22 @@ class DescriptorTables:
             self._handles[key] = handle
         return handle
 
+    def heads(self, start: int, count: int) -> DescriptorTables:
+        """The tables of this layout cut to KV heads [start, start + count) (`layout.slice_heads`), made once."""
+        key = (start, count)
+        tables = self._head_tables.get(key)
+        if tables is None:
+            sliced = slice_heads(self._layout, start, count)
+            tables = self if sliced is self._layout else DescriptorTables(self._nixl, self._owner, sliced)
+            self._head_tables[key] = tables
+        return tables
+
     def release(self) -> None:
         """Release every prepared dlist (no handle using them may be in flight)."""
+        for tables in self._head_tables.values():
+            if tables is not self:
+                tables.release()
+        self._head_tables.clear()
         for handle in self._handles.values():
             try:
                 self._nixl.release_dlist_handle(handle)

@@ -32,11 +32,9 @@ A write of tokens [token_start, token_end) of some layers, from source blocks to
    `descriptor_count` is the count after that merge, computed here the way NIXL merges.
 
 Tensor parallelism: prefill TP = decode TP pairs rank r with rank r and everything above holds
-per rank. TP differing (not implemented) would work on head segments: with HND layouts each KV head
-is its own segment, so prefill rank r (heads [r*H/tp_p, (r+1)*H/tp_p)) writes segment s of its
-layout into segment s + offset of decode rank r * tp_d // tp_p (tp_d < tp_p), or splits its
-segments over tp_d // tp_p decode ranks (tp_d > tp_p), each a separate peer with its own tables;
-NHD layouts would need sub-token descriptors (one per head per token) and are better permuted first.
+per rank. TP sizes differing: a write carries a head slice (`writer.WriteRequest.head_slice`) and is planned
+here between both layouts cut to those heads (`layout.slice_heads`: HND segments, or the heads' contiguous run
+of a vLLM CPU block), with tables prepared for the cut layouts; NHD layouts (heads inside each token) are not cut.
 """
 
 from __future__ import annotations

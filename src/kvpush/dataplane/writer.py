@@ -33,6 +33,7 @@ handles are left to finish or time out. Nothing is retried here; the connector d
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -46,12 +47,14 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from kvpush.api.outcome import PushOutcome, PushStop, StopCause
 from kvpush.dataplane.agent import TransferAgent
+from kvpush.dataplane.layout import HeadSlice, KVLayoutSpec, LayoutError, slice_heads
 from kvpush.dataplane.nixl_api import XferHandle
 from kvpush.dataplane.plan import LayerPlanCache, WritePlan, WriteRequestError
 from kvpush.observability import get_logger, get_tracer
 
 _log = get_logger("kvpush.dataplane.writer")
 _ENDED_MEMORY = 4096
+_SLICE_MEMORY = 1024
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -89,6 +92,8 @@ class WriteRequest:
     traceparent: W3C traceparent of the request, parent of this write's span.
     post_guard: called on the I/O thread right before posting: None to post, else the reason the write may
         no longer be posted (the prefill worker's lease: it posts only within it, docs/connector.md).
+    head_slice: write only these KV heads of this worker into those of the peer (TP sizes differ); None: every
+        head to the same position. Every write of one transfer must carry the same slice.
     """
 
     transfer_id: str
@@ -103,6 +108,7 @@ class WriteRequest:
     ends_transfer: bool = False
     traceparent: str = ""
     post_guard: Callable[[], str | None] | None = None
+    head_slice: HeadSlice | None = None
 
     @property
     def closes_transfer(self) -> bool:
@@ -204,6 +210,7 @@ class _Transfer:
     layers: set[int] = field(default_factory=set)
     waiters: list[Future[WriteOutcome]] = field(default_factory=list)
     posts: int = 0
+    head_slice: HeadSlice | None = None
 
 
 class PushWriter:
@@ -231,6 +238,8 @@ class PushWriter:
         self._zombies: list[tuple[XferHandle, float]] = []
         self._tracer = tracer or get_tracer("kvpush.dataplane")
         self._plans = LayerPlanCache()
+        self._slices: dict[tuple[str, int, int], tuple[KVLayoutSpec, KVLayoutSpec]] = {}
+        self._slices_lock = threading.Lock()
         self._watched: list[tuple[QueryableEvent, Callable[[float], None], float]] = []  # I/O thread only
         self.max_group_writes = self._config.max_group_writes
         self._trace = agent.io_trace
@@ -249,10 +258,19 @@ class PushWriter:
             raise WriteRequestError(f"unknown peer {request.peer_agent!r}") from None
         if not request.transfer_id:
             raise WriteRequestError("transfer_id is empty")
+        local_layout, plan_key = self._agent.layout, request.peer_agent
+        if request.head_slice is not None:
+            cut = request.head_slice
+            try:
+                local_layout = self._sliced("", local_layout, cut.source_start, cut.count)
+                peer_layout = self._sliced(request.peer_agent, peer_layout, cut.destination_start, cut.count)
+            except LayoutError as exc:
+                raise WriteRequestError(f"head slice {cut}: {exc}") from exc
+            plan_key = f"{request.peer_agent}#heads{cut.source_start}:{cut.destination_start}:{cut.count}"
         plan = self._plans.plan(
-            self._agent.layout,
+            local_layout,
             peer_layout,
-            request.peer_agent,
+            plan_key,
             request.layers,
             request.src_block_ids,
             request.dst_block_ids,
@@ -262,6 +280,21 @@ class PushWriter:
         submitted_at = time.monotonic()
         self._agent.post(lambda: self._enqueue(_Write(request, plan, submitted_at)))
         return plan
+
+    def _sliced(self, owner: str, layout: KVLayoutSpec, start: int, count: int) -> KVLayoutSpec:
+        """`slice_heads(layout, ...)`, one object per (owner, heads) while `layout` stays (plans are cached by
+        layout identity)."""
+        key = (owner, start, count)
+        with self._slices_lock:
+            cached = self._slices.get(key)
+            if cached is not None and cached[0] is layout:
+                return cached[1]
+        sliced = slice_heads(layout, start, count)
+        with self._slices_lock:
+            if len(self._slices) >= _SLICE_MEMORY:
+                self._slices.clear()
+            self._slices[key] = (layout, sliced)
+        return sliced
 
     def when_complete(self, event: QueryableEvent, callback: Callable[[float], None]) -> None:
         """Call `callback(unix time)` from the I/O thread once `event.query()` is true.
@@ -347,6 +380,10 @@ class PushWriter:
         if transfer.peer != req.peer_agent:
             self._report_failure(write, f"transfer writes to {transfer.peer!r}, not {req.peer_agent!r}")
             return
+        if transfer.writes and transfer.head_slice != req.head_slice:
+            self._report_failure(write, f"transfer writes head slice {transfer.head_slice}, not {req.head_slice}")
+            return
+        transfer.head_slice = req.head_slice
         if transfer.last_accepted_closes:
             self._report_failure(write, "transfer already has its closing write")
             return
@@ -386,6 +423,7 @@ class PushWriter:
             req = nxt.request
             if (
                 req.transfer_id != leader.request.transfer_id
+                or req.head_slice != leader.request.head_slice
                 or nxt.plan.table != leader.plan.table
                 or nxt.plan.granule != leader.plan.granule
                 or nxt.plan.shared_blocks
@@ -488,8 +526,13 @@ class PushWriter:
             transfer.first_post = write.posted_at
         try:
             if plan.local_indices.size:
-                local = self._agent.local_tables().table(plan.table, plan.granule)
-                remote = peer.tables.table(plan.table, plan.granule)
+                local_tables, remote_tables = self._agent.local_tables(), peer.tables
+                if req.head_slice is not None:
+                    cut = req.head_slice
+                    local_tables = local_tables.heads(cut.source_start, cut.count)
+                    remote_tables = remote_tables.heads(cut.destination_start, cut.count)
+                local = local_tables.table(plan.table, plan.granule)
+                remote = remote_tables.table(plan.table, plan.granule)
                 write.handles.append(
                     nixl.make_prepped_xfer("WRITE", local, plan.local_indices, remote, plan.remote_indices)
                 )

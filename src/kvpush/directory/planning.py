@@ -5,14 +5,18 @@ their transfer cap, decode engines need room for the prompt in their KV cache (t
 they last reported are a load signal, stale while an engine idles); prefill engines are tried fewest active
 transfers first, then fewest queued (running + waiting) requests; decode engines most free blocks first, then
 fewest queued requests, then fewest active transfers (engine id breaks ties, so a plan is deterministic). The
-first pair whose layouts are compatible wins (`incompatibility`): equal TP size, layer count, dtype, block
-atomicity, plane token shape and compatibility hash, and block sizes the data plane can map (`_block_size_mapping`).
-When none is, the refusal names the first pair tried, the field that differs and both values.
+first pair whose layouts are compatible wins (`incompatibility`): equal layer count, dtype, block atomicity, plane
+token shape and compatibility hash, block sizes the data plane can map (`_block_size_mapping`), and equal TP sizes
+or different ones that split: engines of different TP sizes pair when both registered their KV head counts, vLLM
+splits the model's KV heads over both sizes and one head's KV has the same shape on both sides (HND or CPU attention
+layouts): `head_routes` then says which heads each prefill rank writes to which decode rank. When none is, the
+refusal names the first pair tried, the field that differs and both values.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from kvpush.directory.errors import FailedPrecondition, ResourceExhausted
 from kvpush.directory.records import EngineGroup, Worker
@@ -62,17 +66,135 @@ def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_
 def incompatibility(prefill: EngineGroup, decode: EngineGroup) -> str:
     """Why two engines cannot be paired ("" when they can): the first field that differs, with both values."""
     if prefill.tp_size != decode.tp_size:
-        return _differs("tp_size", prefill.tp_size, decode.tp_size, prefill.engine_id, decode.engine_id,
-                        "heterogeneous TP is not supported yet")
+        return _head_split_incompatibility(prefill.layout(), decode.layout(), prefill.tp_size, decode.tp_size,
+                                           prefill.engine_id, decode.engine_id, prefill.model, decode.model)
     return _layout_incompatibility(prefill.layout(), decode.layout(), prefill.engine_id, decode.engine_id,
                                    prefill.model, decode.model)
 
 
 def can_push_to(prefill: Worker, decode: Worker) -> bool:
-    """True when a plan could send `prefill`'s instructions to `decode`: the same rank of engines that pair."""
-    return (prefill.tp_size == decode.tp_size and prefill.tp_rank == decode.tp_rank
-            and not _layout_incompatibility(prefill.layout, decode.layout, prefill.engine_id, decode.engine_id,
-                                            prefill.model, decode.model))
+    """True when a plan could send `prefill`'s instructions to `decode`: the same rank of engines of one TP size
+    that pair, or, TP sizes differing, a decode rank that holds a KV head this prefill rank writes."""
+    if prefill.tp_size == decode.tp_size:
+        return (prefill.tp_rank == decode.tp_rank
+                and not _layout_incompatibility(prefill.layout, decode.layout, prefill.engine_id, decode.engine_id,
+                                                prefill.model, decode.model))
+    if _head_split_incompatibility(prefill.layout, decode.layout, prefill.tp_size, decode.tp_size,
+                                   prefill.engine_id, decode.engine_id, prefill.model, decode.model):
+        return False
+    routes = head_routes(prefill.layout.model_kv_head_count, prefill.tp_size, decode.tp_size)
+    return any(r.prefill_rank == prefill.tp_rank and r.decode_rank == decode.tp_rank for r in routes)
+
+
+# ---- different TP sizes: which heads of which prefill rank go to which decode rank -----------------------------
+@dataclass(frozen=True)
+class HeadRoute:
+    """Heads [source_head_start, +head_count) of prefill rank `prefill_rank` (its own head order) are written into
+    heads [destination_head_start, +head_count) of decode rank `decode_rank`."""
+
+    prefill_rank: int
+    decode_rank: int
+    source_head_start: int
+    destination_head_start: int
+    head_count: int
+
+
+def rank_heads(model_heads: int, tp_size: int, rank: int) -> range:
+    """The model's KV heads rank `rank` holds (vLLM's split: consecutive runs of model_heads / tp_size, or, with
+    fewer heads than ranks, head rank * model_heads // tp_size replicated on tp_size / model_heads ranks)."""
+    if model_heads >= tp_size:
+        per_rank = model_heads // tp_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    head = rank * model_heads // tp_size
+    return range(head, head + 1)
+
+
+def head_split_error(model_heads: int, tp_size: int) -> str:
+    """Why vLLM cannot split `model_heads` KV heads over `tp_size` ranks ("" when it can)."""
+    if model_heads <= 0:
+        return "the model's KV head count is not known"
+    if model_heads % tp_size and tp_size % model_heads:
+        return f"{model_heads} KV heads do not split over {tp_size} ranks (neither divides the other)"
+    return ""
+
+
+def head_routes(model_heads: int, prefill_tp: int, decode_tp: int) -> list[HeadRoute]:
+    """Every head of every decode rank written exactly once: per decode rank, its heads' runs by source rank.
+
+    A head several prefill ranks hold (fewer KV heads than prefill ranks) is taken from one of them, the
+    holders taking turns over the decode ranks that need it, so their writes spread. Ordered by decode rank,
+    then head. The caller checked `head_split_error` for both sizes.
+    """
+    routes: list[HeadRoute] = []
+    prefill_heads = [rank_heads(model_heads, prefill_tp, r) for r in range(prefill_tp)]
+    for decode_rank in range(decode_tp):
+        wanted = rank_heads(model_heads, decode_tp, decode_rank)
+        for head in wanted:
+            holders = [r for r, held in enumerate(prefill_heads) if head in held]
+            source = holders[decode_rank % len(holders)]
+            last = routes[-1] if routes else None
+            if (last is not None and last.decode_rank == decode_rank and last.prefill_rank == source
+                    and last.destination_head_start + last.head_count == head - wanted.start):
+                routes[-1] = HeadRoute(source, decode_rank, last.source_head_start, last.destination_head_start,
+                                       last.head_count + 1)
+            else:
+                routes.append(HeadRoute(source, decode_rank, head - prefill_heads[source].start,
+                                        head - wanted.start, 1))
+    return routes
+
+
+def _head_split_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_tp: int, decode_tp: int,
+                                prefill_engine_id: str, decode_engine_id: str, prefill_model: str = "",
+                                decode_model: str = "") -> str:
+    """Why engines of different TP sizes cannot pair by head slices ("" when they can).
+
+    Both must register their KV head counts (workers that predate head slices do not, and would write every
+    head), split the same model heads the way vLLM does, cut by head (HND, or CPU attention's blocks), and
+    agree on every field one head's KV depends on.
+    """
+    ids = (prefill_engine_id, decode_engine_id)
+    sizes = f"tp_size {prefill_tp} of prefill {prefill_engine_id!r} and {decode_tp} of decode {decode_engine_id!r}"
+    for role, engine_id, layout in (("prefill", prefill_engine_id, p), ("decode", decode_engine_id, d)):
+        if not (layout.kv_head_count and layout.model_kv_head_count):
+            return (f"{sizes} differ and {role} {engine_id!r} registered no layout.kv_head_count / "
+                    "layout.model_kv_head_count (a kvpush without head slices): equal TP sizes only")
+    if p.model_kv_head_count != d.model_kv_head_count:
+        return _differs("model_kv_head_count", p.model_kv_head_count, d.model_kv_head_count, *ids,
+                        "different models' KV heads")
+    model_heads = p.model_kv_head_count
+    for role, engine_id, layout, tp in (("prefill", prefill_engine_id, p, prefill_tp),
+                                        ("decode", decode_engine_id, d, decode_tp)):
+        why = head_split_error(model_heads, tp)
+        if why:
+            return f"{sizes}: tp_size {tp} of {role} {engine_id!r} cannot hold the model's KV heads: {why}"
+        expected = len(rank_heads(model_heads, tp, 0))
+        if layout.kv_head_count != expected:
+            return (f"{sizes}: kv_head_count {layout.kv_head_count} of {role} {engine_id!r} is not the model's "
+                    f"{model_heads} KV heads over {tp} ranks ({expected})")
+        for i, plane in enumerate(layout.planes):
+            heads = layout.kv_head_count
+            if heads > 1 and plane.segment_count != heads and not (layout.block_atomic and plane.segment_count == 1):
+                return (f"{sizes}: planes[{i}].segment_count {plane.segment_count} of {role} {engine_id!r} holds "
+                        f"{heads} KV heads in every token's segment (NHD): different TP sizes need an HND layout "
+                        "(one segment per head; vLLM's NixlConfig needs HND for heterogeneous TP too)")
+    if p.block_size_tokens != d.block_size_tokens:
+        # Head slices and block-size mapping each work alone; together they have not been built or tested.
+        return _differs("block_size_tokens", p.block_size_tokens, d.block_size_tokens, *ids,
+                        "engines of different TP sizes need one block size: start both with one --block-size")
+    return _layout_incompatibility(_one_head(p), _one_head(d), *ids, prefill_model, decode_model)
+
+
+def _one_head(layout: tpb.KVLayout) -> tpb.KVLayout:
+    """The layout's fields as one KV head of it has them (what two workers of different head counts share)."""
+    one = tpb.KVLayout()
+    one.CopyFrom(layout)
+    heads = layout.kv_head_count
+    for plane in one.planes:
+        if plane.segment_count == heads:
+            plane.segment_count = 1
+        elif heads > 1:  # block-atomic: one segment holds every head's bytes of a token
+            plane.segment_bytes_per_token //= heads
+    return one
 
 
 # What the compatibility hash covers (src/kvpush/connector/metadata.py) that no registered field carries.

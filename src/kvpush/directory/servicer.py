@@ -175,6 +175,8 @@ class DeliveredAgents:
 
     def strip_delivered(self, instruction: dpb.PushInstruction) -> None:
         """Clear the metadata and layout of an instruction whose agent holds them already; else record them sent."""
+        # Only the first destination: a worker reports only that agent dropped (WriteResult), so further
+        # destinations (different TP sizes) always carry their metadata; a worker that holds the agent skips it.
         agent = (instruction.decode_agent_name, hash(instruction.decode_agent_metadata))
         if agent in self._agents:
             instruction.ClearField("decode_agent_metadata")

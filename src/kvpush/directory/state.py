@@ -60,7 +60,7 @@ from kvpush.directory.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvpush.directory.planning import can_push_to, choose_pair
+from kvpush.directory.planning import HeadRoute, can_push_to, choose_pair, head_routes
 from kvpush.directory.records import (
     DECODE,
     PREFILL,
@@ -93,6 +93,11 @@ def _announcement(decode: Worker) -> dpb.StreamPrefillResponse:
     return dpb.StreamPrefillResponse(peer=dpb.PeerAnnouncement(
         decode_engine_id=decode.engine_id, decode_tp_rank=decode.tp_rank, decode_agent_name=decode.agent_name,
         decode_agent_metadata=decode.agent_metadata, decode_layout=decode.layout))
+
+
+def _head_slice(route: HeadRoute) -> dpb.KVHeadSlice:
+    return dpb.KVHeadSlice(source_head_start=route.source_head_start,
+                           destination_head_start=route.destination_head_start, head_count=route.head_count)
 
 
 def _transfer_of(message: dpb.StreamPrefillResponse) -> str:
@@ -500,9 +505,14 @@ class DirectoryState:
         worker.session_id = next(self._session_ids)
         fx = Effects()
         for group in self.engines.groups.values():
-            decode = group.workers.get(tp_rank) if group.role == DECODE else None
-            if decode is not None and can_push_to(worker, decode):
-                worker.outbox.append(_announcement(decode))
+            if group.role != DECODE:
+                continue
+            # The same rank of an engine of this TP size; any rank it writes heads to of another size.
+            candidates = ([group.workers[tp_rank]] if tp_rank in group.workers else []) \
+                if group.tp_size == worker.tp_size else [group.workers[r] for r in sorted(group.workers)]
+            for decode in candidates:
+                if can_push_to(worker, decode):
+                    worker.outbox.append(_announcement(decode))
         if worker.outbox:
             fx.prefill_outboxes.add((engine_id, tp_rank))
         return worker.session_id, fx
@@ -511,10 +521,14 @@ class DirectoryState:
         """Tell every open session of a prefill worker that may push to a newly registered decode worker about it
         (a worker without a session hears of it when its session opens)."""
         for group in self.engines.groups.values():
-            prefill = group.workers.get(decode.tp_rank) if group.role == PREFILL else None
-            if prefill is not None and prefill.session_id and can_push_to(prefill, decode):
-                prefill.outbox.append(_announcement(decode))
-                fx.prefill_outboxes.add((prefill.engine_id, prefill.tp_rank))
+            if group.role != PREFILL:
+                continue
+            candidates = ([group.workers[decode.tp_rank]] if decode.tp_rank in group.workers else []) \
+                if group.tp_size == decode.tp_size else [group.workers[r] for r in sorted(group.workers)]
+            for prefill in candidates:
+                if prefill.session_id and can_push_to(prefill, decode):
+                    prefill.outbox.append(_announcement(decode))
+                    fx.prefill_outboxes.add((prefill.engine_id, prefill.tp_rank))
 
     def session_worker(self, engine_id: str, tp_rank: int, session_id: int) -> Worker | None:
         """The worker if `session_id` is still its current session, else None."""
@@ -605,7 +619,9 @@ class DirectoryState:
         assert allocation is not None  # dispatched only once decode's blocks are known
         prefill = self.engines.groups[record.prefill_engine_id]
         decode = self.engines.groups[record.decode_engine_id]
-        for rank in range(record.tp_size):
+        if decode.tp_size != prefill.tp_size:
+            self._dispatch_head_slices(record, prefill, decode, allocation, fx)
+        for rank in range(record.tp_size if decode.tp_size == prefill.tp_size else 0):
             target = decode.workers[rank]
             instruction = dpb.PushInstruction(
                 transfer_id=record.transfer_id, decode_engine_id=record.decode_engine_id, decode_tp_rank=rank,
@@ -621,6 +637,48 @@ class DirectoryState:
         record.dispatch_wall = self.clock.wall()
         record.state = tpb.TRANSFER_STATE_STREAMING
         self.observer.on_dispatched(record)
+
+    def _dispatch_head_slices(self, record: TransferRecord, prefill: EngineGroup, decode: EngineGroup,
+                              allocation: Allocation, fx: Effects) -> None:
+        """TP sizes differ: each prefill rank's instruction names every decode rank it writes and which heads.
+
+        A decode rank written by n prefill ranks gets n notifications "<transfer id>\n<i>/<n>" and completes once
+        it holds all of them. A prefill rank whose heads other ranks write (fewer KV heads than prefill ranks) is
+        told that decode holds every token (skip_token_count = prompt_token_count): it writes nothing and
+        reports DONE, so the transfer still completes on every rank's result.
+        """
+        routes = head_routes(prefill.layout().model_kv_head_count, prefill.tp_size, decode.tp_size)
+        writers = Counter(route.decode_rank for route in routes)
+        seen: Counter[int] = Counter()
+        by_rank: dict[int, list[tuple[HeadRoute, bytes]]] = {}
+        for route in routes:
+            count = writers[route.decode_rank]
+            note = record.transfer_id if count == 1 else f"{record.transfer_id}\n{seen[route.decode_rank]}/{count}"
+            seen[route.decode_rank] += 1
+            by_rank.setdefault(route.prefill_rank, []).append((route, note.encode()))
+        for rank in range(prefill.tp_size):
+            mine = by_rank.get(rank, [])
+            first_route = mine[0][0] if mine else None
+            target = decode.workers[first_route.decode_rank if first_route is not None else 0]
+            instruction = dpb.PushInstruction(
+                transfer_id=record.transfer_id, decode_engine_id=record.decode_engine_id,
+                decode_tp_rank=target.tp_rank, decode_agent_name=target.agent_name,
+                decode_agent_metadata=target.agent_metadata, decode_layout=target.layout,
+                decode_block_ids=allocation.block_ids,
+                skip_token_count=allocation.skip_token_count if mine else allocation.prompt_token_count,
+                prompt_token_count=allocation.prompt_token_count,
+                notification=mine[0][1] if mine else b"", trace_context=record.trace_context,
+            )
+            if first_route is not None:
+                instruction.head_slice.CopyFrom(_head_slice(first_route))
+            for route, route_note in mine[1:]:
+                other = decode.workers[route.decode_rank]
+                instruction.more_destinations.append(dpb.PushDestination(
+                    decode_tp_rank=other.tp_rank, decode_agent_name=other.agent_name,
+                    decode_agent_metadata=other.agent_metadata, decode_layout=other.layout,
+                    head_slice=_head_slice(route), notification=route_note))
+            prefill.workers[rank].outbox.append(dpb.StreamPrefillResponse(instruction=instruction))
+            fx.prefill_outboxes.add((record.prefill_engine_id, rank))
 
     def report_result(self, engine_id: str, tp_rank: int, result: dpb.WriteResult) -> Effects:
         """Record one rank's write result (see module docstring for what each status does)."""

@@ -26,6 +26,8 @@ MAX_BLOCK_SIZE_TOKENS = 4096
 MAX_DEVICE_ID = 1024
 MAX_PLANES = 8
 MAX_AGENT_METADATA_BYTES = 4 * 1024 * 1024
+# KV heads of a model (a bound for layout.model_kv_head_count; models have at most a few hundred).
+MAX_KV_HEADS = 4096
 # A whole layout (addresses, names, planes): 64 ranks of an engine fit one GetEngine answer.
 MAX_LAYOUT_BYTES = 48 * 1024
 MAX_TEXT_LENGTH = 1024
@@ -122,6 +124,8 @@ def check_layout(layout: tpb.KVLayout) -> None:
     if len(layout.dtype) > MAX_DTYPE_LENGTH or not _DTYPE.fullmatch(layout.dtype):
         raise InvalidArgument(f"layout.dtype must be 1-{MAX_DTYPE_LENGTH} characters of [a-z0-9_]")
     require_text(layout.compatibility_hash, "layout.compatibility_hash", MAX_HASH_LENGTH)
+    _non_negative(layout.model_kv_head_count, "layout.model_kv_head_count", MAX_KV_HEADS)
+    _non_negative(layout.kv_head_count, "layout.kv_head_count", layout.model_kv_head_count or MAX_KV_HEADS)
     if len(layout.planes) > MAX_PLANES:
         raise InvalidArgument(f"layout.planes has {len(layout.planes)} planes; at most {MAX_PLANES}")
     for index, name in enumerate(layout.layer_names):
@@ -303,7 +307,8 @@ def same_layout_shape(a: tpb.KVLayout, b: tpb.KVLayout) -> str:
     Addresses, device and layer names are per rank; everything that sizes or places a block must match.
     """
     for name in ("layer_count", "block_size_tokens", "block_count", "block_bytes_per_layer", "dtype",
-                 "memory_kind", "layer_region_bytes", "compatibility_hash", "block_atomic"):
+                 "memory_kind", "layer_region_bytes", "compatibility_hash", "block_atomic", "kv_head_count",
+                 "model_kv_head_count"):
         if getattr(a, name) != getattr(b, name):
             return f"layout.{name} {getattr(b, name)!r} differs from the engine's {getattr(a, name)!r}"
     if list(a.planes) != list(b.planes):

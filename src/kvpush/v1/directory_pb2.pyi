@@ -267,7 +267,7 @@ class StreamPrefillRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ready: _Optional[_Union[LayerReadyBatch, _Mapping]] = ..., result: _Optional[_Union[WriteResult, _Mapping]] = ...) -> None: ...
 
 class PushInstruction(_message.Message):
-    __slots__ = ("transfer_id", "decode_engine_id", "decode_tp_rank", "decode_agent_name", "decode_agent_metadata", "decode_layout", "decode_block_ids", "skip_token_count", "prompt_token_count", "notification", "trace_context")
+    __slots__ = ("transfer_id", "decode_engine_id", "decode_tp_rank", "decode_agent_name", "decode_agent_metadata", "decode_layout", "decode_block_ids", "skip_token_count", "prompt_token_count", "notification", "trace_context", "head_slice", "more_destinations")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,8 @@ class PushInstruction(_message.Message):
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     NOTIFICATION_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SLICE_FIELD_NUMBER: _ClassVar[int]
+    MORE_DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     decode_engine_id: str
     decode_tp_rank: int
@@ -290,7 +292,35 @@ class PushInstruction(_message.Message):
     prompt_token_count: int
     notification: bytes
     trace_context: str
-    def __init__(self, transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., decode_tp_rank: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., skip_token_count: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., notification: _Optional[bytes] = ..., trace_context: _Optional[str] = ...) -> None: ...
+    head_slice: KVHeadSlice
+    more_destinations: _containers.RepeatedCompositeFieldContainer[PushDestination]
+    def __init__(self, transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., decode_tp_rank: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., skip_token_count: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., notification: _Optional[bytes] = ..., trace_context: _Optional[str] = ..., head_slice: _Optional[_Union[KVHeadSlice, _Mapping]] = ..., more_destinations: _Optional[_Iterable[_Union[PushDestination, _Mapping]]] = ...) -> None: ...
+
+class KVHeadSlice(_message.Message):
+    __slots__ = ("source_head_start", "destination_head_start", "head_count")
+    SOURCE_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    source_head_start: int
+    destination_head_start: int
+    head_count: int
+    def __init__(self, source_head_start: _Optional[int] = ..., destination_head_start: _Optional[int] = ..., head_count: _Optional[int] = ...) -> None: ...
+
+class PushDestination(_message.Message):
+    __slots__ = ("decode_tp_rank", "decode_agent_name", "decode_agent_metadata", "decode_layout", "head_slice", "notification")
+    DECODE_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SLICE_FIELD_NUMBER: _ClassVar[int]
+    NOTIFICATION_FIELD_NUMBER: _ClassVar[int]
+    decode_tp_rank: int
+    decode_agent_name: str
+    decode_agent_metadata: bytes
+    decode_layout: _types_pb2.KVLayout
+    head_slice: KVHeadSlice
+    notification: bytes
+    def __init__(self, decode_tp_rank: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., head_slice: _Optional[_Union[KVHeadSlice, _Mapping]] = ..., notification: _Optional[bytes] = ...) -> None: ...
 
 class PeerAnnouncement(_message.Message):
     __slots__ = ("decode_engine_id", "decode_tp_rank", "decode_agent_name", "decode_agent_metadata", "decode_layout")

@@ -68,7 +68,7 @@ class KVPlane(_message.Message):
     def __init__(self, offset_bytes: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., segment_count: _Optional[int] = ..., segment_stride_bytes: _Optional[int] = ..., token_stride_bytes: _Optional[int] = ..., segment_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("layer_count", "block_size_tokens", "block_count", "block_bytes_per_layer", "dtype", "memory_kind", "device_id", "planes", "layer_base_addresses", "layer_region_bytes", "layer_names", "compatibility_hash", "block_atomic")
+    __slots__ = ("layer_count", "block_size_tokens", "block_count", "block_bytes_per_layer", "dtype", "memory_kind", "device_id", "planes", "layer_base_addresses", "layer_region_bytes", "layer_names", "compatibility_hash", "block_atomic", "kv_head_count", "model_kv_head_count")
     LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class KVLayout(_message.Message):
     LAYER_NAMES_FIELD_NUMBER: _ClassVar[int]
     COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KV_HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
     layer_count: int
     block_size_tokens: int
     block_count: int
@@ -95,7 +97,9 @@ class KVLayout(_message.Message):
     layer_names: _containers.RepeatedScalarFieldContainer[str]
     compatibility_hash: str
     block_atomic: bool
-    def __init__(self, layer_count: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_count: _Optional[int] = ..., block_bytes_per_layer: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[KVPlane, _Mapping]]] = ..., layer_base_addresses: _Optional[_Iterable[int]] = ..., layer_region_bytes: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., compatibility_hash: _Optional[str] = ..., block_atomic: _Optional[bool] = ...) -> None: ...
+    kv_head_count: int
+    model_kv_head_count: int
+    def __init__(self, layer_count: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_count: _Optional[int] = ..., block_bytes_per_layer: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[KVPlane, _Mapping]]] = ..., layer_base_addresses: _Optional[_Iterable[int]] = ..., layer_region_bytes: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., compatibility_hash: _Optional[str] = ..., block_atomic: _Optional[bool] = ..., kv_head_count: _Optional[int] = ..., model_kv_head_count: _Optional[int] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("free_block_count", "running_request_count", "waiting_request_count")

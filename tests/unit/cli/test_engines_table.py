@@ -30,8 +30,9 @@ def test_a_mismatched_pair_shows_its_block_sizes_tp_sizes_and_hashes():
                                    compatibility_hash="fedcba9876543210")) for rank in (0, 1)]
     decodes[1].load.CopyFrom(tpb.EngineLoad(free_block_count=7, running_request_count=2, waiting_request_count=1))
     columns, rows = _rows(engines_table([prefill, *decodes]))
-    assert columns == ["ENGINE", "ROLE", "RANK", "TP", "AGENT", "MODEL", "LAYERS", "BLOCK_TOKENS", "BLOCKS", "DTYPE",
-                       "HASH", "FREE", "RUN/WAIT", "ACTIVE", "FIRST_TOKEN", "LEASE_UNTIL", "ENDPOINT"]
+    assert columns == ["ENGINE", "ROLE", "RANK", "TP", "KV_HEADS", "AGENT", "MODEL", "LAYERS", "BLOCK_TOKENS",
+                       "BLOCKS", "DTYPE", "HASH", "FREE", "RUN/WAIT", "ACTIVE", "FIRST_TOKEN", "LEASE_UNTIL",
+                       "ENDPOINT"]
     layout_columns = ("ENGINE", "RANK", "TP", "LAYERS", "BLOCK_TOKENS", "DTYPE", "HASH")
     assert [tuple(row[c] for c in layout_columns) for row in rows] == [
         ("p0", "0/1", "1", "4", "16", "bfloat16", "01234567"),
@@ -48,3 +49,11 @@ def test_a_mismatched_pair_shows_its_block_sizes_tp_sizes_and_hashes():
 def test_an_engine_without_a_hash_shows_a_dash():
     _, rows = _rows(engines_table([_worker("p0", tpb.ENGINE_ROLE_PREFILL, 0, 1, make_layout())]))
     assert rows[0]["HASH"] == "-"
+
+
+def test_kv_heads_show_held_over_the_models_and_a_dash_when_not_registered():
+    with_heads = make_layout()
+    with_heads.kv_head_count, with_heads.model_kv_head_count = 1, 2
+    _, rows = _rows(engines_table([_worker("d0", tpb.ENGINE_ROLE_DECODE, 0, 2, with_heads),
+                                   _worker("p0", tpb.ENGINE_ROLE_PREFILL, 0, 1, make_layout())]))
+    assert [row["KV_HEADS"] for row in rows] == ["1/2", "-"]

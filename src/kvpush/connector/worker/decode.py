@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvpush.api.outcome import ReceiveOutcome
@@ -54,6 +55,9 @@ from kvpush.v1 import types_pb2 as tpb
 _log = get_logger("connector.worker.decode")
 # The lease TTL assumed before this worker registered (the directory's default).
 _DEFAULT_LEASE_TTL_S = 10.0
+# Bounds on notifications in parts: writers of one transfer, and transfers with parts still missing.
+_MAX_WRITERS = 1024
+_PARTS_MEMORY = 4096
 
 
 class DecodeWorker:
@@ -75,6 +79,8 @@ class DecodeWorker:
         self._previous_step_empty = True
         # Completed receives' first tokens from prefill, for this step's worker metadata (request id -> token).
         self._first_tokens: dict[str, int] = {}
+        # Transfers written by several prefill workers: the notification parts seen so far (NIXL I/O thread).
+        self._parts: OrderedDict[str, set[int]] = OrderedDict()
 
     @property
     def book(self) -> ReceiveBook:
@@ -94,10 +100,33 @@ class DecodeWorker:
     # ---------------------------------------------------------------- callbacks from other threads
 
     def on_notification(self, agent_name: str, message: bytes) -> None:
-        """NIXL I/O thread: prefill finished every write of the transfer named by the message."""
-        transfer_id = message.decode("utf-8", errors="replace")
+        """NIXL I/O thread: prefill finished every write of the transfer named by the message.
+
+        With several prefill workers writing into this one (TP sizes differ) each sends "<id>\n<i>/<n>": the
+        receive completes only once all n parts arrived.
+        """
+        text = message.decode("utf-8", errors="replace")
+        transfer_id, _, part = text.partition("\n")
+        if part:
+            index, _, count = part.partition("/")
+            if not (index.isdigit() and count.isdigit() and int(index) < int(count) <= _MAX_WRITERS):
+                _log.warning("notification with a malformed part ignored", transfer_id=transfer_id, part=part[:32])
+                return
+            if not self._all_parts_arrived(transfer_id, int(index), int(count)):
+                return
         self._post_signal(transfer_id, Signal(ReceiveOutcome.COMPLETE, "", SignalSource.NOTIFICATION,
                                               time.monotonic()))
+
+    def _all_parts_arrived(self, transfer_id: str, index: int, count: int) -> bool:
+        """Count one writer's notification (NIXL I/O thread only); True once all `count` of them arrived."""
+        parts = self._parts.pop(transfer_id, set())
+        parts.add(index)
+        if len(parts) >= count:
+            return True
+        self._parts[transfer_id] = parts
+        while len(self._parts) > _PARTS_MEMORY:  # transfers that ended otherwise (failed) leave partial counts
+            self._parts.popitem(last=False)
+        return False
 
     def on_event(self, event: dpb.TransferEvent) -> None:
         """Directory client thread: a transfer of this engine reached a terminal state."""

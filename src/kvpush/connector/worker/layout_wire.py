@@ -56,6 +56,8 @@ def layout_to_proto(layout: KVLayoutSpec) -> tpb.KVLayout:
         layer_names=list(layout.layer_names),
         compatibility_hash=layout.compatibility_hash,
         block_atomic=layout.block_atomic,
+        kv_head_count=layout.kv_head_count,
+        model_kv_head_count=layout.model_kv_head_count,
     )
 
 
@@ -77,4 +79,6 @@ def layout_from_proto(msg: tpb.KVLayout) -> KVLayoutSpec:
         layer_names=tuple(msg.layer_names),
         compatibility_hash=msg.compatibility_hash,
         block_atomic=msg.block_atomic,
+        kv_head_count=msg.kv_head_count,
+        model_kv_head_count=msg.model_kv_head_count,
     ).validate()

@@ -6,7 +6,8 @@ PushTransport, TransferAgent), so the unit tests' recording fakes and the produc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvpush.connector.worker.push_state import PlannedWrite
@@ -15,6 +16,19 @@ from kvpush.v1 import types_pb2 as tpb
 
 # A check the data plane runs before posting: None to post, else why the write may no longer be posted.
 PostGuard = Callable[[], "str | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class HeadRoute:
+    """One decode worker a transfer's writes go to, and which KV heads (PushInstruction.head_slice and
+    more_destinations): heads [source_head_start, +head_count) of this worker into [destination_head_start, ...)
+    of `agent_name`'s, closed by `notification`."""
+
+    agent_name: str
+    source_head_start: int
+    destination_head_start: int
+    head_count: int
+    notification: bytes
 
 
 class ReadyEvent(Protocol):
@@ -112,6 +126,10 @@ class PushTransportPort(Protocol):
     def submit(self, transfer_id: str, peer_agent: str, write: PlannedWrite, notification: bytes,
                ready_event: ReadyEvent | None, traceparent: str, post_guard: PostGuard | None = None) -> None:
         """Queue one planned write; raise (nothing queued) when refused."""
+        ...
+
+    def set_routes(self, transfer_id: str, routes: Sequence[HeadRoute]) -> None:
+        """Write the transfer's KV by head slice to these decode agents (TP sizes differ); before its first write."""
         ...
 
     def when_computed(self, event: ReadyEvent, callback: Callable[[float], None]) -> None:

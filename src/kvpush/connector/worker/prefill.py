@@ -60,7 +60,14 @@ from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMetadata, TimelineReport
 from kvpush.connector.outcome import write_result_status
 from kvpush.connector.tracing import TransferSpan
-from kvpush.connector.worker.ports import OwnerLoop, PostGuard, PrefillDirectory, PushTransportPort, ReadyEvent
+from kvpush.connector.worker.ports import (
+    HeadRoute,
+    OwnerLoop,
+    PostGuard,
+    PrefillDirectory,
+    PushTransportPort,
+    ReadyEvent,
+)
 from kvpush.connector.worker.post_policy import DeferredStep, DeferredSteps, PostPolicy
 from kvpush.connector.worker.push_machine import (
     Instruction,
@@ -439,6 +446,8 @@ class PushOwner:
                                             else None)
                 # decode_block_ids count in decode's block size, which may not be this engine's.
                 decode_block_size = self._transport.peer_block_size_tokens(instruction.decode_agent_name)
+                if instruction.HasField("head_slice"):
+                    self._transport.set_routes(instruction.transfer_id, self._head_routes(instruction))
             except (ValueError, RuntimeError) as exc:
                 peer_error = str(exc)
             guard = self._lease_guard()
@@ -446,6 +455,22 @@ class PushOwner:
             instruction.transfer_id, instruction.decode_agent_name, instruction.decode_engine_id,
             tuple(instruction.decode_block_ids), instruction.skip_token_count, instruction.prompt_token_count,
             bytes(instruction.notification), decode_block_size), peer_error, guard, time.monotonic()))
+
+    def _head_routes(self, instruction: dpb.PushInstruction) -> list[HeadRoute]:
+        """The decode agents and KV heads of an instruction between engines of different TP sizes (its first
+        destination and every further one), each agent loaded; raises ValueError when one cannot be."""
+        cut = instruction.head_slice
+        routes = [HeadRoute(instruction.decode_agent_name, cut.source_head_start, cut.destination_head_start,
+                            cut.head_count, bytes(instruction.notification))]
+        for more in instruction.more_destinations:
+            self._transport.ensure_peer(more.decode_agent_name, more.decode_agent_metadata,
+                                        more.decode_layout if more.HasField("decode_layout") else None)
+            routes.append(HeadRoute(more.decode_agent_name, more.head_slice.source_head_start,
+                                    more.head_slice.destination_head_start, more.head_slice.head_count,
+                                    bytes(more.notification)))
+        if any(route.head_count < 1 for route in routes):
+            raise ValueError("a head slice of the instruction has no heads")
+        return routes
 
     def apply_peer(self, peer: dpb.PeerAnnouncement) -> None:
         """Load an announced decode worker's agent ahead of the first instruction to it: its wire-up (NIXL holds

@@ -134,7 +134,8 @@ def test_different_tp_sizes_name_both_sizes():
     prefill = register_request("p0", PREFILL)
     decodes = [register_request("d0", DECODE, rank, 2) for rank in (0, 1)]
     message = _refusal(prefill, *decodes)
-    assert "tp_size 1 of prefill 'p0' differs from 2 of decode 'd0' (heterogeneous TP is not supported yet)" in message
+    assert ("tp_size 1 of prefill 'p0' and 2 of decode 'd0' differ and prefill 'p0' registered no "
+            "layout.kv_head_count / layout.model_kv_head_count") in message
 
 
 def test_different_layer_counts():
