@@ -77,5 +77,11 @@ fi
 timeout "${KVPUSH_GPU_TIMEOUT_S:-560}" ${KVPUSH_GPU_LAUNCHER:-} python3 "$repo/bench/$script" "$command" --log-dir "$log_dir" "$@" \
   > "$out/$command${KVPUSH_GPU_TAG:-}.log" 2>&1 || status=$?
 grep -v "waiting [0-9]* s\|Writing model shards" "$out/$command${KVPUSH_GPU_TAG:-}.log" | tail -40
+if [ "$status" != 0 ] && [ -d "$log_dir" ]; then
+  # The engines' logs die with the machine: their tails come back in one archive (few files come back per call).
+  tails=$(mktemp -d)
+  for f in "$log_dir"/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$tails/$(basename "$f")"; done
+  tar -czf "$out/engine-logs$command${KVPUSH_GPU_TAG:-}.tgz" -C "$tails" . && rm -rf "$tails"
+fi
 echo "exit $status; engine logs in $log_dir"
 exit $status
