@@ -156,9 +156,19 @@ def engine_layout(config: dict[str, Any], block_size: int, on_gpu: bool, kv_cach
     from kvpush.connector.worker.layout_wire import layout_to_proto
     from kvpush.dataplane.describe import describe_kv_caches
 
-    layers, heads, head = config["num_hidden_layers"], config["num_key_value_heads"] // tp, config["head_dim"]
+    layers = config["num_hidden_layers"]
     dtype = "bfloat16" if on_gpu else config["dtype"]
-    token_bytes = 2 * heads * head * (2 if dtype in ("bfloat16", "float16") else 4)
+    width = 2 if dtype in ("bfloat16", "float16") else 4
+    if "kv_lora_rank" in config:  # MLA: one latent (kv_lora_rank + rope dims) per token, on every rank whole
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        blocks = max(1, int((kv_cache_gib or 1.0) * 2**30) // (block_size * latent * width * layers))
+        shape = (blocks, block_size, latent) if on_gpu else (blocks, 1, block_size, latent)
+        caches = {f"model.layers.{i}.self_attn": _ShapeOnly(shape, (i + 1) << 40, on_gpu, dtype)
+                  for i in range(layers)}
+        layout, _ = describe_kv_caches(caches, block_size, 1, latent, "mla")
+        return layout_to_proto(layout)
+    heads, head = config["num_key_value_heads"] // tp, config["head_dim"]
+    token_bytes = 2 * heads * head * width
     blocks = max(1, int((kv_cache_gib or 1.0) * 2**30) // (block_size * token_bytes * layers))
     shape = (2, blocks, block_size, heads, head) if on_gpu else (blocks, heads, block_size, 2 * head)
     caches = {f"model.layers.{i}.self_attn": _ShapeOnly(shape, (i + 1) << 40, on_gpu, dtype) for i in range(layers)}

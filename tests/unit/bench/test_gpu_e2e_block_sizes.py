@@ -12,8 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _dry_run(*flags: str) -> tuple[int, dict]:
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "e2e", "--preset", "tiny-llama",
+def _dry_run(*flags: str, preset: str = "tiny-llama") -> tuple[int, dict]:
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "e2e", "--preset", preset,
                           "--dry-run", *flags], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert run.stdout.startswith("{"), run.stderr[-2000:]
     return run.returncode, json.loads(run.stdout)
@@ -44,3 +44,15 @@ def test_cpu_engines_of_different_block_sizes_are_refused_before_anything_starts
     assert code == 1 and not plan["directory_pairs_them"]
     assert ("block_size_tokens 16 of prefill 'gpu-prefill' differs from 128 of decode 'gpu-decode' (prefill's layout "
             "is block_atomic") in plan["refusal"]
+
+
+def test_mla_presets_plan_with_their_latent_layout():
+    """The MLA presets' layouts (one latent per token, no head_dim in the config) pair, on GPU and CPU, also across
+    block sizes on GPU (token-addressable)."""
+    code, plan = _dry_run("--cuda", "--kv-cache-gib", "7", preset="deepseek-v2-shaped")
+    assert code == 0 and plan["directory_pairs_them"]
+    code, plan = _dry_run(preset="tiny-deepseek-v2")
+    assert code == 0 and plan["directory_pairs_them"]
+    code, plan = _dry_run("--cuda", "--prefill-block-size", "16", "--decode-block-size", "64",
+                          preset="deepseek-v2-shaped")
+    assert code == 0 and plan["directory_pairs_them"]
