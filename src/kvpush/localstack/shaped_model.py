@@ -121,17 +121,21 @@ def runs_on_cpu(preset: str) -> bool:
     return preset_config(preset)["dtype"] == "float32"
 
 
-def vllm_cpu_engine_args(config: dict[str, Any]) -> list[str]:
+def vllm_cpu_engine_args(config: dict[str, Any], mla_backend: str = "CPU_MLA") -> list[str]:
     """Extra `vllm serve` arguments a vllm-cpu 0.32 engine needs for this model to run and be right.
 
-    MLA: CPU_MLA, the reference backend that takes float32 (AMX_MLA, chosen by default where AMX exists, takes
-    bf16 weights only; CPU_MLA forces 16-token blocks and turns chunked prefill and prefix caching off), and
+    MLA: `mla_backend`, CPU_MLA by default: the reference backend, which takes float32 and forces 16-token blocks
+    and no chunked prefill or prefix caching; AMX_MLA (vLLM's default where AMX exists) takes bf16 weights only
+    (pass `--dtype bfloat16` too) and keeps 128-token blocks, chunked prefill and prefix caching. Either way
     PyTorch's rope instead of vLLM's CPU rope kernel, with which DeepSeek-V2's prefill is not causal (a prefix's
     prompt log-probabilities change with the tokens after it; measured with CPU_MLA and AMX_MLA).
     """
     if not is_mla(config):
         return []
-    return ["--attention-backend", "CPU_MLA", "--block-size", "16",
+    if mla_backend not in ("CPU_MLA", "AMX_MLA"):
+        raise ValueError(f"mla_backend {mla_backend!r} is not one of vllm-cpu's MLA backends (CPU_MLA, AMX_MLA)")
+    blocks = ["--block-size", "16"] if mla_backend == "CPU_MLA" else []
+    return ["--attention-backend", mla_backend, *blocks,
             "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
 
 
