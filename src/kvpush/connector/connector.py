@@ -17,8 +17,10 @@ through `get_transfer_results`) -> `get_block_ids_with_load_errors` -> `build_co
 
 Not `SupportsHMA`: a transfer carries one list of decode blocks and failures are reported as block ids
 (`invalid_block_ids`), both of which assume one KV-cache group. vLLM therefore turns the hybrid KV-cache
-manager off, which full-attention models do not need; sliding-window or hybrid SSM models would need
-per-group block lists in the directory API first.
+manager off, which full-attention models do not need. Sliding-window models (Gemma 3's pattern) then run with one
+KV-cache group, every token's KV kept, and push like full attention (tests/integration/connector/test_pd_models.py);
+pushing only a window's blocks, and hybrid SSM models (which need the hybrid manager), need per-group block lists
+in the directory API first.
 
 Operations hooks here (not in the halves): each worker registers its served model and a compatibility hash
 (`metadata.compatibility_hash`), renews its lease with the engine's load (the scheduler reads free blocks from the
