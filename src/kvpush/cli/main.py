@@ -89,6 +89,23 @@ def _env_default(name: str) -> object:
         raise SystemExit(f"kvpush: {variable}={raw!r} is not a valid {kind.__name__}") from None
 
 
+# switch -> environment variable for `kvpush directory` (off unless set to one of _TRUE).
+_SERVE_SWITCHES: dict[str, str] = {
+    "pair_block_sizes": "KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES",
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env_switch(name: str) -> bool:
+    variable = _SERVE_SWITCHES[name]
+    raw = os.environ.get(variable, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in ("", *_FALSE):
+        return False
+    raise SystemExit(f"kvpush: {variable}={raw!r} is not a switch (one of {', '.join(_TRUE + _FALSE)})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="kvpush", description="kvpush KV-directory and inspection tools")
@@ -100,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"(env {variable}; default %(default)s)")
     serve.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True,
                        help="run on uvloop when installed (default on)")
+    serve.add_argument("--pair-block-sizes", action=argparse.BooleanOptionalAction,
+                       default=_env_switch("pair_block_sizes"),
+                       help="pair prefill and decode engines of different block sizes when both layouts are "
+                            "token-addressable (env KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES; default off: 32 concurrent "
+                            "requests have failed on a GPU decode engine so paired, docs/connector.md)")
 
     def client_flags(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--address", help="directory host:port (env KVPUSH_DIRECTORY_ADDRESS; default: the "
@@ -339,7 +361,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_open_streams=args.max_open_streams, max_streams_per_identity=args.max_streams_per_identity,
             max_calls_in_flight_per_caller=args.max_calls_in_flight_per_caller,
             max_bytes_in_flight_per_caller=args.max_bytes_in_flight_per_caller,
-            max_client_share=args.max_client_share, late_renewal_fraction=args.late_renewal_fraction)
+            max_client_share=args.max_client_share, late_renewal_fraction=args.late_renewal_fraction,
+            pair_block_sizes=args.pair_block_sizes)
         config = DirectoryConfig(
             host=args.host, port=args.port, token=args.token, tokens_file=args.tokens_file, tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca, limits=limits,

@@ -6,7 +6,8 @@ they last reported are a load signal, stale while an engine idles); prefill engi
 transfers first, then fewest queued (running + waiting) requests; decode engines most free blocks first, then
 fewest queued requests, then fewest active transfers (engine id breaks ties, so a plan is deterministic). The
 first pair whose layouts are compatible wins (`incompatibility`): equal layer count, dtype, block atomicity, plane
-token shape and compatibility hash, block sizes the data plane can map (`_block_size_mapping`), and equal TP sizes
+token shape and compatibility hash, block sizes the data plane can map (`_block_size_mapping`; different sizes only
+with `Limits.pair_block_sizes`, the directory's --pair-block-sizes), and equal TP sizes
 or different ones that split: engines of different TP sizes pair when both registered their KV head counts, vLLM
 splits the model's KV heads over both sizes and one head's KV has the same shape on both sides (HND or CPU attention
 layouts): `head_routes` then says which heads each prefill rank writes to which decode rank. When none is, the
@@ -24,7 +25,8 @@ from kvpush.v1 import types_pb2 as tpb
 
 
 def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_token_count: int,
-                max_active_transfers: int, model: str = "") -> tuple[EngineGroup, EngineGroup]:
+                max_active_transfers: int, model: str = "",
+                pair_block_sizes: bool = False) -> tuple[EngineGroup, EngineGroup]:
     """The (prefill, decode) pair for a new transfer from complete candidate engines; raises why none fits."""
     if model:
         served = sorted({g.model or "(none)" for g in prefills + decodes})
@@ -54,7 +56,7 @@ def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_
     first_why = ""
     for prefill in prefills:
         for decode in decodes:
-            why = incompatibility(prefill, decode)
+            why = incompatibility(prefill, decode, pair_block_sizes=pair_block_sizes)
             if not why:
                 return prefill, decode
             first_why = first_why or why
@@ -63,24 +65,27 @@ def choose_pair(prefills: list[EngineGroup], decodes: list[EngineGroup], prompt_
     raise FailedPrecondition(f"no compatible prefill/decode pair: {first_why}{tried}")
 
 
-def incompatibility(prefill: EngineGroup, decode: EngineGroup) -> str:
-    """Why two engines cannot be paired ("" when they can): the first field that differs, with both values."""
+def incompatibility(prefill: EngineGroup, decode: EngineGroup, *, pair_block_sizes: bool = False) -> str:
+    """Why two engines cannot be paired ("" when they can): the first field that differs, with both values.
+    pair_block_sizes: engines of different block sizes may pair (`Limits.pair_block_sizes`)."""
     if prefill.tp_size != decode.tp_size:
         return _head_split_incompatibility(prefill.layout(), decode.layout(), prefill.tp_size, decode.tp_size,
-                                           prefill.engine_id, decode.engine_id, prefill.model, decode.model)
+                                           prefill.engine_id, decode.engine_id, prefill.model, decode.model,
+                                           pair_block_sizes=pair_block_sizes)
     return _layout_incompatibility(prefill.layout(), decode.layout(), prefill.engine_id, decode.engine_id,
-                                   prefill.model, decode.model)
+                                   prefill.model, decode.model, pair_block_sizes=pair_block_sizes)
 
 
-def can_push_to(prefill: Worker, decode: Worker) -> bool:
+def can_push_to(prefill: Worker, decode: Worker, *, pair_block_sizes: bool = False) -> bool:
     """True when a plan could send `prefill`'s instructions to `decode`: the same rank of engines of one TP size
     that pair, or, TP sizes differing, a decode rank that holds a KV head this prefill rank writes."""
     if prefill.tp_size == decode.tp_size:
         return (prefill.tp_rank == decode.tp_rank
                 and not _layout_incompatibility(prefill.layout, decode.layout, prefill.engine_id, decode.engine_id,
-                                                prefill.model, decode.model))
+                                                prefill.model, decode.model, pair_block_sizes=pair_block_sizes))
     if _head_split_incompatibility(prefill.layout, decode.layout, prefill.tp_size, decode.tp_size,
-                                   prefill.engine_id, decode.engine_id, prefill.model, decode.model):
+                                   prefill.engine_id, decode.engine_id, prefill.model, decode.model,
+                                   pair_block_sizes=pair_block_sizes):
         return False
     routes = head_routes(prefill.layout.model_kv_head_count, prefill.tp_size, decode.tp_size)
     return any(r.prefill_rank == prefill.tp_rank and r.decode_rank == decode.tp_rank for r in routes)
@@ -145,7 +150,7 @@ def head_routes(model_heads: int, prefill_tp: int, decode_tp: int) -> list[HeadR
 
 def _head_split_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_tp: int, decode_tp: int,
                                 prefill_engine_id: str, decode_engine_id: str, prefill_model: str = "",
-                                decode_model: str = "") -> str:
+                                decode_model: str = "", *, pair_block_sizes: bool = False) -> str:
     """Why engines of different TP sizes cannot pair by head slices ("" when they can).
 
     Both must register their KV head counts (workers that predate head slices do not, and would write every
@@ -181,7 +186,8 @@ def _head_split_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_tp: in
         # Head slices and block-size mapping each work alone; together they have not been built or tested.
         return _differs("block_size_tokens", p.block_size_tokens, d.block_size_tokens, *ids,
                         "engines of different TP sizes need one block size: start both with one --block-size")
-    return _layout_incompatibility(_one_head(p), _one_head(d), *ids, prefill_model, decode_model)
+    return _layout_incompatibility(_one_head(p), _one_head(d), *ids, prefill_model, decode_model,
+                                   pair_block_sizes=pair_block_sizes)
 
 
 def _one_head(layout: tpb.KVLayout) -> tpb.KVLayout:
@@ -206,6 +212,9 @@ def _differs(field_name: str, prefill_value: object, decode_value: object, prefi
     return (f"{field_name} {prefill_value} of prefill {prefill_engine_id!r} differs from {decode_value} of decode "
             f"{decode_engine_id!r} ({why})")
 
+
+# Pairing different block sizes is opt-in (`Limits.pair_block_sizes`): under concurrent load it has failed on a GPU.
+_BLOCK_SIZES_OPT_IN = "engines of different block sizes pair only when the directory runs with --pair-block-sizes"
 
 # NIXL indexes a prepared descriptor table with int32 (kvpush.dataplane.plan._MAX_TABLE_ENTRIES).
 _MAX_TABLE_ENTRIES = 2**31 - 1
@@ -240,7 +249,7 @@ def _block_size_mapping(p: tpb.KVLayout, d: tpb.KVLayout) -> str:
 
 
 def _layout_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_engine_id: str, decode_engine_id: str,
-                            prefill_model: str = "", decode_model: str = "") -> str:
+                            prefill_model: str = "", decode_model: str = "", *, pair_block_sizes: bool = False) -> str:
     """The first registered layout field that differs, else a differing compatibility hash ("" when they pair).
 
     The fields come first so that a refusal names what to change; the hash still decides last, as it covers
@@ -252,7 +261,8 @@ def _layout_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_engine_id:
         return _differs("layer_count", p.layer_count, d.layer_count, *ids,
                         "a push writes each layer into the same layer of decode: different models or layer kinds?")
     if p.block_size_tokens != d.block_size_tokens:
-        why = _block_size_mapping(p, d)
+        # What the data plane cannot map is named first: the switch would not help those.
+        why = _block_size_mapping(p, d) or ("" if pair_block_sizes else _BLOCK_SIZES_OPT_IN)
         if why:
             return _differs("block_size_tokens", p.block_size_tokens, d.block_size_tokens, *ids, why)
     if p.dtype != d.dtype:

@@ -105,9 +105,15 @@ class Limits:
     max_queued_calls_per_caller: int = 1024
     # Request bytes of one caller's calls being handled at once; a request past it is RESOURCE_EXHAUSTED.
     max_bytes_in_flight_per_caller: int = 64 * 1024 * 1024
+    # Pair prefill and decode engines of different block sizes (when both layouts are token-addressable:
+    # `planning._block_size_mapping`). Off by default: single requests of every prompt shape passed on a GPU, but
+    # 32 concurrent requests failed on the decode engine for a reason not yet known.
+    pair_block_sizes: bool = False
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
+            if isinstance(value, bool):  # a switch, not a bound
+                continue
             if value <= 0:
                 raise ValueError(f"limit {name} must be positive, got {value}")
         if self.transfer_ttl_s > self.max_transfer_ttl_s:

@@ -284,7 +284,7 @@ class DirectoryState:
         prefill, decode = choose_pair(self._plannable(PREFILL, request.prefill_engine_id, request.client_id, now),
                                       self._plannable(DECODE, request.decode_engine_id, request.client_id, now),
                                       request.prompt_token_count, self.limits.max_active_transfers_per_engine,
-                                      model=request.model)
+                                      model=request.model, pair_block_sizes=self.limits.pair_block_sizes)
         record = self._mint(request, prefill, decode, ttl)
         early = self._early.pop(record.transfer_id, None)
         if early is not None:
@@ -511,7 +511,7 @@ class DirectoryState:
             candidates = ([group.workers[tp_rank]] if tp_rank in group.workers else []) \
                 if group.tp_size == worker.tp_size else [group.workers[r] for r in sorted(group.workers)]
             for decode in candidates:
-                if can_push_to(worker, decode):
+                if can_push_to(worker, decode, pair_block_sizes=self.limits.pair_block_sizes):
                     worker.outbox.append(_announcement(decode))
         if worker.outbox:
             fx.prefill_outboxes.add((engine_id, tp_rank))
@@ -526,7 +526,7 @@ class DirectoryState:
             candidates = ([group.workers[decode.tp_rank]] if decode.tp_rank in group.workers else []) \
                 if group.tp_size == decode.tp_size else [group.workers[r] for r in sorted(group.workers)]
             for prefill in candidates:
-                if prefill.session_id and can_push_to(prefill, decode):
+                if prefill.session_id and can_push_to(prefill, decode, pair_block_sizes=self.limits.pair_block_sizes):
                     prefill.outbox.append(_announcement(decode))
                     fx.prefill_outboxes.add((prefill.engine_id, prefill.tp_rank))
 

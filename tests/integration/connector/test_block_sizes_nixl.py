@@ -1,7 +1,8 @@
 """Prefill and decode workers of different block sizes (16 -> 128 and 128 -> 16) pushing over real NIXL (UCX on
-loopback, two agents in this process), against a real directory: the writes go through both sides' prepared chunk
-tables at the common granule, and decode's cache equals prefill's token by token with every block released
-(tests/fixtures/block_size_push.py says which prompts: mid-block ends, chunked prefill, prefix hits on either side)."""
+loopback, two agents in this process), against a real directory run with --pair-block-sizes: the writes go through
+both sides' prepared chunk tables at the common granule, and decode's cache equals prefill's token by token with
+every block released (tests/fixtures/block_size_push.py says which prompts: mid-block ends, chunked prefill, prefix
+hits on either side)."""
 
 from __future__ import annotations
 

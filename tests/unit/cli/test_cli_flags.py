@@ -53,6 +53,28 @@ def test_help_of_every_subcommand_prints():
         assert done.returncode == 0 and "usage: kvpush" in done.stdout, (name, done.stderr)
 
 
+# ---------------------------------------------------------------- kvpush directory
+
+
+def test_pair_block_sizes_reaches_the_directory_limits(monkeypatch):
+    """--pair-block-sizes (or KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES) turns Limits.pair_block_sizes on, off by default;
+    --no-pair-block-sizes wins over the variable; a variable that is not a switch is refused, naming it."""
+    import kvpush.directory.server as server
+
+    served = []
+    monkeypatch.setattr(server, "serve", lambda config, use_uvloop: served.append(config))
+    monkeypatch.delenv("KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES", raising=False)
+    assert main(["directory", "--port", "0"]) == 0
+    assert main(["directory", "--port", "0", "--pair-block-sizes"]) == 0
+    monkeypatch.setenv("KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES", "true")
+    assert main(["directory", "--port", "0"]) == 0
+    assert main(["directory", "--port", "0", "--no-pair-block-sizes"]) == 0
+    assert [config.limits.pair_block_sizes for config in served] == [False, True, True, False]
+    monkeypatch.setenv("KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES", "maybe")
+    with pytest.raises(SystemExit, match="KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES='maybe' is not a switch"):
+        build_parser()
+
+
 # ---------------------------------------------------------------- kvpush up
 
 

@@ -1,13 +1,15 @@
 """Prefill and decode workers of different block sizes (16 -> 128, 128 -> 16, 32 -> 48, 48 -> 32) on the in-memory
-NIXL, against a real directory: decode's cache equals prefill's token by token, every block released
-(tests/fixtures/block_size_push.py says which prompts: mid-block ends, chunked prefill, prefix hits on either side)."""
+NIXL, against a real directory run with --pair-block-sizes: decode's cache equals prefill's token by token, every
+block released (tests/fixtures/block_size_push.py says which prompts: mid-block ends, chunked prefill, prefix hits on
+either side). Without the switch the directory refuses to pair them."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from kvpush.dataplane.agent import TransferAgent
-from tests.fixtures.block_size_push import run_block_size_cases
+from tests.fixtures.block_size_push import plan_refusal_without_the_switch, run_block_size_cases
 from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
 
 
@@ -16,3 +18,14 @@ from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
 def test_decode_holds_prefill_kv_token_by_token_across_block_sizes(prefill_size: int, decode_size: int):
     fabric_name, _ = new_fabric()
     run_block_size_cases(prefill_size, decode_size, lambda name: TransferAgent(name, nixl_config(fabric_name)))
+
+
+def test_without_the_switch_the_directory_refuses_to_pair_them():
+    """The same registered workers, a directory with default limits: FAILED_PRECONDITION naming the field, both
+    values, both engines and the switch."""
+    fabric_name, _ = new_fabric()
+    refused = plan_refusal_without_the_switch(16, 128, lambda name: TransferAgent(name, nixl_config(fabric_name)))
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.details == ("no compatible prefill/decode pair: block_size_tokens 16 of prefill 'p' differs from "
+                               "128 of decode 'd' (engines of different block sizes pair only when the directory "
+                               "runs with --pair-block-sizes)")

@@ -13,8 +13,9 @@ from tests.fixtures.directory import DECODE, PREFILL, ManualClock, allocation, m
 
 
 def _state(prefill_size: int, decode_size: int, decode_blocks: int) -> tuple[DirectoryState, int]:
-    """p1 (prefill_size tokens per block) and d1 (decode_size, decode_blocks blocks), p1's session open."""
-    state = DirectoryState(Limits(lease_ttl_s=10, transfer_ttl_s=60), ManualClock().clock())
+    """p1 (prefill_size tokens per block) and d1 (decode_size, decode_blocks blocks), p1's session open; the directory
+    pairs different block sizes (--pair-block-sizes)."""
+    state = DirectoryState(Limits(lease_ttl_s=10, transfer_ttl_s=60, pair_block_sizes=True), ManualClock().clock())
     worker, _ = state.register(register_request("p1", PREFILL, layout=make_layout(block_size_tokens=prefill_size)))
     state.register(register_request("d1", DECODE, layout=make_layout(block_size_tokens=decode_size,
                                                                       block_count=decode_blocks)))

@@ -1,6 +1,7 @@
 """Planning names why two engines cannot pair: both engine ids, the registered field that differs and both values;
 only when every registered field is equal does the refusal fall back to the compatibility hash, naming what only
-the hash covers. The gRPC answer is FAILED_PRECONDITION with that text."""
+the hash covers. The gRPC answer is FAILED_PRECONDITION with that text. Engines of different block sizes pair only
+with the directory's --pair-block-sizes (`Limits.pair_block_sizes`), and then only where the data plane maps them."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, ManualClock, make_layout, register_request, running_directory
 
 
-def _refusal(prefill: dpb.RegisterEngineRequest, *decodes: dpb.RegisterEngineRequest) -> str:
+def _refusal(prefill: dpb.RegisterEngineRequest, *decodes: dpb.RegisterEngineRequest,
+             pair_block_sizes: bool = False) -> str:
     """The FailedPrecondition message of a plan over `prefill` and `decodes` (all registered, tp ranks complete)."""
-    state = DirectoryState(Limits(), ManualClock().clock())
+    state = DirectoryState(Limits(pair_block_sizes=pair_block_sizes), ManualClock().clock())
     for request in (prefill, *decodes):
         state.register(request)
     with pytest.raises(FailedPrecondition) as refused:
@@ -44,9 +46,10 @@ def _set(**fields: object) -> Callable[[tpb.KVLayout], None]:
     return edit
 
 
-def _plans(prefill: dpb.RegisterEngineRequest, decode: dpb.RegisterEngineRequest) -> tuple[str, str]:
+def _plans(prefill: dpb.RegisterEngineRequest, decode: dpb.RegisterEngineRequest,
+           pair_block_sizes: bool = False) -> tuple[str, str]:
     """(prefill, decode) engine ids of a plan over one prefill and one decode engine."""
-    state = DirectoryState(Limits(), ManualClock().clock())
+    state = DirectoryState(Limits(pair_block_sizes=pair_block_sizes), ManualClock().clock())
     state.register(prefill)
     state.register(decode)
     planned, _ = state.plan(dpb.PlanTransferRequest(prompt_token_count=300), None)
@@ -55,25 +58,47 @@ def _plans(prefill: dpb.RegisterEngineRequest, decode: dpb.RegisterEngineRequest
 
 
 @pytest.mark.parametrize(("prefill_size", "decode_size"), [(16, 128), (128, 16), (32, 48), (48, 32)])
-def test_token_addressable_layouts_of_different_block_sizes_pair(prefill_size: int, decode_size: int):
+def test_token_addressable_layouts_of_different_block_sizes_pair_with_the_switch(prefill_size: int,
+                                                                                 decode_size: int):
     """GPU layouts (tokens have addresses, contiguous per segment) map through chunks of gcd(sizes) tokens."""
     prefill = register_request("p0", PREFILL, layout=make_layout(block_size_tokens=prefill_size))
     decode = register_request("d0", DECODE, layout=make_layout(block_size_tokens=decode_size))
-    assert _plans(prefill, decode) == ("p0", "d0")
+    assert _plans(prefill, decode, pair_block_sizes=True) == ("p0", "d0")
+
+
+@pytest.mark.parametrize(("prefill_size", "decode_size"), [(16, 128), (128, 16)])
+def test_different_block_sizes_are_refused_by_default_naming_the_switch(prefill_size: int, decode_size: int):
+    """The same engines without --pair-block-sizes: refused, naming the field, both values, both engines and the
+    switch; the directory is left as it was (no transfer)."""
+    prefill = register_request("p0", PREFILL, layout=make_layout(block_size_tokens=prefill_size))
+    decode = register_request("d0", DECODE, layout=make_layout(block_size_tokens=decode_size))
+    assert _refusal(prefill, decode) == (
+        f"no compatible prefill/decode pair: block_size_tokens {prefill_size} of prefill 'p0' differs from "
+        f"{decode_size} of decode 'd0' (engines of different block sizes pair only when the directory runs with "
+        "--pair-block-sizes)")
+    state = DirectoryState(Limits(), ManualClock().clock())
+    state.register(prefill)
+    state.register(decode)
+    with pytest.raises(FailedPrecondition, match="--pair-block-sizes"):
+        state.plan(dpb.PlanTransferRequest(prompt_token_count=300), None)
+    assert (state.active_transfer_count("p0"), state.active_transfer_count("d0")) == (0, 0)
 
 
 def test_block_atomic_layouts_of_different_block_sizes_name_the_field_both_values_and_both_engines():
-    """vLLM CPU attention tiles tokens inside a block: its KV moves only as whole blocks of one size."""
+    """vLLM CPU attention tiles tokens inside a block: its KV moves only as whole blocks of one size, switch or not
+    (without it, the same reason: the switch would not help)."""
     atomic_16, atomic_128 = make_layout(), make_layout(block_size_tokens=128)
     atomic_16.block_atomic = atomic_128.block_atomic = True
     message = _refusal(register_request("p0", PREFILL, layout=atomic_16),
-                       register_request("d0", DECODE, layout=atomic_128))
+                       register_request("d0", DECODE, layout=atomic_128), pair_block_sizes=True)
+    assert _refusal(register_request("p0", PREFILL, layout=atomic_16),
+                    register_request("d0", DECODE, layout=atomic_128)) == message
     assert message.startswith("no compatible prefill/decode pair: block_size_tokens 16 of prefill 'p0' differs "
                               "from 128 of decode 'd0' (prefill's layout is block_atomic")
     assert "start both with one --block-size" in message
     assert "pairs tried" not in message  # one pair only
     message = _refusal(register_request("p0", PREFILL, layout=atomic_128),
-                       register_request("d0", DECODE, layout=atomic_16))
+                       register_request("d0", DECODE, layout=atomic_16), pair_block_sizes=True)
     assert "block_size_tokens 128 of prefill 'p0' differs from 16 of decode 'd0'" in message
 
 
@@ -87,7 +112,8 @@ def test_block_atomic_layouts_of_one_block_size_still_pair():
 def test_a_token_addressable_layout_and_a_tiled_one_of_another_block_size_are_refused():
     decode_layout = make_layout(block_size_tokens=128)
     decode_layout.block_atomic = True
-    message = _refusal(register_request("p0", PREFILL), register_request("d0", DECODE, layout=decode_layout))
+    message = _refusal(register_request("p0", PREFILL), register_request("d0", DECODE, layout=decode_layout),
+                       pair_block_sizes=True)
     assert ("block_size_tokens 16 of prefill 'p0' differs from 128 of decode 'd0' (decode's layout is "
             "block_atomic") in message
 
@@ -97,7 +123,8 @@ def test_tokens_with_gaps_cannot_be_mapped_between_block_sizes():
     decode_layout = make_layout(block_size_tokens=128)
     plane = decode_layout.planes[0]
     plane.token_stride_bytes, plane.segment_bytes_per_token = 256, 128
-    message = _refusal(register_request("p0", PREFILL), register_request("d0", DECODE, layout=decode_layout))
+    message = _refusal(register_request("p0", PREFILL), register_request("d0", DECODE, layout=decode_layout),
+                       pair_block_sizes=True)
     assert "block_size_tokens 16 of prefill 'p0' differs from 128 of decode 'd0'" in message
     assert "decode's planes[0] has gaps between tokens" in message
 
@@ -108,26 +135,31 @@ def test_sizes_whose_chunk_tables_overflow_nixl_indices_are_refused():
     prefill = register_request("p0", PREFILL, layout=make_layout(layer_count=32))
     decode = register_request("d0", DECODE, layout=make_layout(layer_count=32, block_size_tokens=17,
                                                                block_count=1 << 22))
-    message = _refusal(prefill, decode)
+    message = _refusal(prefill, decode, pair_block_sizes=True)
     assert "block_size_tokens 16 of prefill 'p0' differs from 17 of decode 'd0'" in message
     assert "1-token chunks with 2281701376 entries, past NIXL's int32 index range" in message
     small = register_request("d0", DECODE, layout=make_layout(layer_count=32, block_size_tokens=17))
-    assert _plans(prefill, small) == ("p0", "d0")
+    assert _plans(prefill, small, pair_block_sizes=True) == ("p0", "d0")
 
 
 def test_peer_announcements_follow_the_block_size_rule():
-    """A prefill worker is told of decode workers it may push to: the token-addressable one of another block size,
-    not the tiled one of another block size."""
-    state = DirectoryState(Limits(), ManualClock().clock())
-    state.register(register_request("p0", PREFILL))
-    groups = state.engines.groups
+    """A prefill worker is told of decode workers it may push to: with the switch, the token-addressable one of
+    another block size, never the tiled one of another block size; without it, neither."""
     tiled = make_layout(block_size_tokens=128)
     tiled.block_atomic = True
-    state.register(register_request("d-gpu", DECODE, layout=make_layout(block_size_tokens=128)))
-    state.register(register_request("d-cpu", DECODE, layout=tiled))
-    prefill_worker = groups["p0"].workers[0]
-    assert can_push_to(prefill_worker, groups["d-gpu"].workers[0])
-    assert not can_push_to(prefill_worker, groups["d-cpu"].workers[0])
+    announced = {}
+    for switch in (False, True):
+        state = DirectoryState(Limits(pair_block_sizes=switch), ManualClock().clock())
+        worker, _ = state.register(register_request("p0", PREFILL))
+        state.register(register_request("d-gpu", DECODE, layout=make_layout(block_size_tokens=128)))
+        state.register(register_request("d-cpu", DECODE, layout=tiled))
+        groups = state.engines.groups
+        prefill_worker = groups["p0"].workers[0]
+        assert can_push_to(prefill_worker, groups["d-gpu"].workers[0], pair_block_sizes=switch) is switch
+        assert not can_push_to(prefill_worker, groups["d-cpu"].workers[0], pair_block_sizes=switch)
+        session, _ = state.open_session("p0", 0, worker.lease_id)
+        announced[switch] = [m.peer.decode_engine_id for m in state.drain_outbox("p0", 0, session)]
+    assert announced == {False: [], True: ["d-gpu"]}
 
 
 def test_different_tp_sizes_name_both_sizes():
