@@ -126,6 +126,16 @@ def engine_block_size(args: argparse.Namespace, name: str) -> int:
     return args.decode_block_size or args.block_size
 
 
+def pairs_block_sizes(args: argparse.Namespace) -> bool:
+    """Prefill and decode run different block sizes: the directory pairs them only with --pair-block-sizes."""
+    return engine_block_size(args, "prefill") != engine_block_size(args, "decode")
+
+
+def directory_args(args: argparse.Namespace) -> list[str]:
+    """The directory's flags for this run."""
+    return ["--lease-ttl-s", "30", *(["--pair-block-sizes"] if pairs_block_sizes(args) else [])]
+
+
 class _ShapeOnly:
     """A KV tensor's shape, strides, dtype and device without memory: what `describe_kv_caches` reads."""
 
@@ -179,13 +189,14 @@ def engine_layout(config: dict[str, Any], block_size: int, on_gpu: bool, kv_cach
 
 def pairing_refusal(args: argparse.Namespace, config: dict[str, Any], on_gpu: bool, prompt_tokens: int) -> str:
     """Why the directory would not pair this run's prefill and decode engines for a `prompt_tokens` prompt ("" when
-    it pairs them): its own planning over the layouts the two engines would register (`engine_layout`)."""
+    it pairs them): its own planning over the layouts the two engines would register (`engine_layout`), with the
+    limits `directory_args` gives it."""
     from kvpush.directory.errors import DirectoryError
     from kvpush.directory.state import DirectoryState, Limits
     from kvpush.v1 import directory_pb2 as dpb
     from kvpush.v1 import types_pb2 as tpb
 
-    state = DirectoryState(Limits())
+    state = DirectoryState(Limits(pair_block_sizes=pairs_block_sizes(args)))
     for engine_id, role, name in ((PREFILL_ID, tpb.ENGINE_ROLE_PREFILL, "prefill"),
                                   (DECODE_ID, tpb.ENGINE_ROLE_DECODE, "decode")):
         # A CPU engine's KV space is VLLM_CPU_KVCACHE_SPACE (1 GiB in the local stack), not --kv-cache-gib.
@@ -278,7 +289,7 @@ class Stack:
         share = self.args.gpu_share
         specs: list[EngineSpec] = []
         if connector == "kvpush":
-            self.directory = start_directory(self.log_dir, extra_args=["--lease-ttl-s", "30"], env=self.service_env,
+            self.directory = start_directory(self.log_dir, extra_args=directory_args(self.args), env=self.service_env,
                                              progress=say)
             address = self.directory.address
             hosted = getattr(self.args, "gateway_b_hosted", False)
@@ -532,7 +543,8 @@ def run_e2e(args: argparse.Namespace) -> int:
     if args.dry_run:
         specs = {name: {"block_size": engine_block_size(args, name)} for name in ("prefill", "decode", "colocated")}
         print(json.dumps({"preset": args.preset, "on_gpu": on_gpu, "block_sizes": block_sizes, "engines": specs,
-                          "shapes": shapes, "directory_pairs_them": not refusal, "refusal": refusal}, indent=1))
+                          "shapes": shapes, "directory_args": directory_args(args), "directory_pairs_them": not refusal,
+                          "refusal": refusal}, indent=1))
         return 1 if refusal else 0
     if refusal:
         say(f"the directory would not pair these engines: {refusal}")

@@ -1,6 +1,7 @@
 """bench/gpu_e2e.py with engines of different block sizes, as a dry run (no engine starts): each engine gets its own
 --block-size, the prompt shapes cover both sizes, and the directory's own planning is asked first whether it pairs
-the two layouts: GPU (FlashAttention, token-addressable) layouts of 16 and 128 pair, vLLM CPU's tiled ones do not."""
+the two layouts: GPU (FlashAttention, token-addressable) layouts of 16 and 128 pair, vLLM CPU's tiled ones do not.
+Different sizes start the directory with --pair-block-sizes (planning refuses them without it), one size does not."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def _dry_run(*flags: str, preset: str = "tiny-llama") -> tuple[int, dict]:
 def test_gpu_engines_of_16_and_128_tokens_per_block_pair():
     code, plan = _dry_run("--cuda", "--kv-cache-gib", "7", "--prefill-block-size", "16", "--decode-block-size", "128")
     assert code == 0 and plan["directory_pairs_them"] and plan["refusal"] == ""
+    assert plan["directory_args"] == ["--lease-ttl-s", "30", "--pair-block-sizes"]
     assert plan["block_sizes"] == {"prefill": 16, "decode": 128}
     assert {name: e["block_size"] for name, e in plan["engines"].items()} == {
         "prefill": 16, "decode": 128, "colocated": 128}
@@ -36,6 +38,7 @@ def test_the_reverse_pairs_too_and_one_size_keeps_the_usual_shapes():
     assert plan["shapes"]["exactly_4_blocks"] == 64 and plan["shapes"]["exactly_4_blocks_prefill_blocks"] == 512
     code, plan = _dry_run("--cuda", "--block-size", "32")
     assert code == 0 and plan["block_sizes"] == {"prefill": 32, "decode": 32}
+    assert plan["directory_args"] == ["--lease-ttl-s", "30"]
     assert not any(name.endswith("_prefill_blocks") for name in plan["shapes"])
 
 
