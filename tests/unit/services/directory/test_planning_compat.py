@@ -144,7 +144,8 @@ def test_sizes_whose_chunk_tables_overflow_nixl_indices_are_refused():
 
 def test_peer_announcements_follow_the_block_size_rule():
     """A prefill worker is told of decode workers it may push to: with the switch, the token-addressable one of
-    another block size, never the tiled one of another block size; without it, neither."""
+    another block size (registered before its session opened or while it is open), never the tiled one of another
+    block size; without it, neither."""
     tiled = make_layout(block_size_tokens=128)
     tiled.block_atomic = True
     announced = {}
@@ -158,8 +159,10 @@ def test_peer_announcements_follow_the_block_size_rule():
         assert can_push_to(prefill_worker, groups["d-gpu"].workers[0], pair_block_sizes=switch) is switch
         assert not can_push_to(prefill_worker, groups["d-cpu"].workers[0], pair_block_sizes=switch)
         session, _ = state.open_session("p0", 0, worker.lease_id)
+        # One registered while the session is open is announced (or not) by the same rule.
+        state.register(register_request("d-late", DECODE, layout=make_layout(block_size_tokens=128)))
         announced[switch] = [m.peer.decode_engine_id for m in state.drain_outbox("p0", 0, session)]
-    assert announced == {False: [], True: ["d-gpu"]}
+    assert announced == {False: [], True: ["d-gpu", "d-late"]}
 
 
 def test_different_tp_sizes_name_both_sizes():
