@@ -15,6 +15,9 @@ Variants (`--variants`, each a fresh pair of agents, side by side in one run):
   side-stream    the forward on a torch side stream (non-blocking)
   host-bound     the default stream, with `--host-us` of Python work per layer (a launch-bound host holding
                  the GIL, as vLLM's eager forward)
+  launch-bound   the default stream, with `--small-kernels` tiny kernels per layer besides the matmuls: the host
+                 fills CUDA's launch queue and then waits inside kernel launches, which keep the GIL (vLLM's
+                 forward launches hundreds of kernels a layer)
   prog-thread    default, with NIXL's progress thread on (100 us delay)
   workers-4      default, with 4 UCX workers (`num_threads`)
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -49,6 +53,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "side-stream": {"side_stream": True},
     "host-bound": {"host_bound": True},
+    "launch-bound": {"small_kernels": True},
     "prog-thread": {"nixl": {"enable_prog_thread": True, "progress_thread_delay_us": 100}},
     "workers-4": {"nixl": {"num_threads": 4}},
 }
@@ -103,13 +108,16 @@ def run_variant(name: str, args: argparse.Namespace, shape: KVShape) -> dict[str
     spec = VARIANTS[name]
     config = {"poll_max_s": args.poll_max_us * 1e-6, "notif_poll_s": args.poll_max_us * 1e-6,
               **spec.get("nixl", {})}
+    trace_path = Path(os.environ.get("OUT") or "/tmp") / f"probe-io-{name}.jsonl"
+    trace_path.unlink(missing_ok=True)
+    prefill_config = {**config, "io_trace_path": str(trace_path)}
     device = "cpu" if args.cpu else DEVICE
     receiver = Receiver(shape, device, config, name=f"probe-decode-{name}")
     if not args.cpu:
         torch.cuda.set_device(DEVICE)
     kv = {f"layers.{i}": torch.zeros(2, shape.blocks, shape.block_size, shape.heads, shape.head_size,
                                      dtype=torch.bfloat16, device=device) for i in range(shape.layers)}
-    agent = TransferAgent(f"probe-prefill-{name}", NixlConfig(**config))
+    agent = TransferAgent(f"probe-prefill-{name}", NixlConfig(**prefill_config))
     agent.register(kv, shape.block_size, shape.heads, shape.head_size, LAYOUT_HINT)
     agent.start()
     n_blocks = args.tokens // shape.block_size
@@ -117,6 +125,7 @@ def run_variant(name: str, args: argparse.Namespace, shape: KVShape) -> dict[str
     weights = [torch.randn(args.hidden, args.hidden, dtype=torch.bfloat16, device=device) / args.hidden ** 0.5
                for _ in range(args.matmuls)]
     x0 = torch.randn(args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
+    scratch = torch.zeros(1024, dtype=torch.float32, device=device)
     if args.cpu:
         stream, sync = None, (lambda: None)
     else:
@@ -150,6 +159,9 @@ def run_variant(name: str, args: argparse.Namespace, shape: KVShape) -> dict[str
                                                ready_event=event))
                     if spec.get("host_bound"):
                         _spin(args.host_us)
+                    if spec.get("small_kernels"):
+                        for _ in range(args.small_kernels):
+                            scratch.add_(1.0)
             launched = time.monotonic()
             if not seen.done.wait(120) or seen.final is None or not seen.final.ok:
                 raise RuntimeError(f"{name}: transfer did not complete: {seen.final}")
@@ -172,6 +184,8 @@ def run_variant(name: str, args: argparse.Namespace, shape: KVShape) -> dict[str
         agent.stop()
         receiver.close()
     lag_all = [x for r in rows for x in r["completion_lag_ms"]]
+    io = _io_calls(trace_path)
+    trace_path.unlink(missing_ok=True)
     return {"variant": name, "spec": spec, "layers": shape.layers, "tokens": args.tokens,
             "layer_bytes": n_blocks * shape.block_bytes, "reps": rows,
             "landed_before_end": [r["landed_before_end"] for r in rows],
@@ -179,7 +193,26 @@ def run_variant(name: str, args: argparse.Namespace, shape: KVShape) -> dict[str
             "forward_ms": statistics.median(r["forward_ms"] for r in rows),
             "host_launch_ms": statistics.median(r["host_launch_ms"] for r in rows),
             "completion_lag_ms_p50": round(statistics.median(lag_all), 3),
-            "completion_lag_ms_max": round(max(lag_all), 3)}
+            "completion_lag_ms_max": round(max(lag_all), 3), "io_calls": io}
+
+
+def _io_calls(path: Path) -> dict[str, Any]:
+    """Per kind of I/O-thread call over the whole variant: calls, mean and longest ms (GIL hand-back included)."""
+    totals: dict[str, list[float]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            for kind in ("check", "post", "event", "notif"):
+                if kind in row:
+                    count, total_ms, longest_ms = row[kind]
+                    entry = totals.setdefault(kind, [0, 0.0, 0.0])
+                    entry[0] += count
+                    entry[1] += total_ms
+                    entry[2] = max(entry[2], longest_ms)
+    return {kind: {"calls": int(c), "mean_ms": round(t / c, 4) if c else 0.0, "longest_ms": m}
+            for kind, (c, t, m) in totals.items()}
 
 
 def main() -> None:
@@ -189,9 +222,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--matmuls", type=int, default=6, help="matmuls per layer (~1 ms each at 8,192 x 4,096)")
     parser.add_argument("--host-us", type=float, default=3000.0, help="host-bound: Python work per layer")
+    parser.add_argument("--small-kernels", type=int, default=2000, help="launch-bound: tiny kernels per layer")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--poll-max-us", type=float, default=200.0)
-    parser.add_argument("--variants", default="default,side-stream,host-bound")
+    parser.add_argument("--variants", default="default,launch-bound,host-bound")
     parser.add_argument("--out-name", default="gpu_stream_probe.json")
     parser.add_argument("--cpu", action="store_true", help="host memory, no GPU: a dry run of the plumbing")
     args = parser.parse_args()
@@ -202,7 +236,8 @@ def main() -> None:
         results.append(result)
         print(f"{name}: forward {result['forward_ms']} ms (host launched in {result['host_launch_ms']} ms); "
               f"landed before end {result['landed_before_end']} of {shape.layers}; tail {result['tail_ms']} ms; "
-              f"completion lag p50 {result['completion_lag_ms_p50']} max {result['completion_lag_ms_max']} ms",
+              f"completion lag p50 {result['completion_lag_ms_p50']} max {result['completion_lag_ms_max']} ms; "
+              f"posts {result['io_calls'].get('post')}",
               flush=True)
         out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
         write_result(out_dir / args.out_name, {"bench": "gpu_stream_probe", "variants": results}, echo=False)

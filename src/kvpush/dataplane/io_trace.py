@@ -73,6 +73,8 @@ class IoLoopTrace:
     def flush(self) -> None:
         """Append the buffered lines to the file."""
         rows, self._rows = self._rows, []
+        if not rows and not self._dropped:
+            return
         if self._dropped:
             rows.append(json.dumps({"dropped_rows": self._dropped}))
             self._dropped = 0
