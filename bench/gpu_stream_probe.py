@@ -16,8 +16,8 @@ Variants (`--variants`, each a fresh pair of agents, side by side in one run):
   host-bound     the default stream, with `--host-us` of Python work per layer (a launch-bound host holding
                  the GIL, as vLLM's eager forward)
   launch-bound   the default stream, with `--small-kernels` tiny kernels per layer besides the matmuls: the host
-                 fills CUDA's launch queue and then waits inside kernel launches, which keep the GIL (vLLM's
-                 forward launches hundreds of kernels a layer)
+                 fills CUDA's launch queue and then waits inside kernel launches, handing the GIL back and taking it
+                 again around each one (vLLM's forward launches hundreds of kernels a layer)
   prog-thread    default, with NIXL's progress thread on (100 us delay)
   workers-4      default, with 4 UCX workers (`num_threads`)
 
