@@ -9,7 +9,11 @@ import grpc
 import pytest
 
 from kvpush.dataplane.agent import TransferAgent
-from tests.fixtures.block_size_push import plan_refusal_without_the_switch, run_block_size_cases
+from tests.fixtures.block_size_push import (
+    plan_refusal_without_the_switch,
+    run_block_size_cases,
+    run_concurrent_block_size_pushes,
+)
 from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
 
 
@@ -18,6 +22,15 @@ from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
 def test_decode_holds_prefill_kv_token_by_token_across_block_sizes(prefill_size: int, decode_size: int):
     fabric_name, _ = new_fabric()
     run_block_size_cases(prefill_size, decode_size, lambda name: TransferAgent(name, nixl_config(fabric_name)))
+
+
+@pytest.mark.parametrize(("prefill_size", "decode_size"), [(16, 128), (128, 16), (32, 48)])
+def test_many_transfers_in_flight_across_block_sizes(prefill_size: int, decode_size: int):
+    """Requests interleaved as a busy engine pair runs them (tests/fixtures/block_size_push.py,
+    run_concurrent_block_size_pushes): every receive complete with prefill's KV, no load error, blocks reused."""
+    fabric_name, _ = new_fabric()
+    run_concurrent_block_size_pushes(prefill_size, decode_size,
+                                     lambda name: TransferAgent(name, nixl_config(fabric_name)))
 
 
 def test_without_the_switch_the_directory_refuses_to_pair_them():
