@@ -14,8 +14,12 @@ No engine thread ever waits on the network here except at start-up and shutdown.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable
+
+import grpc
 
 from kvpush.client.config import ChannelConfig
 from kvpush.client.errors import DirectoryCallError
@@ -29,6 +33,15 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
 _log = get_logger("connector.directory_link")
+# How the directory refuses an allocation naming a block that a live transfer owns (DirectoryState.report_allocation).
+_STILL_OWNED = "is already allocated to live transfer"
+# An allocation refused that way is retried after these pauses (doubling), until transfer_timeout_s.
+_OWNED_RETRY_FIRST_S = 0.005
+_OWNED_RETRY_MAX_S = 0.1
+
+
+def _blocks_still_owned(error: DirectoryCallError) -> bool:
+    return error.code == grpc.StatusCode.FAILED_PRECONDITION and _STILL_OWNED in error.details
 
 
 class DirectoryLink:
@@ -49,9 +62,16 @@ class DirectoryLink:
     def report_allocation(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
                           skip_token_count: int, on_refused: Callable[[str], None]) -> None:
         """Submit ReportAllocation for this engine (`skip_token_count`: decode's own prefix hit, not pushed);
-        on_refused(reason) runs on the client thread on failure."""
-        future = self._loop.submit(self._calls.report_allocation(
-            transfer_id, self._config.engine_id, block_ids, prompt_token_count, skip_token_count))
+        on_refused(reason) runs on the client thread on failure.
+
+        A refusal because a block is still owned by a live transfer is retried (backing off, within
+        transfer_timeout_s): decode completes a receive on prefill's notification, which comes once every write
+        landed, and vLLM may give its blocks to the next request before prefill's WriteResult reached the directory.
+        The directory then still owns them for that transfer, which ends as soon as the result arrives; failing the
+        next request meanwhile would make its engine answer it with an error.
+        """
+        future = self._loop.submit(self._report_when_blocks_free(
+            transfer_id, block_ids, prompt_token_count, skip_token_count))
 
         def done(f: concurrent.futures.Future[tpb.Transfer]) -> None:
             error = f.exception()
@@ -60,6 +80,25 @@ class DirectoryLink:
                 on_refused(str(error))
 
         future.add_done_callback(done)
+
+    async def _report_when_blocks_free(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
+                                       skip_token_count: int) -> tpb.Transfer:
+        deadline = time.monotonic() + self._config.transfer_timeout_s
+        pause = _OWNED_RETRY_FIRST_S
+        waited = False
+        while True:
+            try:
+                return await self._calls.report_allocation(
+                    transfer_id, self._config.engine_id, block_ids, prompt_token_count, skip_token_count)
+            except DirectoryCallError as error:
+                if not _blocks_still_owned(error) or time.monotonic() + pause > deadline:
+                    raise
+                if not waited:
+                    waited = True
+                    _log.info("allocation waits for the directory to release blocks of an ended receive",
+                              transfer_id=transfer_id, reason=error.details)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, _OWNED_RETRY_MAX_S)
 
     def cancel_transfer(self, transfer_id: str, reason: str,
                         on_done: Callable[[tpb.Transfer | None, str], None] | None = None) -> None:

@@ -67,3 +67,38 @@ def test_registered_worker_reports_an_allocation_and_cancels_and_close_deregiste
             assert [w.engine_id for w in workers] == ["p"]
         finally:
             helper.close()
+
+
+def test_an_allocation_of_blocks_a_live_transfer_owns_waits_for_it_to_end_within_transfer_timeout_s():
+    """Blocks still owned by a live transfer (decode completed it on prefill's notification, the directory has not
+    had prefill's result yet): the report is retried until that transfer ends, then accepted; a transfer that does
+    not end within transfer_timeout_s leaves the refusal as the directory gave it."""
+    with directory_on_loopback() as address:
+        link = DirectoryLink(_config(address, transfer_timeout_s=0.6))
+        helper = SyncDirectoryClient(ChannelConfig(address=address))
+        try:
+            link.register(DECODE, 0, 1, "d-agent", b"md", make_layout())
+            helper.register_engine(register_request("p", PREFILL))
+            owner, waiting, never = (helper.plan_transfer(prompt_token_count=40).transfer.transfer_id
+                                     for _ in range(3))
+            helper.report_allocation(owner, "d", [1, 2, 3], 40)
+            refused: list[str] = []
+            link.report_allocation(waiting, [1, 2, 3], 40, 0, refused.append)
+            time.sleep(0.2)
+            assert refused == [] and not helper.get_transfer(waiting).decode_block_ids  # still retrying
+            helper.cancel_transfer(owner, "ended")  # not dispatched: terminal at once, its blocks released
+            deadline = time.monotonic() + 5
+            while not helper.get_transfer(waiting).decode_block_ids and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert list(helper.get_transfer(waiting).decode_block_ids) == [1, 2, 3] and refused == []
+            started = time.monotonic()
+            link.report_allocation(never, [3, 4, 5], 40, 0, refused.append)  # block 3 is the waiting transfer's
+            while not refused and time.monotonic() - started < 5:
+                time.sleep(0.01)
+            assert 0.4 < time.monotonic() - started < 2.0
+            assert len(refused) == 1 and "FAILED_PRECONDITION" in refused[0] and "block 3 is already allocated" \
+                in refused[0]
+            assert not helper.get_transfer(never).decode_block_ids
+        finally:
+            link.close()
+            helper.close()

@@ -13,6 +13,7 @@ from tests.fixtures.block_size_push import (
     plan_refusal_without_the_switch,
     run_block_size_cases,
     run_concurrent_block_size_pushes,
+    run_reuse_before_prefill_result,
 )
 from tests.unit.connector.inmemory_helpers import new_fabric, nixl_config
 
@@ -42,3 +43,13 @@ def test_without_the_switch_the_directory_refuses_to_pair_them():
     assert refused.details == ("no compatible prefill/decode pair: block_size_tokens 16 of prefill 'p' differs from "
                                "128 of decode 'd' (engines of different block sizes pair only when the directory "
                                "runs with --pair-block-sizes)")
+
+
+@pytest.mark.parametrize(("prefill_size", "decode_size"), [(16, 128), (128, 128)])
+def test_decode_blocks_reused_before_the_directory_has_prefill_result(prefill_size: int, decode_size: int):
+    """A receive completed on the notification, its blocks reused at once: the next allocation waits for the
+    directory to learn the first transfer ended instead of being refused (tests/fixtures/block_size_push.py,
+    run_reuse_before_prefill_result)."""
+    fabric_name, _ = new_fabric()
+    run_reuse_before_prefill_result(prefill_size, decode_size,
+                                    lambda name: TransferAgent(name, nixl_config(fabric_name)))

@@ -7,7 +7,8 @@ Life cycle of a decode-leg request (kv_transfer_params: transfer_id + do_remote_
   2. `update_state_after_alloc` (first call with external tokens): submit ReportAllocation (block ids
      for the whole prompt, skip_token_count = decode's own hit, so the push skips those tokens)
      without waiting; queue a `ReceiveStart` for the workers. A refused report comes back on the
-     client's thread and is queued as a failed receive for the next step's metadata.
+     client's thread and is queued as a failed receive for the next step's metadata (one naming a block that a
+     live transfer still owns is retried until that transfer ends first: `DirectoryLink.report_allocation`).
   3. The workers report the request in finished_recving (completion, or failure with load-error blocks
      so vLLM's kv_load_failure_policy applies); `update_connector_output` forgets it. First token from
      prefill (`first_token_from_prefill` on the leg): the workers report prefill's token with (or before)
