@@ -12,7 +12,7 @@ import pytest
 
 from kvpush.dataplane.agent import TransferAgent
 from kvpush.dataplane.config import NixlConfig
-from tests.fixtures.block_size_push import run_block_size_cases
+from tests.fixtures.block_size_push import run_block_size_cases, run_concurrent_block_size_pushes
 
 pytestmark = pytest.mark.nixl
 
@@ -34,3 +34,12 @@ def test_decode_holds_prefill_kv_token_by_token_across_block_sizes_over_nixl(pre
 
     run_block_size_cases(prefill_size, decode_size, new_agent)
     assert len(agents) == 2  # both workers ran on real NIXL agents
+
+
+@pytest.mark.parametrize(("prefill_size", "decode_size"), [(16, 128), (128, 16)])
+def test_many_transfers_in_flight_across_block_sizes_over_nixl(prefill_size: int, decode_size: int):
+    """Requests interleaved as a busy engine pair runs them, on real NIXL (tests/fixtures/block_size_push.py,
+    run_concurrent_block_size_pushes)."""
+    run_concurrent_block_size_pushes(
+        prefill_size, decode_size, lambda name: TransferAgent(name, NixlConfig(transfer_timeout_s=10.0,
+                                                                               post_timeout_s=10.0)))
