@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import grpc
 
+from kvpush.api import refusals
 from kvpush.client.config import ChannelConfig
 from kvpush.client.errors import DirectoryCallError
 from kvpush.client.lease import EngineRegistration
@@ -33,15 +34,13 @@ from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 
 _log = get_logger("connector.directory_link")
-# How the directory refuses an allocation naming a block that a live transfer owns (DirectoryState.report_allocation).
-_STILL_OWNED = "is already allocated to live transfer"
 # An allocation refused that way is retried after these pauses (doubling), until transfer_timeout_s.
 _OWNED_RETRY_FIRST_S = 0.005
 _OWNED_RETRY_MAX_S = 0.1
 
 
 def _blocks_still_owned(error: DirectoryCallError) -> bool:
-    return error.code == grpc.StatusCode.FAILED_PRECONDITION and _STILL_OWNED in error.details
+    return error.code == grpc.StatusCode.FAILED_PRECONDITION and refusals.BLOCK_STILL_OWNED in error.details
 
 
 class DirectoryLink:

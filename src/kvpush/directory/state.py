@@ -50,6 +50,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 
+from kvpush.api import refusals
 from kvpush.directory.errors import (
     AlreadyExists,
     DirectoryError,
@@ -459,7 +460,7 @@ class DirectoryState:
         index = self._owned_blocks.setdefault(record.decode_engine_id, {})
         clash = next((b for b in owned if b in index), None)
         if clash is not None:
-            raise FailedPrecondition(f"block {clash} is already allocated to live transfer {index[clash]}")
+            raise FailedPrecondition(refusals.block_still_owned(clash, index[clash]))
         if record.ready_prompt_token_count and allocation.prompt_token_count > record.ready_prompt_token_count:
             raise FailedPrecondition(
                 f"decode needs {allocation.prompt_token_count} tokens; prefill computes "
