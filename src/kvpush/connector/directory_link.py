@@ -15,7 +15,7 @@ No engine thread ever waits on the network here except at start-up and shutdown.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvpush.client.config import ChannelConfig
 from kvpush.client.errors import DirectoryCallError
@@ -47,11 +47,14 @@ class DirectoryLink:
     # ---------------------------------------------------------------- scheduler-side calls (never wait)
 
     def report_allocation(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
-                          skip_token_count: int, on_refused: Callable[[str], None]) -> None:
-        """Submit ReportAllocation for this engine (`skip_token_count`: decode's own prefix hit, not pushed);
-        on_refused(reason) runs on the client thread on failure."""
+                          skip_token_count: int, on_refused: Callable[[str], None],
+                          block_groups: Sequence[tuple[Sequence[int], int]] = ()) -> None:
+        """Submit ReportAllocation for this engine (`skip_token_count`: decode's own prefix hit, not pushed;
+        `block_groups`: each KV-cache group's (block ids, first token), several groups only); on_refused(reason)
+        runs on the client thread on failure."""
         future = self._loop.submit(self._calls.report_allocation(
-            transfer_id, self._config.engine_id, block_ids, prompt_token_count, skip_token_count))
+            transfer_id, self._config.engine_id, block_ids, prompt_token_count, skip_token_count,
+            block_groups=block_groups))
 
         def done(f: concurrent.futures.Future[tpb.Transfer]) -> None:
             error = f.exception()
