@@ -116,3 +116,16 @@ def test_request_and_layout_checks():
     layout.kv_cache_groups[1].layers[:] = [1]  # layer 3 in no group
     with pytest.raises(InvalidArgument, match="every layer in \\[0, 4\\) exactly once"):
         check_layout(layout)
+
+
+def test_engines_whose_groups_differ_are_not_paired():
+    """Prefill with the hybrid manager (two groups), decode without (one): FAILED_PRECONDITION naming the field and
+    both values."""
+    state = DirectoryState(Limits(lease_ttl_s=10, transfer_ttl_s=60), ManualClock().clock())
+    state.register(register_request("p1", PREFILL, layout=_grouped_layout()))
+    state.register(register_request("d1", DECODE, layout=make_layout(layer_count=4, block_count=64,
+                                                                       block_size_tokens=BS)))
+    with pytest.raises(FailedPrecondition) as refused:
+        state.plan(dpb.PlanTransferRequest(), None)
+    assert ("kv_cache_groups [([0, 2], 32), ([1, 3], 0)] of prefill 'p1' differs from (one group) of decode 'd1'"
+            in str(refused.value))
