@@ -265,6 +265,10 @@ def check_layer_ready(event: dpb.LayerReady, limits: Limits) -> None:
         raise InvalidArgument(f"source_block_ids is over the cap of {limits.max_block_ids}")
     if event.source_block_ids and min(event.source_block_ids) < 0:
         raise InvalidArgument("source_block_ids contains a negative id")
+    if sum(len(group.block_ids) for group in event.source_block_groups) > limits.max_block_ids:
+        raise InvalidArgument(f"source_block_groups hold more block ids than the cap of {limits.max_block_ids}")
+    if any(group.block_ids and min(group.block_ids) < 0 for group in event.source_block_groups):
+        raise InvalidArgument("source_block_groups contain a negative id")
 
 
 def check_batch(batch: dpb.LayerReadyBatch, limits: Limits) -> None:

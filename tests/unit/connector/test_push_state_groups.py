@@ -144,3 +144,16 @@ def test_one_group_behaves_as_before():
     writes = push.next_writes()
     assert [(w.layer, w.src_block_ids, w.dst_block_ids) for w in writes] \
         == [(0, (100, 101, 102), (500, 501, 502)), (1, (100, 101, 102), (500, 501, 502))]
+
+
+def test_readiness_to_the_directory_names_every_groups_source_blocks():
+    """The first readiness of a two-group push carries group 0's blocks as source_block_ids and both groups'
+    as source_block_groups (for tokens [0, token_end))."""
+    from kvpush.connector.metadata import PrefillChunk
+    from kvpush.connector.worker.push_machine import LayerSaved, PushBook, PushRules
+
+    book = PushBook(PushRules(len(LAYER_GROUPS), BS, 5.0, 1.0, layer_groups=LAYER_GROUPS))
+    chunk = PrefillChunk("r1", "t1", 0, 200, 300, (100, 101), block_groups=((100, 101), (200, 201)))
+    book.step_started([chunk], {}, [], {}, 0.0)
+    (ready,) = book.layer_saved(LayerSaved(0, None, 0.0), 0.0).ready
+    assert (ready.source_block_ids, ready.source_block_groups) == ((100, 101), ((100, 101), (200, 201)))

@@ -537,7 +537,9 @@ class PushOwner:
             self._pending_ready.append(dpb.LayerReady(
                 transfer_id=ready.transfer_id, layer_start=ready.layer_start, layer_end=ready.layer_end,
                 token_start=ready.token_start, token_end=ready.token_end, source_block_ids=ready.source_block_ids,
-                prompt_token_count=ready.prompt_token_count, plan_in_flight=ready.plan_in_flight))
+                prompt_token_count=ready.prompt_token_count, plan_in_flight=ready.plan_in_flight,
+                source_block_groups=[tpb.BlockGroup(group_index=index, block_ids=ids)
+                                     for index, ids in enumerate(ready.source_block_groups)]))
         if effects.flush_ready:
             self._flush_ready()
         for order in effects.writes:

@@ -139,6 +139,8 @@ class LayerReadiness:
     source_block_ids: tuple[int, ...]
     prompt_token_count: int
     plan_in_flight: bool
+    # Several KV-cache groups: every group's blocks for tokens [0, token_end) (the first is source_block_ids).
+    source_block_groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -683,9 +685,10 @@ class PushBook:
         record.sent_first_ready = True
         push = record.push
         end_block = -(-token_end // push.block_size_tokens)
+        groups = tuple(ids[:end_block] for ids in push.src_block_groups) if push.group_count > 1 else ()
         effects.ready.append(LayerReadiness(push.transfer_id, layer_start, layer_end, token_start, token_end,
                                             push.src_block_ids[:end_block], push.prompt_token_count,
-                                            record.plan_in_flight))
+                                            record.plan_in_flight, groups))
 
     def _pump(self, record: PushRecord, effects: PushEffects, now: float) -> None:
         """Plan every write that became possible; settle the transfer once it ended."""

@@ -10,7 +10,7 @@ import pytest
 from kvpush.directory.errors import FailedPrecondition, InvalidArgument
 from kvpush.directory.records import StoredTransfer
 from kvpush.directory.state import DirectoryState, Limits
-from kvpush.directory.validation import check_allocation, check_layout
+from kvpush.directory.validation import check_allocation, check_layer_ready, check_layout
 from kvpush.v1 import directory_pb2 as dpb
 from kvpush.v1 import types_pb2 as tpb
 from tests.fixtures.directory import DECODE, PREFILL, ManualClock, make_layout, ready, register_request
@@ -111,6 +111,10 @@ def test_request_and_layout_checks():
         check_allocation(dpb.ReportAllocationRequest(
             transfer_id="t", engine_id="d1", block_ids=[1], prompt_token_count=1,
             block_groups=[tpb.BlockGroup(group_index=1, block_ids=[1])]), Limits())
+    bad_ready = ready("t", 0, 1, prompt=PROMPT)
+    bad_ready.source_block_groups.add(group_index=0, block_ids=[3, -1])
+    with pytest.raises(InvalidArgument, match="source_block_groups contain a negative id"):
+        check_layer_ready(bad_ready, Limits())
     layout = _grouped_layout()
     check_layout(layout)
     layout.kv_cache_groups[1].layers[:] = [1]  # layer 3 in no group
