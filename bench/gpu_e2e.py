@@ -228,11 +228,21 @@ def e2e_shapes(args: argparse.Namespace) -> dict[str, int]:
     return shapes
 
 
-def expected_push_bytes(prompt_tokens: int, prefix_hit_tokens: int, config: dict[str, Any], on_gpu: bool) -> int:
-    """What a transfer moves: the KV of every token decode did not hold, every layer, every rank's heads."""
+def expected_push_bytes(prompt_tokens: int, prefix_hit_tokens: int, config: dict[str, Any], on_gpu: bool,
+                        decode_block_size: int = 0) -> int:
+    """What a transfer moves: the KV of every token decode did not hold, every layer, every rank's heads. A
+    sliding-window layer (vLLM's hybrid KV-cache manager, which the connector keeps on) only from the decode block
+    holding the first token of the prompt's last window: vLLM leaves the blocks before it null."""
     dtype = "bfloat16" if on_gpu else config["dtype"]
-    return (prompt_tokens - prefix_hit_tokens) * config["num_hidden_layers"] * kv_bytes_per_token(
-        {**config, "dtype": dtype})
+    per_token = kv_bytes_per_token({**config, "dtype": dtype})
+    total = 0
+    for layer_type in config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]:
+        first = prefix_hit_tokens
+        if layer_type == "sliding_attention" and decode_block_size:
+            window_start = max(0, prompt_tokens - config["sliding_window"] + 1)
+            first = max(first, window_start // decode_block_size * decode_block_size)
+        total += (prompt_tokens - first) * per_token
+    return total
 
 
 # ---------------------------------------------------------------- the stack
@@ -570,7 +580,8 @@ def run_e2e(args: argparse.Namespace) -> int:
             entry = {"prompt_tokens": len(prompt), "match": got == reference, "transfer_id": transfer_id,
                      "push": push, "hops_ms": transfer_hops(record) if record else None}
             if push is not None and push["state"] == "TRANSFER_STATE_COMPLETE":
-                expected = expected_push_bytes(len(prompt), push["prefix_hit_token_count"], config, stack.on_gpu)
+                expected = expected_push_bytes(len(prompt), push["prefix_hit_token_count"], config, stack.on_gpu,
+                                               engine_block_size(args, "decode"))
                 entry["bytes_expected"] = expected
                 entry["bytes_match"] = push["bytes_written"] == expected
                 if not entry["bytes_match"]:

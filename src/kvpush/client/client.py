@@ -231,12 +231,16 @@ class DirectoryClient:
 
     async def report_allocation(self, transfer_id: str, engine_id: str, block_ids: Sequence[int],
                                 prompt_token_count: int, skip_token_count: int = 0,
-                                timeout_s: float | None = None) -> tpb.Transfer:
+                                timeout_s: float | None = None,
+                                block_groups: Sequence[tuple[Sequence[int], int]] = ()) -> tpb.Transfer:
         """Report decode's blocks for a transfer (`skip_token_count`: leading tokens decode already holds, not
-        pushed); returns the transfer after the report."""
+        pushed); returns the transfer after the report. block_groups: with several KV-cache groups, each group's
+        (block ids, first token) by group index (block_ids then repeats group 0's)."""
         response = await self._unary("ReportAllocation", dpb.ReportAllocationRequest(
             transfer_id=transfer_id, engine_id=engine_id, block_ids=block_ids,
-            prompt_token_count=prompt_token_count, prefix_hit_token_count=skip_token_count), timeout_s,
+            prompt_token_count=prompt_token_count, prefix_hit_token_count=skip_token_count,
+            block_groups=[tpb.BlockGroup(group_index=index, block_ids=ids, first_token=first_token)
+                          for index, (ids, first_token) in enumerate(block_groups)]), timeout_s,
             transfer_id=transfer_id)
         return response.transfer
 

@@ -83,10 +83,11 @@ class SyncDirectoryClient:
         return self.run(self.client.plan_transfer(**kwargs))
 
     def report_allocation(self, transfer_id: str, engine_id: str, block_ids: Sequence[int],
-                          prompt_token_count: int, skip_token_count: int = 0) -> tpb.Transfer:
+                          prompt_token_count: int, skip_token_count: int = 0,
+                          block_groups: Sequence[tuple[Sequence[int], int]] = ()) -> tpb.Transfer:
         """Blocking `DirectoryClient.report_allocation`."""
         return self.run(self.client.report_allocation(transfer_id, engine_id, block_ids, prompt_token_count,
-                                                      skip_token_count))
+                                                      skip_token_count, block_groups=block_groups))
 
     def cancel_transfer(self, transfer_id: str, reason: str = "") -> tpb.Transfer:
         """Blocking `DirectoryClient.cancel_transfer`."""

@@ -26,11 +26,13 @@ how the connector spans them (checked against each release's `kv_connector/v1/ba
 | `supports_lookahead_block_hashes(kv_transfer_config)` (EAGLE-style drafts: block hashes that cover the tokens after each block) | 0.34+ | True: the connector never reads, sends or compares vLLM's block hashes; decode's own prefix hit reaches it as a token count (`num_computed_tokens`) |
 | `may_load_async(request)`: whether `get_num_new_matched_tokens` may answer `load_kv_async=True` (with `--max-num-inflight-kv-loads`, such requests start loading while the batch is full) | 0.34+ (default: the request's `do_remote_prefill` flag) | decode: True for a request whose kvpush decode leg (which sets `do_remote_prefill`) is valid and not yet allocated; prefill: False, also for a decode leg on a prefill engine |
 | `ModelRunnerOutput.req_id_to_index` | 0.25-0.33 (removed in 0.34) | not used |
-| a connector that is not `SupportsHMA` gets the hybrid KV-cache manager turned off with a warning (unless the user forces it on, when `create_connector` refuses it) | all | not `SupportsHMA`: one KV-cache group (connector.py) |
+| a connector that is not `SupportsHMA` gets the hybrid KV-cache manager turned off with a warning (unless the user forces it on, when `create_connector` refuses it) | all | `SupportsHMA` (imported guarded): the hybrid manager stays on; several attention groups are pushed per group (connector.py) |
 | the factory maps `NixlConnector` with `transfer_mode: "push"` to vLLM's own push connector | 0.34+ | nothing to do: kvpush is loaded by `kv_connector_module_path` |
 | `LogitsProcessor.validate_params` raising a bare `ValueError` (src/kvpush/connector/first_token.py refuses a malformed `first_token_id` this way) | 0.32+ converts it to `VLLMValidationError` (HTTP 400); 0.25 passes the `ValueError` on to its OpenAI server | raises `ValueError` only, which both answer with a 400 |
 | the V1 model runner's `LogitsProcessor` (`vllm/v1/sample/logits_processor/`: `__init__(vllm_config, device, is_pin_memory)`, `is_argmax_invariant`, `update_state`, `apply(logits)`, `BatchUpdate`) | 0.25-0.33 (removed in 0.34 with the V1 runner); the V2 runner's (`vllm/v1/worker/gpu/sample/logits_processor/`: `__init__(vllm_config, req_states)`, `add_request`, `apply(logits, ctx)`) from 0.31 | src/kvpush/connector/first_token.py implements both shapes |
-| `has_pending_block_frees`, `finish_forward`, `get_loaded_kv_cache_group_ids`, `requires_kv_delivery`, `get_mem_pool_context`, ... | 0.27+ to 0.32+ | base-class defaults; the connector needs none of them |
+| `get_loaded_kv_cache_group_ids(request)`: the KV-cache groups a load restores (vLLM skips zeroing them) | 0.32+ | every group: a push writes the request's own blocks of each |
+| `get_transfer_results(finished_req_ids)` -> `KVConnectorTransferResults` (with `failed_recving`) | 0.30+ | wraps `get_finished`; with several KV-cache groups failed receives go out as `failed_recving` |
+| `has_pending_block_frees`, `finish_forward`, `requires_kv_delivery`, `get_mem_pool_context`, ... | 0.27+ to 0.32+ | base-class defaults; the connector needs none of them |
 
 Every other hook the connector implements has the same name, signature and caller in all of them.
 """
@@ -48,6 +50,8 @@ ALLOW_UNSUPPORTED_ENV = "KVPUSH_ALLOW_UNSUPPORTED_VLLM"
 # Hooks the connector overrides that only the newer supported releases have (hook -> the first release that
 # calls it). Every other override must exist, with a compatible signature, in every supported release.
 RELEASE_SPECIFIC_HOOKS: dict[str, tuple[int, int]] = {
+    "get_loaded_kv_cache_group_ids": (0, 32),
+    "get_transfer_results": (0, 30),
     "supports_sleep_mode": (0, 33),
     "unregister_kv_caches": (0, 33),
     "restore_kv_caches": (0, 33),

@@ -15,12 +15,12 @@ layer; `start_load_kv` before or after it, by release) -> `wait_for_save` -> `ge
 through `get_transfer_results`) -> `get_block_ids_with_load_errors` -> `build_connector_worker_meta` ->
 `clear_connector_metadata`. The worker therefore begins its step in `bind_connector_metadata`.
 
-Not `SupportsHMA`: a transfer carries one list of decode blocks and failures are reported as block ids
-(`invalid_block_ids`), both of which assume one KV-cache group. vLLM therefore turns the hybrid KV-cache
-manager off, which full-attention models do not need. Sliding-window models (Gemma 3's pattern) then run with one
-KV-cache group, every token's KV kept, and push like full attention (tests/integration/connector/test_pd_models.py);
-pushing only a window's blocks, and hybrid SSM models (which need the hybrid manager), need per-group block lists
-in the directory API first.
+`SupportsHMA`: vLLM keeps its hybrid KV-cache manager on. Each KV-cache group (layers sharing one block table)
+has its own block list on both sides; allocations, readiness and instructions carry every group's
+(`BlockGroup`), and each layer is written into its own group's blocks. A sliding-window group on decode holds only
+the prompt's last window (vLLM pads the blocks behind it with its null block), so only those blocks are pushed.
+Groups must be attention (full or sliding window) of one block size; hybrid SSM (Mamba) state groups are refused at
+start-up. Failed receives of a several-group engine are reported by request (`failed_recving`), not block ids.
 
 Operations hooks here (not in the halves): each worker registers its served model and a compatibility hash
 (`metadata.compatibility_hash`), renews its lease with the engine's load (the scheduler reads free blocks from the
@@ -48,6 +48,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # a release without the hybrid manager's connector interface: nothing to declare
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stand-in for vLLM's marker class where it does not exist."""
+
 import kvpush.connector.compat  # noqa: F401  (first: an unsupported vLLM fails here, by name)
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import WIRE_VERSION, KVPushMetadata
@@ -57,6 +63,7 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
@@ -78,7 +85,7 @@ if TYPE_CHECKING:
 _log = get_logger("connector")
 
 
-class KVPushConnector(KVConnectorBase_V1):
+class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     """Push-based, layer-streamed KV transfer coordinated by the kvpush directory (module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -86,10 +93,9 @@ class KVPushConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         configure_logging()
         self.config = ConnectorConfig.from_kv_transfer_config(vllm_config.kv_transfer_config)
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError("KVPushConnector supports one KV-cache group (full attention); this model has "
-                             f"{len(kv_cache_config.kv_cache_groups)}")
         self._block_size = vllm_config.cache_config.block_size
+        # Several KV-cache groups (hybrid manager): each group's layer names and sliding window; else [].
+        self._kv_cache_groups = _attention_groups(kv_cache_config, self._block_size)
         # Scheduler process: its half (a prefill engine's also by its own type, for the output signal).
         self._scheduler: SchedulerHalf | None = None
         self._prefill_scheduler: PrefillScheduler | None = None
@@ -135,7 +141,8 @@ class KVPushConnector(KVConnectorBase_V1):
             from kvpush.connector.scheduler.decode import DecodeScheduler
 
             self._link = DirectoryLink(self.config, "kvpush-scheduler-directory")
-            self._scheduler = DecodeScheduler(self.config, self._block_size, self._link)
+            self._scheduler = DecodeScheduler(self.config, self._block_size, self._link,
+                                              tuple(window for _, window in self._kv_cache_groups))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Worker start-up: register KV memory with NIXL and this worker with the directory (blocking, bounded)."""
@@ -162,7 +169,8 @@ class KVPushConnector(KVConnectorBase_V1):
             model=str(getattr(model_config, "served_model_name", None) or model_config.model),
             compatibility_hash=lambda agent: self._compatibility_hash(agent, model_kv_heads, head_size, len(kv_caches)),
             model_kv_head_count=model_kv_heads,
-            load_callback=self._load, metrics=self._metrics, forces_first_token=self._forces_first_token())
+            load_callback=self._load, metrics=self._metrics, forces_first_token=self._forces_first_token(),
+            kv_cache_groups=self._kv_cache_groups or None)
         half = self._parts.half
         if isinstance(half, PrefillWorker):
             self._prefill_worker = half
@@ -263,9 +271,26 @@ class KVPushConnector(KVConnectorBase_V1):
         return None, finished
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of failed receives, in the same step their requests are reported finished."""
+        """Blocks of failed receives, in the same step their requests are reported finished (one KV-cache group;
+        with several, vLLM cannot map block ids to requests: `get_transfer_results` reports them failed instead)."""
         errors, self._load_errors = self._load_errors, set()
-        return errors
+        return set() if self._kv_cache_groups else errors
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`'s sets, plus (several KV-cache groups) the failed receives as `failed_recving` (vLLM
+        0.30+, whose result type this is; older releases never call it)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed: set[str] = set()
+        if self._decode_worker is not None:
+            failed = self._decode_worker.take_failed_requests()
+        results = KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()))
+        if self._kv_cache_groups:
+            results.failed_recving = failed
+        return results
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Push timelines of transfers that ended (prefill), for the response's kv_transfer_params; prefill's
@@ -334,6 +359,17 @@ class KVPushConnector(KVConnectorBase_V1):
         """Exactly once per request, before its blocks are freed: hold them while pushes may still touch them."""
         self._known_requests.discard(request.request_id)
         return self._scheduler_half().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, object] | None]:
+        """`request_finished` with every KV-cache group's blocks (SupportsHMA): a hold keeps them all, as vLLM
+        delays freeing every group's blocks together."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every KV-cache group: a push writes the request's own blocks of each (a sliding-window group's
+        window included), unlike a prefix store."""
+        return tuple(range(max(1, len(self._kv_cache_groups))))
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """No KV-cache events. The last connector call of update_from_output: prefill tells an in-process worker
@@ -421,3 +457,24 @@ class KVPushConnector(KVConnectorBase_V1):
             return False
         _, load_async = self._scheduler.get_num_new_matched_tokens(request, 0)
         return load_async
+
+
+def _attention_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[tuple[list[str], int]]:
+    """Each KV-cache group's layer names and sliding window (0: full attention), when there are several; [] for
+    one. Raise ValueError, naming the group, for what a push cannot move (state groups, other block sizes)."""
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    if len(groups) < 2:
+        return []
+    described: list[tuple[list[str], int]] = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if kind not in ("FullAttentionSpec", "SlidingWindowSpec"):
+            raise ValueError(f"KVPushConnector pushes attention KV only; KV-cache group {index} is {kind} "
+                             f"(layers {list(group.layer_names)[:4]}...): hybrid SSM models are not supported")
+        if spec.block_size != block_size:
+            raise ValueError(f"KV-cache group {index} has {spec.block_size}-token blocks; the engine's are "
+                             f"{block_size}")
+        window = getattr(spec, "sliding_window", None) or 0
+        described.append((list(group.layer_names), int(window)))
+    return described

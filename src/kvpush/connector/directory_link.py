@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -59,9 +59,11 @@ class DirectoryLink:
     # ---------------------------------------------------------------- scheduler-side calls (never wait)
 
     def report_allocation(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
-                          skip_token_count: int, on_refused: Callable[[str], None]) -> None:
-        """Submit ReportAllocation for this engine (`skip_token_count`: decode's own prefix hit, not pushed);
-        on_refused(reason) runs on the client thread on failure.
+                          skip_token_count: int, on_refused: Callable[[str], None],
+                          block_groups: Sequence[tuple[Sequence[int], int]] = ()) -> None:
+        """Submit ReportAllocation for this engine (`skip_token_count`: decode's own prefix hit, not pushed;
+        `block_groups`: each KV-cache group's (block ids, first token), several groups only); on_refused(reason)
+        runs on the client thread on failure.
 
         A refusal because a block is still owned by a live transfer is retried (backing off, within
         transfer_timeout_s): decode completes a receive on prefill's notification, which comes once every write
@@ -70,7 +72,7 @@ class DirectoryLink:
         next request meanwhile would make its engine answer it with an error.
         """
         future = self._loop.submit(self._report_when_blocks_free(
-            transfer_id, block_ids, prompt_token_count, skip_token_count))
+            transfer_id, block_ids, prompt_token_count, skip_token_count, block_groups))
 
         def done(f: concurrent.futures.Future[tpb.Transfer]) -> None:
             error = f.exception()
@@ -81,14 +83,16 @@ class DirectoryLink:
         future.add_done_callback(done)
 
     async def _report_when_blocks_free(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
-                                       skip_token_count: int) -> tpb.Transfer:
+                                       skip_token_count: int,
+                                       block_groups: Sequence[tuple[Sequence[int], int]]) -> tpb.Transfer:
         deadline = time.monotonic() + self._config.transfer_timeout_s
         pause = _OWNED_RETRY_FIRST_S
         waited = False
         while True:
             try:
                 return await self._calls.report_allocation(
-                    transfer_id, self._config.engine_id, block_ids, prompt_token_count, skip_token_count)
+                    transfer_id, self._config.engine_id, block_ids, prompt_token_count, skip_token_count,
+                    block_groups=block_groups)
             except DirectoryCallError as error:
                 if not _blocks_still_owned(error) or time.monotonic() + pause > deadline:
                     raise

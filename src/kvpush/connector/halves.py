@@ -182,7 +182,8 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor
                       tap_write_done: Callable[[WriteDone], None] | None = None,
                       tap_instruction: Callable[[dpb.PushInstruction], None] | None = None,
                       tap_notification: Callable[[str, bytes], None] | None = None,
-                      forces_first_token: bool = False, model_kv_head_count: int = 0) -> WorkerParts:
+                      forces_first_token: bool = False, model_kv_head_count: int = 0,
+                      kv_cache_groups: list[tuple[list[str], int]] | None = None) -> WorkerParts:
     """Wire this process's worker half and register it with the directory (blocking, bounded; start-up only).
 
     create_agent: builds the TransferAgent (default: `transport.create_agent`, real NIXL).
@@ -194,6 +195,8 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor
     load_callback: the engine's load for each lease renewal (client thread, must not block).
     metrics: a `metrics.WorkerMetrics` fed with write settlements, quiet transfers, lost leases, the backlog.
     tap_*: called before the half's own callback with the same argument (the GPU harness stamps times).
+    kv_cache_groups: with several KV-cache groups (hybrid KV-cache manager), each group's layer names and
+        sliding window in tokens (0: full attention), by group index; registered with the layout.
     """
     from kvpush.connector.directory_link import DirectoryLink
     from kvpush.connector.worker import transport
@@ -208,6 +211,11 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor
     if compatibility_hash is not None:
         layout.compatibility_hash = compatibility_hash(agent)
     layout.model_kv_head_count = model_kv_head_count
+    layer_groups = _layer_groups(list(kv_caches), kv_cache_groups)
+    if layer_groups:
+        for index, (_names, window) in enumerate(kv_cache_groups or ()):
+            layout.kv_cache_groups.add(group_index=index, sliding_window_tokens=window,
+                                       layers=[i for i, group in enumerate(layer_groups) if group == index])
     lease_lost = metrics.on_lease_lost if metrics is not None else None
     if metrics is not None:
         tap_write_done = _tapped(metrics.on_write_done, tap_write_done)
@@ -220,7 +228,7 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor
                                   metrics.on_writer_quiet if metrics is not None else None)
         push = transport.PushTransport(agent, on_write_done, on_writer_quiet)
         worker = PrefillWorker(config, link, list(kv_caches), block_size_tokens, agent, push, on_gpu=on_gpu,
-                               tp_rank=tp_rank)
+                               tp_rank=tp_rank, layer_groups=layer_groups)
         holder.append(worker)
         # Both mean the directory dropped this worker's session: a lost lease, and a stream that reconnected.
         def on_lease_lost(lease: str, reason: str) -> None:
@@ -262,3 +270,14 @@ def _tapped(callback: Callable[_P, None], tap: Callable[_P, None] | None) -> Cal
         callback(*args, **kwargs)
 
     return both
+
+
+def _layer_groups(layer_names: list[str], kv_cache_groups: list[tuple[list[str], int]] | None) -> tuple[int, ...]:
+    """Each layer's KV-cache group, in layer order; () with one group (or none said)."""
+    if not kv_cache_groups or len(kv_cache_groups) < 2:
+        return ()
+    group_of = {name: index for index, (names, _) in enumerate(kv_cache_groups) for name in names}
+    missing = [name for name in layer_names if name not in group_of]
+    if missing:
+        raise ValueError(f"KV-cache layers {missing} are in no KV-cache group")
+    return tuple(group_of[name] for name in layer_names)

@@ -40,7 +40,8 @@ class PrefillChunk:
 
     cached_token_count is set on the request's first chunk only: tokens [0, cached_token_count) came
     from this engine's prefix cache (possibly from blocks another request computes in this same step).
-    block_ids are the engine's blocks holding tokens [0, token_end), in token order.
+    block_ids are the engine's blocks holding tokens [0, token_end), in token order (KV-cache group 0);
+    block_groups, with several KV-cache groups, every group's (block_groups[0] == block_ids); else empty.
     """
 
     request_id: str
@@ -55,6 +56,7 @@ class PrefillChunk:
     sends_first_token: bool = False
     # The directory may not know the transfer yet (the leg came before its plan returned): readiness says so.
     plan_in_flight: bool = False
+    block_groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def is_last(self) -> bool:

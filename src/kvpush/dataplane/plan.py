@@ -160,7 +160,10 @@ class WritePlan:
         return int(self.local_indices.size)
 
 
-def _check_ids(name: str, ids: Sequence[int], needed: int, block_count: int) -> _Ints:
+def _check_ids(name: str, ids: Sequence[int], needed: int, block_count: int, first: int = 0) -> _Ints:
+    """The ids as an array; refuses too few, and ids out of range or repeated among the written blocks [first,
+    needed). Blocks before `first` are never read or written: a sliding-window group's there may all be one null
+    block."""
     arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     if arr.size < needed:
         raise WriteRequestError(f"{name} has {arr.size} block ids but the token range needs {needed}")
@@ -168,7 +171,8 @@ def _check_ids(name: str, ids: Sequence[int], needed: int, block_count: int) -> 
     bad = used[(used < 0) | (used >= block_count)]
     if bad.size:
         raise WriteRequestError(f"{name} block id {int(bad[0])} out of range [0, {block_count})")
-    if np.unique(used).size != used.size:
+    written = used[first:]
+    if np.unique(written).size != written.size:
         raise WriteRequestError(f"{name} repeats a block id within the written range")
     return used
 
@@ -214,8 +218,10 @@ def validate_write(
     if not 0 <= token_start < token_end:
         raise WriteRequestError(f"token range [{token_start}, {token_end}) is empty or negative")
     layer_arr = _check_layers(layers, src, dst)
-    src_ids = _check_ids("src_block_ids", src_block_ids, -(-token_end // src.block_size_tokens), src.block_count)
-    dst_ids = _check_ids("dst_block_ids", dst_block_ids, -(-token_end // dst.block_size_tokens), dst.block_count)
+    src_ids = _check_ids("src_block_ids", src_block_ids, -(-token_end // src.block_size_tokens), src.block_count,
+                         token_start // src.block_size_tokens)
+    dst_ids = _check_ids("dst_block_ids", dst_block_ids, -(-token_end // dst.block_size_tokens), dst.block_count,
+                         token_start // dst.block_size_tokens)
     return layer_arr, src_ids, dst_ids
 
 

@@ -207,6 +207,11 @@ def _one_head(layout: tpb.KVLayout) -> tpb.KVLayout:
 _HASH_ONLY_FACTORS = "model path, cache dtype, KV layout name (NHD/HND, plane order) or vLLM release"
 
 
+def _kv_cache_groups(layout: tpb.KVLayout) -> list[tuple[list[int], int]]:
+    """A layout's KV-cache groups as (layers, sliding window) in group order; [] for one group."""
+    return [(list(group.layers), group.sliding_window_tokens) for group in layout.kv_cache_groups]
+
+
 def _differs(field_name: str, prefill_value: object, decode_value: object, prefill_engine_id: str,
              decode_engine_id: str, why: str) -> str:
     return (f"{field_name} {prefill_value} of prefill {prefill_engine_id!r} differs from {decode_value} of decode "
@@ -271,6 +276,11 @@ def _layout_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_engine_id:
     if p.block_atomic != d.block_atomic:
         return _differs("block_atomic", p.block_atomic, d.block_atomic, *ids,
                         "vLLM CPU attention stores blocks in tiles a GPU layout does not read")
+    p_groups, d_groups = _kv_cache_groups(p), _kv_cache_groups(d)
+    if p_groups != d_groups:
+        return _differs("kv_cache_groups", p_groups or "(one group)", d_groups or "(one group)", *ids,
+                        "each layer is written into its KV-cache group's blocks, so both sides need the same groups: "
+                        "the hybrid KV-cache manager on one side only?")
     if len(p.planes) != len(d.planes):
         return _differs("plane count", len(p.planes), len(d.planes), *ids,
                         "K and V fused in one plane on one side and separate on the other")

@@ -278,6 +278,13 @@ class Allocation:
     block_ids: tuple[int, ...]
     prompt_token_count: int
     skip_token_count: int  # leading tokens decode already holds (ReportAllocationRequest.prefix_hit_token_count)
+    # Several KV-cache groups: each group's (block ids, first token), by group index; () for one group.
+    groups: tuple[tuple[tuple[int, ...], int], ...] = ()
+
+    def block_group_protos(self) -> list[tpb.BlockGroup]:
+        """The groups as BlockGroup messages (empty for one group)."""
+        return [tpb.BlockGroup(group_index=index, block_ids=ids, first_token=first)
+                for index, (ids, first) in enumerate(self.groups)]
 
 
 
@@ -376,6 +383,7 @@ class TransferRecord:
             msg.prompt_token_count = self.allocation.prompt_token_count
             msg.prefix_hit_token_count = self.allocation.skip_token_count
             msg.decode_block_ids.extend(self.allocation.block_ids)
+            msg.decode_block_groups.extend(self.allocation.block_group_protos())
         else:
             msg.prompt_token_count = self.ready_prompt_token_count or self.plan_prompt_token_count
         set_timestamp(msg.create_time, self.create_wall)
@@ -483,7 +491,8 @@ class StoredTransfer:
             body["allocation"] = {"block_ids": list(self.allocation.block_ids),
                                   "prompt_token_count": self.allocation.prompt_token_count,
                                   "prefix_hit_token_count": self.allocation.skip_token_count,
-                                  "owned_blocks": list(self.owned_blocks)}
+                                  "owned_blocks": list(self.owned_blocks),
+                                  "groups": [[list(ids), first] for ids, first in self.allocation.groups]}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -493,6 +502,7 @@ class StoredTransfer:
         allocation = body.pop("allocation", None)
         if allocation is None:
             return cls(**body)
+        groups = tuple((tuple(ids), int(first)) for ids, first in allocation.get("groups", ()))
         return cls(**body, allocation=Allocation(tuple(allocation["block_ids"]), allocation["prompt_token_count"],
-                                                 allocation["prefix_hit_token_count"]),
+                                                 allocation["prefix_hit_token_count"], groups),
                    owned_blocks=tuple(allocation["owned_blocks"]))

@@ -433,7 +433,8 @@ class DirectoryState:
         if request.engine_id != record.decode_engine_id:
             raise PermissionDenied(
                 f"engine {request.engine_id!r} is not the decode engine of transfer {record.transfer_id}")
-        allocation = Allocation(tuple(request.block_ids), request.prompt_token_count, request.prefix_hit_token_count)
+        allocation = Allocation(tuple(request.block_ids), request.prompt_token_count, request.prefix_hit_token_count,
+                                tuple((tuple(group.block_ids), group.first_token) for group in request.block_groups))
         fx = Effects()
         if record.allocation is not None:
             if allocation == record.allocation:
@@ -455,6 +456,8 @@ class DirectoryState:
             raise InvalidArgument(f"block id {bad} is out of range [0, {layout.block_count})")
         # Blocks holding decode's own prefix hit may be shared (prefix cache); only written ones are owned.
         owned = allocation.block_ids[allocation.skip_token_count // layout.block_size_tokens:needed]
+        if allocation.groups or len(layout.kv_cache_groups) > 1:
+            owned = _owned_group_blocks(allocation, layout, needed)
         if len(set(owned)) != len(owned):
             raise InvalidArgument("block_ids repeat a block that would be written twice")
         index = self._owned_blocks.setdefault(record.decode_engine_id, {})
@@ -628,6 +631,7 @@ class DirectoryState:
                 transfer_id=record.transfer_id, decode_engine_id=record.decode_engine_id, decode_tp_rank=rank,
                 decode_agent_name=target.agent_name, decode_agent_metadata=target.agent_metadata,
                 decode_layout=target.layout, decode_block_ids=allocation.block_ids,
+                decode_block_groups=allocation.block_group_protos(),
                 skip_token_count=allocation.skip_token_count,
                 prompt_token_count=allocation.prompt_token_count,
                 notification=record.transfer_id.encode(), trace_context=record.trace_context,
@@ -665,7 +669,7 @@ class DirectoryState:
                 transfer_id=record.transfer_id, decode_engine_id=record.decode_engine_id,
                 decode_tp_rank=target.tp_rank, decode_agent_name=target.agent_name,
                 decode_agent_metadata=target.agent_metadata, decode_layout=target.layout,
-                decode_block_ids=allocation.block_ids,
+                decode_block_ids=allocation.block_ids, decode_block_groups=allocation.block_group_protos(),
                 skip_token_count=allocation.skip_token_count if mine else allocation.prompt_token_count,
                 prompt_token_count=allocation.prompt_token_count,
                 notification=mine[0][1] if mine else b"", trace_context=record.trace_context,
@@ -1118,3 +1122,31 @@ class DirectoryState:
             if early.engine_id not in self.engines.groups:
                 problems.append(f"{transfer_id}: early readiness of an unregistered engine {early.engine_id}")
         return problems
+
+
+def _owned_group_blocks(allocation: Allocation, layout: tpb.KVLayout, needed: int) -> tuple[int, ...]:
+    """The blocks a several-group allocation lets prefill write: each group's from its first written token
+    (decode's prefix hit, or the group's first token if later) to the prompt's end. Raise InvalidArgument when the
+    groups do not match decode's layout or a block would be written twice (groups share one block pool)."""
+    declared = len(layout.kv_cache_groups)
+    if len(allocation.groups) != declared:
+        raise InvalidArgument(f"block_groups has {len(allocation.groups)} groups; the decode engine's layout "
+                              f"declares {declared} KV-cache groups")
+    if allocation.block_ids != allocation.groups[0][0]:
+        raise InvalidArgument("block_ids must repeat block_groups[0]'s list")
+    block_size = layout.block_size_tokens
+    owned: list[int] = []
+    for index, (ids, first_token) in enumerate(allocation.groups):
+        if not 0 <= first_token <= allocation.prompt_token_count or first_token % block_size:
+            raise InvalidArgument(f"block_groups[{index}].first_token {first_token} is not a multiple of "
+                                  f"{block_size} in [0, {allocation.prompt_token_count}]")
+        if len(ids) < needed:
+            raise InvalidArgument(f"block_groups[{index}] has {len(ids)} block ids; "
+                                  f"{allocation.prompt_token_count} tokens need {needed}")
+        bad = next((b for b in ids if not 0 <= b < layout.block_count), None)
+        if bad is not None:
+            raise InvalidArgument(f"block_groups[{index}] block id {bad} is out of range [0, {layout.block_count})")
+        owned.extend(ids[max(allocation.skip_token_count, first_token) // block_size:needed])
+    if len(set(owned)) != len(owned):
+        raise InvalidArgument("block_groups repeat a block that would be written twice")
+    return tuple(owned)

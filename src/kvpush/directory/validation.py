@@ -160,6 +160,25 @@ def check_layout(layout: tpb.KVLayout) -> None:
     if layout.layer_names and len(layout.layer_names) != layout.layer_count:
         raise InvalidArgument(
             f"layout.layer_names has {len(layout.layer_names)} entries; layer_count is {layout.layer_count}")
+    _check_kv_cache_groups(layout)
+
+
+def _check_kv_cache_groups(layout: tpb.KVLayout) -> None:
+    """KV-cache groups, when declared: indices 0..n-1 in order, every layer in exactly one, windows >= 0."""
+    if not layout.kv_cache_groups:
+        return
+    seen: list[int] = []
+    for position, group in enumerate(layout.kv_cache_groups):
+        where = f"layout.kv_cache_groups[{position}]"
+        if group.group_index != position:
+            raise InvalidArgument(f"{where}.group_index is {group.group_index}; groups come in order from 0")
+        if not group.layers:
+            raise InvalidArgument(f"{where}.layers is empty")
+        _non_negative(group.sliding_window_tokens, f"{where}.sliding_window_tokens")
+        seen.extend(group.layers)
+    if sorted(seen) != list(range(layout.layer_count)):
+        raise InvalidArgument(f"layout.kv_cache_groups must hold every layer in [0, {layout.layer_count}) exactly "
+                              "once")
 
 
 def check_register(request: dpb.RegisterEngineRequest, limits: Limits) -> None:
@@ -217,6 +236,15 @@ def check_allocation(request: dpb.ReportAllocationRequest, limits: Limits) -> No
         raise InvalidArgument(f"block_ids has {len(request.block_ids)} entries; the cap is {limits.max_block_ids}")
     if min(request.block_ids) < 0:
         raise InvalidArgument("block_ids contains a negative id")
+    group_ids = sum(len(group.block_ids) for group in request.block_groups)
+    if group_ids > limits.max_block_ids:
+        raise InvalidArgument(f"block_groups hold {group_ids} block ids; the cap is {limits.max_block_ids}")
+    for position, group in enumerate(request.block_groups):
+        if group.group_index != position:
+            raise InvalidArgument(f"block_groups[{position}] has group_index {group.group_index}; groups must come "
+                                  "in group order from 0")
+        if not group.block_ids or min(group.block_ids) < 0:
+            raise InvalidArgument(f"block_groups[{position}].block_ids is empty or has a negative id")
 
 
 def check_layer_ready(event: dpb.LayerReady, limits: Limits) -> None:
@@ -237,6 +265,10 @@ def check_layer_ready(event: dpb.LayerReady, limits: Limits) -> None:
         raise InvalidArgument(f"source_block_ids is over the cap of {limits.max_block_ids}")
     if event.source_block_ids and min(event.source_block_ids) < 0:
         raise InvalidArgument("source_block_ids contains a negative id")
+    if sum(len(group.block_ids) for group in event.source_block_groups) > limits.max_block_ids:
+        raise InvalidArgument(f"source_block_groups hold more block ids than the cap of {limits.max_block_ids}")
+    if any(group.block_ids and min(group.block_ids) < 0 for group in event.source_block_groups):
+        raise InvalidArgument("source_block_groups contain a negative id")
 
 
 def check_batch(batch: dpb.LayerReadyBatch, limits: Limits) -> None:

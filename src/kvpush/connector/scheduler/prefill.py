@@ -53,7 +53,9 @@ class _TrackedPrefill:
     traceparent: str
     chunks_sent: int = 0
     preempted: bool = False
-    block_ids: list[int] = field(default_factory=list)  # the request's blocks, as of this step
+    block_ids: list[int] = field(default_factory=list)  # the request's blocks, as of this step (group 0)
+    # With several KV-cache groups, every group's blocks (block_groups[0] is block_ids); else empty.
+    block_groups: list[list[int]] = field(default_factory=list)
     sends_first_token: bool = False  # first_token_from_prefill: DONE carries the token sampled after the prompt
     plan_in_flight: bool = False  # the leg came before its PlanTransfer returned: readiness says so
     # The response's push timeline, as far as this half measured it: its first chunk (when, and how many prompt
@@ -144,11 +146,13 @@ class PrefillScheduler:
                 self.on_output_leaving(self._processed_step_seq)
 
     def _track_block_ids(self, scheduler_output: SchedulerOutput) -> None:
-        """Bring each tracked request's block ids up to this step (KV-cache group 0: one group only)."""
+        """Bring each tracked request's block ids up to this step, per KV-cache group."""
         for new_request in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new_request.req_id)
             if tracked is not None:
                 tracked.block_ids = list(new_request.block_ids[0])
+                if len(new_request.block_ids) > 1:
+                    tracked.block_groups = [tracked.block_ids, *(list(ids) for ids in new_request.block_ids[1:])]
         cached = scheduler_output.scheduled_cached_reqs
         # vLLM 0.25-0.33 name resumed requests here; 0.34 sends them in scheduled_new_reqs, whole table (above).
         resumed = getattr(cached, "resumed_req_ids", None) or ()
@@ -158,8 +162,12 @@ class PrefillScheduler:
                 continue
             if request_id in resumed:  # back from preemption: the list replaces the old blocks
                 tracked.block_ids = list(new_block_ids[0])
+                if len(new_block_ids) > 1:
+                    tracked.block_groups = [tracked.block_ids, *(list(ids) for ids in new_block_ids[1:])]
             else:
                 tracked.block_ids.extend(new_block_ids[0])
+                for group_ids, new_ids in zip(tracked.block_groups[1:], new_block_ids[1:]):
+                    group_ids.extend(new_ids)
 
     def _add_chunks(self, scheduler_output: SchedulerOutput, meta: KVPushMetadata) -> None:
         now = time.time()
@@ -175,7 +183,8 @@ class PrefillScheduler:
             token_end = min(token_start + num_tokens, prompt_tokens)
             block_ids = tracked.block_ids
             needed_blocks = -(-token_end // self._block_size_tokens)
-            if len(block_ids) < needed_blocks:  # never seen; pushing would read blocks we cannot name
+            short = min((len(ids) for ids in tracked.block_groups), default=len(block_ids))
+            if min(len(block_ids), short) < needed_blocks:  # never seen; pushing would read blocks we cannot name
                 _log.error("scheduler output lacks the request's block ids; its push stops here",
                            request_id=request_id, transfer_id=tracked.transfer_id, token_end=token_end,
                            block_count=len(block_ids), block_size_tokens=self._block_size_tokens)
@@ -190,6 +199,7 @@ class PrefillScheduler:
                 cached_token_count=token_start if tracked.chunks_sent == 0 else 0,
                 trace_context=tracked.traceparent, sends_first_token=tracked.sends_first_token,
                 plan_in_flight=tracked.plan_in_flight,
+                block_groups=tuple(tuple(ids[:needed_blocks]) for ids in tracked.block_groups),
             ))
             if tracked.chunks_sent == 0:
                 tracked.prefill_start_time = now

@@ -73,6 +73,7 @@ class DecodeWorker:
         self._book = ReceiveBook(ReceiveRules(block_size_tokens, config.transfer_timeout_s))
         self._spans: dict[str, TransferSpan] = {}  # request id -> its receive span, until the span ends
         self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         # The current step schedules no tokens and follows one that scheduled none either (see collect).
         self._empty_step = False
@@ -172,6 +173,12 @@ class DecodeWorker:
         errors, self._load_errors = self._load_errors, set()
         return effects.finished, errors
 
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose receive failed since the last call (each also reported finished by collect): how an engine
+        of several KV-cache groups reports load failures (`failed_recving`), as vLLM cannot map block ids there."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
     def take_first_tokens(self) -> dict[str, int]:
         """First tokens of receives completed since the last call (request id -> token), for the scheduler."""
         tokens, self._first_tokens = self._first_tokens, {}
@@ -203,6 +210,7 @@ class DecodeWorker:
                 span.set_attributes(end.attributes)
                 span.end(ok=end.ok, reason=end.reason)
         self._load_errors |= effects.load_errors
+        self._failed_requests |= effects.failed
         self._first_tokens.update(effects.first_tokens)
         for notice in effects.notices:
             _log_notice(notice)

@@ -124,14 +124,14 @@ class PrefillWorker:
 
     def __init__(self, config: ConnectorConfig, directory: PrefillDirectory, layer_names: list[str],
                  block_size_tokens: int, loop: OwnerLoop, transport: PushTransportPort, on_gpu: bool = False,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, layer_groups: tuple[int, ...] = ()) -> None:
         self._config = config
         self._tp_rank = tp_rank
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
         self._on_gpu = on_gpu
         self._outbox: queue.SimpleQueue[Released | TimelineChanged] = queue.SimpleQueue()
         self.owner = PushOwner(config, directory, len(layer_names), block_size_tokens, transport,
-                               self._outbox.put)
+                               self._outbox.put, layer_groups)
         self._post: Callable[[Callable[[], None]], None] = loop.post
         loop.attach(self.owner)
         # Engine thread only: what the hooks saw.
@@ -356,13 +356,13 @@ class PushOwner:
 
     def __init__(self, config: ConnectorConfig, directory: PrefillDirectory, layer_count: int,
                  block_size_tokens: int, transport: PushTransportPort,
-                 publish: Callable[[Released | TimelineChanged], None]) -> None:
+                 publish: Callable[[Released | TimelineChanged], None], layer_groups: tuple[int, ...] = ()) -> None:
         self._config = config
         self._directory = directory  # DirectoryLink with an open prefill session
         self._transport = transport
         self._publish = publish
         self._book = PushBook(PushRules(layer_count, block_size_tokens, config.push_timeout_s, config.max_write_s,
-                                        config.fault_stall_after_writes))
+                                        config.fault_stall_after_writes, layer_groups))
         self._spans: dict[str, TransferSpan] = {}  # transfer id -> its push span, until the span ends
         self._pending_ready: list[dpb.LayerReady] = []
         self._next_bound_check = 0.0
@@ -454,7 +454,8 @@ class PushOwner:
         self._deliver(self._book.instruction(Instruction(
             instruction.transfer_id, instruction.decode_agent_name, instruction.decode_engine_id,
             tuple(instruction.decode_block_ids), instruction.skip_token_count, instruction.prompt_token_count,
-            bytes(instruction.notification), decode_block_size), peer_error, guard, time.monotonic()))
+            bytes(instruction.notification), decode_block_size, _block_groups(instruction)), peer_error, guard,
+            time.monotonic()))
 
     def _head_routes(self, instruction: dpb.PushInstruction) -> list[HeadRoute]:
         """The decode agents and KV heads of an instruction between engines of different TP sizes (its first
@@ -536,7 +537,9 @@ class PushOwner:
             self._pending_ready.append(dpb.LayerReady(
                 transfer_id=ready.transfer_id, layer_start=ready.layer_start, layer_end=ready.layer_end,
                 token_start=ready.token_start, token_end=ready.token_end, source_block_ids=ready.source_block_ids,
-                prompt_token_count=ready.prompt_token_count, plan_in_flight=ready.plan_in_flight))
+                prompt_token_count=ready.prompt_token_count, plan_in_flight=ready.plan_in_flight,
+                source_block_groups=[tpb.BlockGroup(group_index=index, block_ids=ids)
+                                     for index, ids in enumerate(ready.source_block_groups)]))
         if effects.flush_ready:
             self._flush_ready()
         for order in effects.writes:
@@ -642,3 +645,11 @@ def timing_proto(timeline: PushTimeline) -> tpb.TransferTiming:
     proto.post_duration.CopyFrom(duration_pb2.Duration(seconds=int(timeline.post_duration_s),
                                                        nanos=int((timeline.post_duration_s % 1) * 1e9)))
     return proto
+
+
+def _block_groups(instruction: dpb.PushInstruction) -> dict[int, tuple[tuple[int, ...], int]] | None:
+    """Decode's blocks per KV-cache group (group -> (block ids, first token)); None for a one-group instruction."""
+    if not instruction.decode_block_groups:
+        return None
+    return {group.group_index: (tuple(group.block_ids), group.first_token)
+            for group in instruction.decode_block_groups}

@@ -57,6 +57,8 @@ class PushRules:
     push_timeout_seconds: float
     max_write_seconds: float
     stall_after_write_count: int | None = None  # fault injection (tests only): stop submitting after this many
+    # Each layer's KV-cache group (hybrid KV-cache manager); empty: one group.
+    layer_groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,8 @@ class Instruction:
     notification: bytes
     # Decode's block size, which decode_block_ids count in (the decode agent's layout); 0: this worker's.
     decode_block_size_tokens: int = 0
+    # Several KV-cache groups: per group, decode's blocks and the group's first token (None: one group).
+    decode_block_groups: dict[int, tuple[tuple[int, ...], int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +139,8 @@ class LayerReadiness:
     source_block_ids: tuple[int, ...]
     prompt_token_count: int
     plan_in_flight: bool
+    # Several KV-cache groups: every group's blocks for tokens [0, token_end) (the first is source_block_ids).
+    source_block_groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,7 +414,8 @@ class PushBook:
                 raise ValueError(peer_error)
             push.set_instruction(instruction.decode_agent_name, instruction.decode_block_ids,
                                  instruction.skip_token_count, instruction.prompt_token_count,
-                                 instruction.notification, instruction.decode_block_size_tokens)
+                                 instruction.notification, instruction.decode_block_size_tokens,
+                                 instruction.decode_block_groups)
         except ValueError as exc:
             self._stop(record, PushStop(StopCause.INSTRUCTION_REFUSED, f"instruction refused: {exc}"), effects, now)
             return effects
@@ -577,12 +584,12 @@ class PushBook:
         assert push.writes_submitted <= push.writes_planned, f"{tid}: more writes submitted than planned"
         assert record.result_count <= 1, f"{tid}: {record.result_count} results sent"
         for layer, ranges in enumerate(push.planned_ranges):
-            previous_end = push.skip_token_count
+            previous_end = push.layer_skip_tokens[layer]
             for start, end in ranges:
                 assert previous_end <= start < end <= push.prompt_token_count, \
                     f"{tid}: layer {layer} tokens [{start}, {end}) planned twice or out of range"
                 # Blocks: a write starts at a block boundary unless it starts at decode's prefix hit.
-                assert start % push.block_size_tokens == 0 or start == push.skip_token_count, \
+                assert start % push.block_size_tokens == 0 or start == push.layer_skip_tokens[layer], \
                     f"{tid}: layer {layer} write starts mid-block at {start}"
                 previous_end = end
         if push.outcome is PushOutcome.DONE and push.stopped_by is None:
@@ -609,7 +616,7 @@ class PushBook:
                                               {"transfer_id": chunk.transfer_id, "request_id": chunk.request_id}))
                 return
             push = PushTransfer(chunk.transfer_id, chunk.request_id, chunk.prompt_token_count, self._rules.layer_count,
-                                self._rules.block_size_tokens)
+                                self._rules.block_size_tokens, self._rules.layer_groups)
             record = PushRecord(push, traceparent or chunk.trace_context, sends_first_token=chunk.sends_first_token,
                                 plan_in_flight=chunk.plan_in_flight)
             self._records[chunk.request_id] = record
@@ -618,6 +625,8 @@ class PushBook:
             return
         try:
             record.push.set_source_blocks(chunk.block_ids)
+            for group, block_ids in enumerate(chunk.block_groups[1:], start=1):
+                record.push.set_source_blocks(block_ids, group)
         except ValueError as exc:
             self._stop(record, PushStop(StopCause.BAD_CHUNK, str(exc)), effects, now)
             return
@@ -676,9 +685,10 @@ class PushBook:
         record.sent_first_ready = True
         push = record.push
         end_block = -(-token_end // push.block_size_tokens)
+        groups = tuple(ids[:end_block] for ids in push.src_block_groups) if push.group_count > 1 else ()
         effects.ready.append(LayerReadiness(push.transfer_id, layer_start, layer_end, token_start, token_end,
                                             push.src_block_ids[:end_block], push.prompt_token_count,
-                                            record.plan_in_flight))
+                                            record.plan_in_flight, groups))
 
     def _pump(self, record: PushRecord, effects: PushEffects, now: float) -> None:
         """Plan every write that became possible; settle the transfer once it ended."""

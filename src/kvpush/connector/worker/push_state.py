@@ -16,6 +16,10 @@ per transfer, driven by the prefill worker's `PushOwner` on the NIXL I/O thread:
      decode's size, and a decode block cut by two writes gets two disjoint token ranges.
      Decode's prefix hit is a multiple of decode's block size, not necessarily of this engine's: the first
      write then starts inside a block, at the hit.
+     KV-cache groups (vLLM's hybrid KV-cache manager): each layer belongs to one group, and each group has its
+     own block lists on both sides. A layer's writes use its group's blocks, and start at the group's first
+     token on decode (a sliding-window group keeps only the prompt's last window there; its earlier blocks are
+     decode's null block, never written).
   4. Outcomes: `write_submitted()` after the data plane accepted a write, `write_finished(outcome, ...)`
      per write, `writer_is_quiet()` once the data plane holds no handle of the transfer; the push is DONE
      when every planned write landed, FAILED on the first failure; `stop(PushStop)` (cancellation, abort,
@@ -99,15 +103,20 @@ class PushTransfer:
     """One transfer's push state on one prefill worker (see the module docstring)."""
 
     def __init__(self, transfer_id: str, request_id: str, prompt_token_count: int, layer_count: int,
-                 block_size_tokens: int) -> None:
+                 block_size_tokens: int, layer_groups: tuple[int, ...] = ()) -> None:
         if prompt_token_count <= 0 or layer_count <= 0 or block_size_tokens <= 0:
             raise ValueError("prompt_token_count, layer_count and block_size_tokens must be positive")
+        if layer_groups and (len(layer_groups) != layer_count or min(layer_groups) < 0):
+            raise ValueError(f"layer_groups must name a group (>= 0) for each of the {layer_count} layers")
+        # Each layer's KV-cache group (all 0: one group).
+        self.layer_groups = tuple(layer_groups) or (0,) * layer_count
+        self.group_count = max(self.layer_groups) + 1
         self.transfer_id = transfer_id
         self.request_id = request_id
         self.prompt_token_count = prompt_token_count
         self.layer_count = layer_count
         self.block_size_tokens = block_size_tokens
-        self.src_block_ids: tuple[int, ...] = ()
+        self.src_block_groups: list[tuple[int, ...]] = [()] * self.group_count
         self.tokens_ready = [0] * layer_count
         self.outcome: PushOutcome | None = None  # None while the push runs
         self.stopped_by: PushStop | None = None  # why it ended, unless every write it owed landed
@@ -117,9 +126,11 @@ class PushTransfer:
         self.timeline = PushTimeline()
         # Set by the instruction.
         self.peer_agent = ""
-        self.dst_block_ids: tuple[int, ...] = ()
+        self.dst_block_groups: list[tuple[int, ...]] = [()] * self.group_count
         self.dst_block_size_tokens = block_size_tokens
         self.skip_token_count = 0
+        # Per layer: the first token written (decode's prefix hit, or its group's first token if later).
+        self.layer_skip_tokens = [0] * layer_count
         self.notification = b""
         self._blocks_planned: list[int] = []  # per layer: blocks [0, n) are written or in flight
         # Layers whose readiness grew since the last next_writes (all of them once the instruction arrives):
@@ -194,12 +205,28 @@ class PushTransfer:
         """True once DONE, FAILED or CANCELLED."""
         return self.outcome is not None
 
-    def set_source_blocks(self, block_ids: tuple[int, ...]) -> None:
-        """Record this engine's blocks for tokens [0, n) (each chunk extends the list; earlier ids never change)."""
-        if block_ids[: len(self.src_block_ids)] != self.src_block_ids[: len(block_ids)]:
+    @property
+    def src_block_ids(self) -> tuple[int, ...]:
+        """This engine's blocks of KV-cache group 0."""
+        return self.src_block_groups[0]
+
+    @property
+    def dst_block_ids(self) -> tuple[int, ...]:
+        """Decode's blocks of KV-cache group 0."""
+        return self.dst_block_groups[0]
+
+    def set_source_blocks(self, block_ids: tuple[int, ...], group: int = 0) -> None:
+        """Record this engine's blocks of `group` for tokens [0, n) (each chunk extends the list; earlier ids never
+        change, except that a sliding-window group's blocks behind its window may read as null: those are never
+        written from, so they are not compared)."""
+        if not 0 <= group < self.group_count:
+            raise ValueError(f"transfer {self.transfer_id}: KV-cache group {group} outside [0, {self.group_count})")
+        known = self.src_block_groups[group]
+        keep = 0 if self.group_count > 1 else min(len(block_ids), len(known))
+        if block_ids[:keep] != known[:keep]:
             raise ValueError(f"transfer {self.transfer_id}: source blocks changed under a live push")
-        if len(block_ids) > len(self.src_block_ids):
-            self.src_block_ids = tuple(block_ids)
+        if len(block_ids) > len(known):
+            self.src_block_groups[group] = tuple(block_ids)
 
     def mark_ready(self, layer: int, tokens_ready: int) -> None:
         """Tokens [0, tokens_ready) of `layer` are computed (monotonic; clamps to the prompt)."""
@@ -211,10 +238,13 @@ class PushTransfer:
             self._layers_to_plan.add(layer)
 
     def set_instruction(self, peer_agent: str, dst_block_ids: tuple[int, ...], skip_token_count: int,
-                        prompt_token_count: int, notification: bytes, dst_block_size_tokens: int = 0) -> None:
+                        prompt_token_count: int, notification: bytes, dst_block_size_tokens: int = 0,
+                        dst_block_groups: dict[int, tuple[tuple[int, ...], int]] | None = None) -> None:
         """Record where to write; raise ValueError if it cannot fit this transfer.
 
         dst_block_size_tokens: decode's block size (0: this engine's), which `dst_block_ids` count in.
+        dst_block_groups: per KV-cache group, decode's blocks and the group's first token (several groups; then
+        `dst_block_ids` is ignored). Every group of this engine's layers must be there.
         """
         if self.has_instruction:
             raise ValueError(f"transfer {self.transfer_id} already has an instruction")
@@ -229,17 +259,35 @@ class PushTransfer:
         if dst_block_size < 0:
             raise ValueError(f"decode block size {dst_block_size} is negative")
         dst_blocks = -(-self.prompt_token_count // dst_block_size)
-        if len(dst_block_ids) < dst_blocks:
-            raise ValueError(f"{len(dst_block_ids)} decode blocks of {dst_block_size} tokens cannot hold "
-                             f"{self.prompt_token_count} tokens")
+        groups = dst_block_groups if dst_block_groups is not None else {0: (tuple(dst_block_ids), 0)}
+        if self.group_count > 1 and dst_block_groups is None:
+            raise ValueError(f"this engine's layers are in {self.group_count} KV-cache groups; the instruction "
+                             "has no decode_block_groups")
+        if dst_block_groups is not None and len(dst_block_groups) != self.group_count:
+            # Otherwise one group's layers would be written into another's blocks (null ones included).
+            raise ValueError(f"decode's layers are in {len(dst_block_groups)} KV-cache groups, this engine's in "
+                             f"{self.group_count}")
+        missing = [group for group in range(self.group_count) if group not in groups]
+        if missing:
+            raise ValueError(f"the instruction has no decode blocks for KV-cache groups {missing}")
+        group_first_tokens = [0] * self.group_count
+        for group in range(self.group_count):
+            block_ids, first_token = groups[group]
+            if not 0 <= first_token <= self.prompt_token_count or first_token % dst_block_size:
+                raise ValueError(f"KV-cache group {group}: first_token {first_token} is not a multiple of "
+                                 f"{dst_block_size} in [0, {self.prompt_token_count}]")
+            if len(block_ids) < dst_blocks:
+                raise ValueError(f"{len(block_ids)} decode blocks of {dst_block_size} tokens cannot hold "
+                                 f"{self.prompt_token_count} tokens (KV-cache group {group})")
+            group_first_tokens[group] = first_token
         self.peer_agent = peer_agent
         self.dst_block_size_tokens = dst_block_size
-        self.dst_block_ids = tuple(dst_block_ids[:dst_blocks])
+        self.dst_block_groups = [tuple(groups[group][0][:dst_blocks]) for group in range(self.group_count)]
         self.skip_token_count = skip_token_count
         self.notification = notification
-        first_block = skip_token_count // self.block_size_tokens
-        self._blocks_planned = [first_block] * self.layer_count
-        self._layers_fully_planned = self.layer_count if first_block >= self.total_blocks else 0
+        self.layer_skip_tokens = [max(skip_token_count, group_first_tokens[group]) for group in self.layer_groups]
+        self._blocks_planned = [skip // self.block_size_tokens for skip in self.layer_skip_tokens]
+        self._layers_fully_planned = sum(1 for first in self._blocks_planned if first >= self.total_blocks)
         self._layers_to_plan = set(range(self.layer_count))
 
     # ---------------------------------------------------------------- planning
@@ -261,19 +309,22 @@ class PushTransfer:
             end_block = self._writable_blocks(layer)
             if end_block <= start_block:
                 continue
-            token_start = max(start_block * self.block_size_tokens, self.skip_token_count)
+            token_start = max(start_block * self.block_size_tokens, self.layer_skip_tokens[layer])
             token_end = min(end_block * self.block_size_tokens, self.prompt_token_count)
             self._blocks_planned[layer] = end_block
             if end_block >= self.total_blocks:
                 self._layers_fully_planned += 1
             if token_end <= token_start:
                 continue
-            if len(self.src_block_ids) < end_block:
-                raise ValueError(f"transfer {self.transfer_id}: no source block ids for tokens up to {token_end}")
+            group = self.layer_groups[layer]
+            src_block_ids = self.src_block_groups[group]
+            if len(src_block_ids) < end_block:
+                raise ValueError(f"transfer {self.transfer_id}: no source block ids for tokens up to {token_end}"
+                                 + (f" (KV-cache group {group})" if self.group_count > 1 else ""))
             self.planned_ranges[layer].append((token_start, token_end))
             dst_end_block = -(-token_end // self.dst_block_size_tokens)
-            writes.append(PlannedWrite(layer, token_start, token_end, self.src_block_ids[:end_block],
-                                       self.dst_block_ids[:dst_end_block], notify=False))
+            writes.append(PlannedWrite(layer, token_start, token_end, src_block_ids[:end_block],
+                                       self.dst_block_groups[group][:dst_end_block], notify=False))
         if writes and self._all_planned():
             last = writes[-1]
             writes[-1] = PlannedWrite(last.layer, last.token_start, last.token_end, last.src_block_ids,
@@ -289,7 +340,7 @@ class PushTransfer:
 
     def nothing_to_write(self) -> bool:
         """True when the instruction leaves nothing to push (decode's prefix hit covers the prompt)."""
-        return self.has_instruction and self.skip_token_count >= self.prompt_token_count
+        return self.has_instruction and min(self.layer_skip_tokens) >= self.prompt_token_count
 
     # ---------------------------------------------------------------- outcomes
 

@@ -102,6 +102,7 @@ class ReceiveEffects:
     span_ends: list[ReceiveSpanEnd] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)  # request ids of failed receives (also in finished)
     first_tokens: dict[str, int] = field(default_factory=dict)
     notices: list[Notice] = field(default_factory=list)
 
@@ -293,6 +294,7 @@ class ReceiveBook:
                             signal.source, signal.received_at)
         self.failed_count += 1
         effects.load_errors.update(start.pushed_block_ids(self._rules.block_size_tokens))
+        effects.failed.add(start.request_id)
         effects.span_ends.append(ReceiveSpanEnd(start.request_id, False, f"{signal.outcome.value}: {signal.reason}",
                                                 attributes))
         effects.notices.append(Notice(NoticeLevel.WARNING, "receive failed; blocks reported as load errors",

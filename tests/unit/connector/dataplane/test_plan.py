@@ -211,6 +211,15 @@ class TestRefusals:
         with pytest.raises(WriteRequestError, match=message):
             plan_write(src, dst, **args)
 
+    def test_blocks_before_the_written_range_may_repeat(self, pair):
+        """A sliding-window group's blocks behind its window are all the null block: only the written blocks
+        [token_start's, token_end's] must be distinct; a repeat among those is still refused."""
+        src, dst = pair
+        plan = plan_write(src, dst, [0], [1, 1, 2, 3], [0, 0, 4, 5], 32, 64)
+        assert plan.total_bytes == 32 * src.bytes_per_token_per_layer
+        with pytest.raises(WriteRequestError, match="dst_block_ids repeats a block id"):
+            plan_write(src, dst, [0], [1, 1, 2, 3], [0, 0, 4, 4], 32, 64)
+
     def test_incompatible_layouts_are_refused(self):
         """NHD on one side and HND on the other cannot exchange tokens."""
         src, _, _ = make_kv(1, 8, 16, 2, 32, "kv_first", seed=1)
