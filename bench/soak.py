@@ -14,7 +14,8 @@ average, counted from the previous fault's recovery):
   lease-expiry    SIGSTOP a decode engine past its lease TTL, then SIGCONT (its lease lapses while it lives)
   decode-freeze   SIGSTOP the decode engine the directory would plan first for `--freeze-s` (under its lease TTL,
                   over the gateway's decode first-byte bound), then SIGCONT: requests planned on it meanwhile must
-                  be failed over, not wait; records the time from the freeze to the gateway's first decode failover
+                  be failed over, not wait; a streamed request of its own, sent as it freezes, is planned there;
+                  records the time from the freeze to the gateway's first decode failover, that request's outcome
                   and what the directory planned where during it
   oversized       an "engine" (a gRPC client with a real decode engine's identity: its mutual-TLS certificate)
                   sends 20-60 MiB messages to the directory, `OVERSIZED_CONCURRENCY` at once, for `--flood-s`;
@@ -95,6 +96,7 @@ CLIENT_SHARE = 0.25
 DIRECTORY_ENV = {"KVPUSH_DIRECTORY_MAX_ACTIVE_TRANSFERS_PER_ENGINE": str(TRANSFER_CAP_PER_ENGINE),
                  "KVPUSH_DIRECTORY_MAX_CLIENT_SHARE": f"{CLIENT_SHARE:g}"}
 FREEZE_S = 20.0  # decode-freeze: under LEASE_TTL_S, over FIRST_BYTE_TIMEOUT_S
+FREEZE_PROBE_PROMPT = list(range(11, 75))  # decode-freeze's own streamed request (token ids of the tiny model)
 FLOOD_S = 10.0  # oversized and invalid-flood
 OVERSIZED_MIB = (20, 40, 60)  # over the directory's 16 MiB message cap; under the client's own 64 MiB send cap
 OVERSIZED_CONCURRENCY = 4
@@ -437,6 +439,14 @@ class FaultInjector:
         frozen_wall = time.time()
         frozen = time.monotonic()
         engine.process._signal_group(signal.SIGSTOP)
+        # A streamed request sent now is planned on the frozen engine (the directory's first choice), so a decode
+        # leg that must be failed over exists whatever the load's mix sends meanwhile (half of it is not streamed,
+        # and the directory plans the other engine once this one holds a transfer).
+        probe: list[Outcome] = []
+        prober = threading.Thread(target=lambda: probe.append(one_request(
+            self.stack.gateway_url, -1, -1, FREEZE_PROBE_PROMPT, [], True, False, self.freeze_s + 60.0, frozen)),
+            name="soak-freeze-probe", daemon=True)
+        prober.start()
         first_failover_s = None
         try:
             while time.monotonic() - frozen < self.freeze_s:
@@ -447,11 +457,14 @@ class FaultInjector:
         finally:
             engine.process._signal_group(signal.SIGCONT)
         thawed_wall = time.time()
+        prober.join(self.freeze_s + 60.0)
         after = gateway_metrics(self.stack)
         out: dict[str, Any] = {"engine_id": engine_id, "frozen_s": round(time.monotonic() - frozen, 1),
                                "first_decode_failover_s": first_failover_s,
                                "gateway_counters_during": {k: after.get(k, 0.0) - before.get(k, 0.0)
                                                            for k in after if after.get(k, 0.0) != before.get(k, 0.0)}}
+        out["probe"] = ({"kind": probe[0].kind, "status": probe[0].status, "elapsed_s": round(probe[0].elapsed_s, 2),
+                         "error": probe[0].error} if probe else {"kind": "no answer"})
         out.update(self._planned_during(engine_id, frozen_wall, thawed_wall))
         out["reregistered"] = self._wait(lambda: engine_id in self.registered(), 60)
         return out
