@@ -186,6 +186,12 @@ def _head_split_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_tp: in
         # Head slices and block-size mapping each work alone; together they have not been built or tested.
         return _differs("block_size_tokens", p.block_size_tokens, d.block_size_tokens, *ids,
                         "engines of different TP sizes need one block size: start both with one --block-size")
+    if len(p.kv_cache_groups) > 1 or len(d.kv_cache_groups) > 1:
+        # Head slices and per-group blocks each work alone; together they have not been tested.
+        return _differs("kv_cache_groups", _kv_cache_groups(p) or "(one group)",
+                        _kv_cache_groups(d) or "(one group)", *ids,
+                        "engines of different TP sizes need one KV-cache group: the hybrid KV-cache manager with "
+                        "different TP sizes is not supported yet")
     return _layout_incompatibility(_one_head(p), _one_head(d), *ids, prefill_model, decode_model,
                                    pair_block_sizes=pair_block_sizes)
 
@@ -268,6 +274,9 @@ def _layout_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_engine_id:
     if p.block_size_tokens != d.block_size_tokens:
         # What the data plane cannot map is named first: the switch would not help those.
         why = _block_size_mapping(p, d) or ("" if pair_block_sizes else _BLOCK_SIZES_OPT_IN)
+        if not why and (len(p.kv_cache_groups) > 1 or len(d.kv_cache_groups) > 1):
+            # Block-size mapping and per-group blocks each work alone; together they have not been tested.
+            why = "engines with several KV-cache groups (the hybrid KV-cache manager) need one block size"
         if why:
             return _differs("block_size_tokens", p.block_size_tokens, d.block_size_tokens, *ids, why)
     if p.dtype != d.dtype:

@@ -133,3 +133,37 @@ def test_engines_whose_groups_differ_are_not_paired():
         state.plan(dpb.PlanTransferRequest(), None)
     assert ("kv_cache_groups [([0, 2], 32), ([1, 3], 0)] of prefill 'p1' differs from (one group) of decode 'd1'"
             in str(refused.value))
+
+
+def test_several_groups_with_different_block_sizes_are_refused_even_with_the_switch():
+    """Per-group blocks and block-size mapping each pair engines; together they are refused, naming the block size."""
+    state = DirectoryState(Limits(lease_ttl_s=10, transfer_ttl_s=60, pair_block_sizes=True), ManualClock().clock())
+    decode_layout = _grouped_layout()
+    decode_layout.block_size_tokens = 2 * BS
+    decode_layout.block_bytes_per_layer *= 2
+    decode_layout.layer_region_bytes *= 2
+    for plane in decode_layout.planes:
+        plane.block_bytes *= 2
+        plane.block_stride_bytes *= 2
+    state.register(register_request("p1", PREFILL, layout=_grouped_layout()))
+    state.register(register_request("d1", DECODE, layout=decode_layout))
+    with pytest.raises(FailedPrecondition) as refused:
+        state.plan(dpb.PlanTransferRequest(), None)
+    assert "block_size_tokens 16 of prefill 'p1' differs from 32 of decode 'd1'" in str(refused.value)
+    assert "several KV-cache groups" in str(refused.value)
+
+
+def test_several_groups_with_different_tp_sizes_are_refused_naming_the_groups():
+    """Head slices and per-group blocks each pair engines; together they are refused, naming kv_cache_groups."""
+    state = DirectoryState(Limits(lease_ttl_s=10, transfer_ttl_s=60), ManualClock().clock())
+    prefill = _grouped_layout()
+    prefill.kv_head_count, prefill.model_kv_head_count = 1, 1
+    state.register(register_request("p1", PREFILL, 0, 1, layout=prefill))
+    for rank in range(2):
+        decode = _grouped_layout()
+        decode.kv_head_count, decode.model_kv_head_count = 1, 1
+        state.register(register_request("d1", DECODE, rank, 2, layout=decode))
+    with pytest.raises(FailedPrecondition) as refused:
+        state.plan(dpb.PlanTransferRequest(), None)
+    assert "kv_cache_groups" in str(refused.value), str(refused.value)
+    assert "different TP sizes need one KV-cache group" in str(refused.value)
