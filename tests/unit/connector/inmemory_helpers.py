@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import uuid
 
 from kvpush.connector.config import ConnectorConfig
@@ -38,3 +39,27 @@ def connector_config(address: str, role: str, engine_id: str, **extra) -> Connec
     """A connector config for an engine of `role` talking to the directory at `address` (5 s bounds)."""
     return ConnectorConfig.from_extra_config({"directory_address": address, "push_timeout_s": 5.0,
                                               "transfer_timeout_s": 5.0, **extra}, role=role, engine_id=engine_id)
+
+
+class TransportOutcomes:
+    """A PushTransport's callbacks (write done, writer quiet) recorded, with a bounded wait on them."""
+
+    def __init__(self, bound_s: float = 5.0) -> None:
+        self.done: list = []
+        self.quiet: list = []
+        self.cv = threading.Condition()
+        self._bound_s = bound_s
+
+    def on_done(self, done) -> None:
+        with self.cv:
+            self.done.append(done)
+            self.cv.notify_all()
+
+    def on_quiet(self, quiet) -> None:
+        with self.cv:
+            self.quiet.append(quiet)
+            self.cv.notify_all()
+
+    def wait(self, predicate) -> bool:
+        with self.cv:
+            return self.cv.wait_for(predicate, self._bound_s)

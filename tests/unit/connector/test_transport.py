@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from kvpush.api.outcome import PushOutcome
@@ -11,30 +9,10 @@ from kvpush.connector.worker.layout_wire import layout_to_proto
 from kvpush.connector.worker.push_state import PlannedWrite
 from kvpush.connector.worker.transport import PushTransport
 from tests.integration.dataplane.kvbuffers import block_bytes, make_kv
-from tests.unit.connector.inmemory_helpers import new_fabric, started_agent
+from tests.unit.connector.inmemory_helpers import TransportOutcomes, new_fabric, started_agent
 
 LAYERS, BLOCKS, BS, HEADS, HEAD = 2, 8, 16, 2, 16
 BOUND_S = 5.0
-
-
-class _Seen:
-    def __init__(self) -> None:
-        self.done, self.quiet = [], []
-        self.cv = threading.Condition()
-
-    def on_done(self, done) -> None:
-        with self.cv:
-            self.done.append(done)
-            self.cv.notify_all()
-
-    def on_quiet(self, quiet) -> None:
-        with self.cv:
-            self.quiet.append(quiet)
-            self.cv.notify_all()
-
-    def wait(self, predicate) -> bool:
-        with self.cv:
-            return self.cv.wait_for(predicate, BOUND_S)
 
 
 def test_writes_land_and_each_reports_its_layer_then_the_transfer_is_quiet():
@@ -45,7 +23,7 @@ def test_writes_land_and_each_reports_its_layer_then_the_transfer_is_quiet():
     d_layout, d_arrays, d_caches = make_kv(LAYERS, BLOCKS, BS, HEADS, HEAD, seed=None)
     prefill = started_agent(name, p_caches, BS, HEADS, HEAD)
     decode = started_agent(name, d_caches, BS, HEADS, HEAD)
-    seen = _Seen()
+    seen = TransportOutcomes(BOUND_S)
     transport = PushTransport(prefill, seen.on_done, seen.on_quiet)
     try:
         with pytest.raises(ValueError, match="no metadata"):
@@ -73,7 +51,7 @@ def test_cancelling_a_transfer_the_data_plane_never_had_is_quiet_at_once():
     name, _ = new_fabric()
     _, _, p_caches = make_kv(LAYERS, BLOCKS, BS, HEADS, HEAD, seed=3)
     prefill = started_agent(name, p_caches, BS, HEADS, HEAD)
-    seen = _Seen()
+    seen = TransportOutcomes(BOUND_S)
     transport = PushTransport(prefill, seen.on_done, seen.on_quiet)
     try:
         transport.cancel("never-seen")

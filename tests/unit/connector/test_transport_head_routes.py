@@ -4,8 +4,6 @@ routes are; a failure on one route fails the planned write, and a cancel ends bo
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from kvpush.api.outcome import PushOutcome
@@ -14,31 +12,11 @@ from kvpush.connector.worker.ports import HeadRoute
 from kvpush.connector.worker.push_state import PlannedWrite
 from kvpush.connector.worker.transport import PushTransport
 from tests.integration.dataplane.kvbuffers import make_kv
-from tests.unit.connector.inmemory_helpers import new_fabric, started_agent
+from tests.unit.connector.inmemory_helpers import TransportOutcomes, new_fabric, started_agent
 
 LAYERS, BLOCKS, BS, HEAD = 3, 8, 16, 16
 BOUND_S = 5.0
 HEAD_BLOCK_BYTES = BS * 2 * HEAD * 2
-
-
-class _Seen:
-    def __init__(self) -> None:
-        self.done, self.quiet = [], []
-        self.cv = threading.Condition()
-
-    def on_done(self, done) -> None:
-        with self.cv:
-            self.done.append(done)
-            self.cv.notify_all()
-
-    def on_quiet(self, quiet) -> None:
-        with self.cv:
-            self.quiet.append(quiet)
-            self.cv.notify_all()
-
-    def wait(self, predicate) -> bool:
-        with self.cv:
-            return self.cv.wait_for(predicate, BOUND_S)
 
 
 @pytest.fixture
@@ -49,7 +27,7 @@ def split():
     decodes = [make_kv(LAYERS, BLOCKS, BS, 1, HEAD, seed=None) for _ in range(2)]
     prefill = started_agent(name, p_caches, BS, 2, HEAD)
     agents = [started_agent(name, caches, BS, 1, HEAD) for _l, _a, caches in decodes]
-    seen = _Seen()
+    seen = TransportOutcomes(BOUND_S)
     transport = PushTransport(prefill, seen.on_done, seen.on_quiet)
     for agent in agents:
         transport.ensure_peer(agent.agent_name, agent.agent_metadata(), layout_to_proto(agent.layout))
