@@ -20,6 +20,15 @@ Variants (`--variants`, each a fresh pair of agents, side by side in one run):
                  again around each one (vLLM's forward launches hundreds of kernels a layer)
   prog-thread    default, with NIXL's progress thread on (100 us delay)
   workers-4      default, with 4 UCX workers (`num_threads`)
+  event-sync     default, and the host then waits in the last layer's `event.synchronize()` as vLLM's forward
+                 thread waits for a step's output (CUDA's default spinning wait)
+  stream-sync    the same, waiting in `stream.synchronize()`
+  event-sync-blocking, stream-sync-blocking
+                 the same with the context's scheduling flag set to blocking sync (`cuda_sync_mode`)
+  yield-spinner  default, with another thread of this process spinning on `os.sched_yield()` (vLLM's
+                 shared-memory message-queue readers between messages)
+  busy-peer      default, with a third process on the GPU stepping (a small kernel and a synchronize every
+                 0.5 ms: an engine polling while it waits)
 
     python bench/gpu_stream_probe.py --tokens 8192 --reps 4 --variants default,side-stream,host-bound
 
@@ -56,7 +65,56 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "launch-bound": {"small_kernels": True},
     "prog-thread": {"nixl": {"enable_prog_thread": True, "progress_thread_delay_us": 100}},
     "workers-4": {"nixl": {"num_threads": 4}},
+    "event-sync": {"host_wait": "event"},
+    "stream-sync": {"host_wait": "stream"},
+    "event-sync-blocking": {"host_wait": "event", "sync_mode": "blocking"},
+    "stream-sync-blocking": {"host_wait": "stream", "sync_mode": "blocking"},
+    "yield-spinner": {"yield_spinner": True},
+    "busy-peer": {"busy_peer": True},
 }
+
+
+def _busy_peer_main(stop: Any) -> None:
+    """A process stepping on the same GPU: a small kernel and a synchronize every 0.5 ms until `stop` is set."""
+    torch.cuda.set_device(DEVICE)
+    x = torch.zeros(4096, device=DEVICE)
+    while not stop.is_set():
+        x.add_(1.0)
+        torch.cuda.synchronize()
+        time.sleep(0.0005)
+
+
+class _Disturbance:
+    """What a variant runs beside the forward: a sched_yield spinner thread, a busy peer process."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._peer: Any = None
+        self._peer_stop: Any = None
+        if spec.get("yield_spinner"):
+            self._thread = threading.Thread(target=self._spin, daemon=True)
+            self._thread.start()
+        if spec.get("busy_peer"):
+            import multiprocessing as mp
+
+            ctx = mp.get_context("spawn")
+            self._peer_stop = ctx.Event()
+            self._peer = ctx.Process(target=_busy_peer_main, args=(self._peer_stop,), daemon=True)
+            self._peer.start()
+            time.sleep(5)  # its CUDA context up before the forward starts
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            os.sched_yield()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        if self._peer is not None:
+            self._peer_stop.set()
+            self._peer.join(10)
 
 
 class _Seen:
@@ -131,7 +189,11 @@ def run_variant(name: str, args: argparse.Namespace, shape: KVShape) -> dict[str
     else:
         stream = torch.cuda.Stream() if spec.get("side_stream") else torch.cuda.current_stream()
         sync = torch.cuda.synchronize
+        from kvpush.dataplane.cuda_sched import set_sync_mode
+
+        set_sync_mode(spec.get("sync_mode", "auto"))  # every variant sets it: the context outlives the variant
     rows: list[dict[str, Any]] = []
+    disturbance = _Disturbance(spec)
     try:
         agent.add_peer(receiver.name, receiver.metadata, receiver.layout).result(120)
         outcomes = _Outcomes()
@@ -163,6 +225,11 @@ def run_variant(name: str, args: argparse.Namespace, shape: KVShape) -> dict[str
                         for _ in range(args.small_kernels):
                             scratch.add_(1.0)
             launched = time.monotonic()
+            host_wait = spec.get("host_wait")
+            if host_wait == "event" and stream is not None:
+                event.synchronize()
+            elif host_wait == "stream" and stream is not None:
+                stream.synchronize()
             if not seen.done.wait(120) or seen.final is None or not seen.final.ok:
                 raise RuntimeError(f"{name}: transfer did not complete: {seen.final}")
             sync()
@@ -181,6 +248,7 @@ def run_variant(name: str, args: argparse.Namespace, shape: KVShape) -> dict[str
                 "completion_lag_ms": [round(x, 2) for x in lags],
             })
     finally:
+        disturbance.close()
         agent.stop()
         receiver.close()
     lag_all = [x for r in rows for x in r["completion_lag_ms"]]
@@ -225,7 +293,7 @@ def main() -> None:
     parser.add_argument("--small-kernels", type=int, default=2000, help="launch-bound: tiny kernels per layer")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--poll-max-us", type=float, default=200.0)
-    parser.add_argument("--variants", default="default,launch-bound,host-bound")
+    parser.add_argument("--variants", default="default,launch-bound,host-bound,event-sync,stream-sync")
     parser.add_argument("--out-name", default="gpu_stream_probe.json")
     parser.add_argument("--cpu", action="store_true", help="host memory, no GPU: a dry run of the plumbing")
     args = parser.parse_args()

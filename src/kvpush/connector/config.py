@@ -45,6 +45,9 @@ class ConnectorConfig:
     gil_switch_interval_s: this engine's processes call `sys.setswitchinterval` with it (default null: Python's
         5 ms). A thread that hands the GIL back around a NIXL or CUDA call waits up to this long to take it again
         while the forward thread runs Python; the data plane's thread makes one such call per post and per check.
+    cuda_sync_mode: how this engine's CUDA context waits for the GPU: "spin", "yield", "blocking" or "auto"
+        (default null: CUDA's own, which spins). Set by each worker when it registers its KV caches
+        (`dataplane.cuda_sched`); ignored where no CUDA context is current (CPU engines).
     engine_endpoint: this engine's HTTP URL, registered with the directory (optional).
     transfer_timeout_s: decode-side bound on waiting for one transfer (default 60).
     push_timeout_s: prefill-side bound on holding a finished request's blocks for pushes (default 60).
@@ -108,6 +111,7 @@ class ConnectorConfig:
     nixl_check_in_post_order: bool = True
     nixl_io_trace_path: str = ""
     gil_switch_interval_s: float | None = None
+    cuda_sync_mode: str | None = None
     engine_endpoint: str = ""
     transfer_timeout_s: float = 60.0
     push_timeout_s: float = 60.0
@@ -189,6 +193,7 @@ class ConnectorConfig:
             nixl_io_trace_path=_optional_str(extra, "nixl_io_trace_path") or "",
             gil_switch_interval_s=_optional_seconds(extra, "gil_switch_interval_s", None, low=1e-6, low_included=True,
                                                     high=0.1, nullable=True),
+            cuda_sync_mode=_choice(extra, "cuda_sync_mode", ("auto", "spin", "yield", "blocking")),
             engine_endpoint=_optional_str(extra, "engine_endpoint") or "",
             transfer_timeout_s=_seconds(extra, "transfer_timeout_s", 60.0),
             push_timeout_s=_seconds(extra, "push_timeout_s", 60.0),
@@ -240,6 +245,13 @@ def _optional_str(extra: Mapping[str, object], key: str) -> str | None:
     if not isinstance(value, str):
         raise ConnectorConfigError(f"{key} must be a string, got {type(value).__name__}")
     return value or None
+
+
+def _choice(extra: Mapping[str, object], key: str, choices: tuple[str, ...]) -> str | None:
+    value = _optional_str(extra, key)
+    if value is not None and value not in choices:
+        raise ConnectorConfigError(f"{key} must be one of {', '.join(choices)} or null, got {value!r}")
+    return value
 
 
 def _bool(extra: Mapping[str, object], key: str, default: bool) -> bool:

@@ -153,6 +153,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
 
         tp_rank = get_tensor_model_parallel_rank()
         tp_size = get_tensor_model_parallel_world_size()
+        if self.config.cuda_sync_mode is not None and any(getattr(t, "is_cuda", False) for t in kv_caches.values()):
+            from kvpush.dataplane.cuda_sched import set_sync_mode
+
+            set_sync_mode(self.config.cuda_sync_mode)
         model_config = self._vllm_config.model_config
         num_kv_heads = model_config.get_num_kv_heads(self._vllm_config.parallel_config)
         # The model's KV heads before the TP split: engines of different TP sizes pair by head slices of them.

@@ -60,6 +60,30 @@ def test_completion_checks_trace_and_switch_interval_reach_their_owners():
                                           engine_id="p")
 
 
+def test_cuda_sync_mode_is_one_of_cudas_scheduling_modes():
+    """Unset by default (CUDA's own wait); a mode CUDA has no flag for is refused at start-up, naming the key."""
+    assert ConnectorConfig.from_extra_config({"directory_address": "h:1"}, role="prefill",
+                                             engine_id="p").cuda_sync_mode is None
+    for mode in ("auto", "spin", "yield", "blocking"):
+        config = ConnectorConfig.from_extra_config({"directory_address": "h:1", "cuda_sync_mode": mode},
+                                                   role="prefill", engine_id="p")
+        assert config.cuda_sync_mode == mode
+    for bad in ("sleep", 4, True):
+        with pytest.raises(ConnectorConfigError, match="cuda_sync_mode"):
+            ConnectorConfig.from_extra_config({"directory_address": "h:1", "cuda_sync_mode": bad}, role="prefill",
+                                              engine_id="p")
+
+
+def test_cuda_sync_mode_without_a_cuda_driver_is_a_precise_error():
+    """On a machine without the driver (this one) setting a mode says so; an unknown mode is refused first."""
+    from kvpush.dataplane.cuda_sched import CudaSchedError, set_sync_mode
+
+    with pytest.raises(ValueError, match="cuda_sync_mode must be one of"):
+        set_sync_mode("sleep")
+    with pytest.raises(CudaSchedError, match=r"CUDA driver|no CUDA context|CUresult"):
+        set_sync_mode("blocking")
+
+
 def test_message_queue_pacing_can_be_turned_off():
     """null keeps vLLM's own spin."""
     config = ConnectorConfig.from_extra_config({"directory_address": "h:1", "message_queue_poll_s": None},
