@@ -83,8 +83,19 @@ TINY_GEMMA3: dict[str, Any] = {
     "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False, "initializer_range": 0.2,
     "pad_token_id": 0, "bos_token_id": 2000, "eos_token_id": 2001, "dtype": "float32",
 }
+# Gemma 3 4B's attention for the GPU: 8 query and 4 KV heads of 256, a 1,024-token window on five of every six layers
+# (layers 5 and 11 full). Cut to 12 layers and a 32k vocabulary (~1.2B parameters, ~2.4 GB in bf16) so P, D and a
+# colocated engine fit one 80 GB GPU; the window and pattern are Gemma 3's own.
+GEMMA3_SHAPED: dict[str, Any] = {
+    **TINY_GEMMA3, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 12,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+    "sliding_window": 1024, "sliding_window_pattern": 6,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2, "vocab_size": 32768,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "initializer_range": 0.02, "bos_token_id": 2, "eos_token_id": 1, "dtype": "bfloat16",
+}
 PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "tiny-llama": TINY_LLAMA, "deepseek-v2-shaped": DEEPSEEK_V2_SHAPED,
-           "tiny-deepseek-v2": TINY_DEEPSEEK_V2, "tiny-gemma3": TINY_GEMMA3}
+           "tiny-deepseek-v2": TINY_DEEPSEEK_V2, "tiny-gemma3": TINY_GEMMA3, "gemma3-shaped": GEMMA3_SHAPED}
 _FORMAT_VERSION = 1
 _SEED = 0
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }} {{ message['content'] }} "
