@@ -13,8 +13,9 @@ from the directory (layers landed before the prefill's end, exposed tail).
 
 Every run also records the prefill data plane's I/O loop (`nixl_io_trace_path`) and summarises it over each
 transfer's writes: how late the thread woke, how often it ran, how long its NIXL calls took. `--variant NAME=JSON`
-(repeatable) runs a fresh stack per kv_connector_extra_config variant, side by side in one run; `--no-cupti` leaves
-the torch profiler off (it slows the host):
+(repeatable) runs a fresh stack per kv_connector_extra_config variant, side by side in one run (a variant's
+`"engine_env": {...}` is the engines' extra environment instead, e.g. `{"CUDA_DEVICE_MAX_CONNECTIONS": 32}`);
+`--no-cupti` leaves the torch profiler off (it slows the host):
 
     bash bench/gpu_run.sh profile --lengths 8192 --repeats 3 --kv-cache-gib 7 --no-cupti \
         --variant 'all-checks={"nixl_check_in_post_order": false}' --variant 'in-order={}' \
@@ -171,8 +172,11 @@ def run_profile(args: Any) -> int:
                               "cupti": args.cupti, "variants": []}
     for index, (name, extra) in enumerate(args.variants):
         io_dir = IO_TRACE_DIR / name
-        args.connector_extra = {**base_extra, **extra, "nixl_io_trace_path": str(io_dir / "{pid}-{agent}.jsonl")}
+        connector_extra = {k: v for k, v in extra.items() if k != "engine_env"}
+        args.connector_extra = {**base_extra, **connector_extra,
+                                "nixl_io_trace_path": str(io_dir / "{pid}-{agent}.jsonl")}
         stack = gpu_e2e.Stack(args, model_dir, log_dir / name)
+        stack.engine_env = {**stack.engine_env, **{k: str(v) for k, v in extra.get("engine_env", {}).items()}}
         cupti = args.cupti and index == 0  # one CUPTI trace (the first variant): it slows the host
         if cupti:
             spec = stack._spec

@@ -32,6 +32,10 @@ Variants (`--variants`, each a fresh pair of agents, side by side in one run):
 
     python bench/gpu_stream_probe.py --tokens 8192 --reps 4 --variants default,side-stream,host-bound
 
+The process's CUDA streams share CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default): run it once more with
+`CUDA_DEVICE_MAX_CONNECTIONS=1` to see streamed writes queued behind the forward's kernels, as they are when UCX's
+copy stream lands on the forward stream's queue.
+
 Writes $OUT/gpu_stream_probe.json (or bench/results/) and prints one line per variant. `--cpu` runs the same
 plumbing on host memory (no events: a layer is ready when submitted), a dry run for machines without a GPU.
 """
