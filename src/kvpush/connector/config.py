@@ -65,10 +65,10 @@ class ConnectorConfig:
         `connector.engine_spin`; default null, vLLM's own spin, on GPUs, where a step takes milliseconds and a
         sleeping reader would add up to 1 ms to each).
     idle_step_wait_s: on the second and later of back-to-back steps that schedule no tokens while transfers are
-        in flight, the worker waits this long at most for a transfer signal before returning to vLLM (default
-        0.004; 0 = never wait). Ends early on any signal; spares the CPU that back-to-back empty steps would
-        burn. The empty step right after a forward never waits: on a one-process executor vLLM emits that
-        forward's tokens only after it.
+        in flight (or, on decode, legs wait for their prefill's start), the worker waits this long at most for a
+        transfer signal before returning to vLLM (default 0.004; 0 = never wait). Ends early on any signal; spares
+        the CPU that back-to-back empty steps would burn. The empty step right after a forward never waits: on a
+        one-process executor vLLM emits that forward's tokens only after it.
     batch_layer_posts: on a GPU prefill engine, hold a step's layers after its first while the GPU keeps up with
         the host, with no CUDA call and no post in their save_kv_layer, and hand them to the push owner in one post
         at wait_for_save behind one CUDA event recorded there (default True). Such a forward is bound by its kernel

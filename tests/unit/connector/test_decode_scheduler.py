@@ -224,6 +224,8 @@ def test_a_leg_allocates_nothing_until_its_prefill_started():
     assert sorted(directory.watched) == ["t1", "t2"]
     for computed in (0, 16, 16):
         assert scheduler.get_num_new_matched_tokens(leg, computed) == (None, False)
+    # The workers learn that legs wait (they pace vLLM's empty steps meanwhile).
+    assert scheduler.build_connector_meta(SchedulerOutput.make_empty()).legs_awaiting_prefill == 2
     assert scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
     clock.now += 1.5
     directory.start("t1")
@@ -233,8 +235,9 @@ def test_a_leg_allocates_nothing_until_its_prefill_started():
     scheduler.update_state_after_alloc(leg, _blocks(5, 6, 7), 24)
     assert directory.reports == [("t1", [5, 6, 7], 16)] and directory.forgotten == ["t1"]
     assert deferrals.seen == [(1.5, "prefill_started")]
-    (receive,) = scheduler.build_connector_meta(SchedulerOutput.make_empty()).receives
-    assert receive.transfer_id == "t1" and scheduler.waiting_leg_count() == 1
+    meta = scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    (receive,) = meta.receives
+    assert receive.transfer_id == "t1" and scheduler.waiting_leg_count() == 1 and meta.legs_awaiting_prefill == 1
 
 
 def test_the_bound_allocates_a_leg_whose_prefill_never_started():
@@ -256,6 +259,7 @@ def test_without_the_wait_a_leg_allocates_at_once_and_nothing_is_watched():
     leg = _request("r1", "t1")
     scheduler.on_new_request(leg)
     assert scheduler.get_num_new_matched_tokens(leg, 16) == (24, True)
+    assert scheduler.build_connector_meta(SchedulerOutput.make_empty()).legs_awaiting_prefill == 0
     scheduler.update_state_after_alloc(leg, _blocks(5, 6, 7), 24)
     assert directory.watched == {} and directory.forgotten == [] and deferrals.seen == []
     assert directory.reports == [("t1", [5, 6, 7], 16)]

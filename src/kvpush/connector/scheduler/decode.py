@@ -233,8 +233,10 @@ class DecodeScheduler:
         return groups
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
-        """Hand new receives, cancellations and refused allocations to the workers."""
+        """Hand new receives, cancellations, refused allocations and how many legs wait for prefill to the workers."""
         meta = KVPushMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0)
+        if self._wait_s is not None:
+            meta.legs_awaiting_prefill = sum(self._waits_for_prefill(leg) for leg in self._legs.values())
         meta.receives, self._pending_receives = self._pending_receives, []
         meta.cancelled_receives, self._pending_cancels = self._pending_cancels, []
         while True:
