@@ -265,6 +265,18 @@ def test_without_the_wait_a_leg_allocates_at_once_and_nothing_is_watched():
     assert directory.reports == [("t1", [5, 6, 7], 16)]
 
 
+def test_a_leg_carrying_prefills_first_token_never_waits():
+    """The gateway had prefill's answer before it sent this leg: prefill ended, so nothing is watched."""
+    scheduler, directory, deferrals, _ = _waiting_scheduler()
+    leg = _request("r1", "t1")
+    leg.kv_transfer_params.update(first_token_from_prefill=True, first_token_id=7)
+    scheduler.on_new_request(leg)
+    assert scheduler.get_num_new_matched_tokens(leg, 0) == (40, True)
+    scheduler.update_state_after_alloc(leg, _blocks(1, 2, 3), 40)
+    assert directory.watched == {} and directory.forgotten == [] and deferrals.seen == []
+    assert directory.reports == [("t1", [1, 2, 3], 0)]
+
+
 def test_a_full_local_hit_never_waits_and_stops_the_push():
     scheduler, directory, deferrals, _ = _waiting_scheduler()
     leg = _request("r1", "t1", prompt=32)

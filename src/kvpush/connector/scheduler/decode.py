@@ -7,7 +7,8 @@ Life cycle of a decode-leg request (kv_transfer_params: transfer_id + do_remote_
      most decode_allocation_wait_s after the leg arrived, (None, False): vLLM leaves the request waiting without
      blocks and asks again next step (other waiting requests go on). Then the prompt tokens beyond decode's own
      prefix hit will arrive asynchronously -> (n, True); vLLM allocates blocks for the whole prompt and parks
-     the request in WAITING_FOR_REMOTE_KVS. A full local hit never waits.
+     the request in WAITING_FOR_REMOTE_KVS. A full local hit never waits, nor does a leg that carries prefill's
+     first token (sent after its prefill ended).
   2. `update_state_after_alloc` (first call with external tokens): submit ReportAllocation (block ids
      for the whole prompt, skip_token_count = decode's own hit, so the push skips those tokens)
      without waiting; queue a `ReceiveStart` for the workers. A refused report comes back on the
@@ -86,6 +87,8 @@ class _Leg:
 
     params: TransferParams
     arrived: float  # time.monotonic() when the leg arrived
+    # It waits for its prefill's start (decode_allocation_wait_s), its transfer followed by the link meanwhile.
+    waits: bool = False
 
 
 @dataclass
@@ -134,8 +137,10 @@ class DecodeScheduler:
                        request_id=request.request_id, error=str(exc))
             return
         if params is not None and not params.is_prefill_leg:
-            self._legs[request.request_id] = _Leg(params, self._clock())
-            if self._wait_s is not None:
+            # A leg that already carries prefill's first token comes after its prefill ended: nothing to wait for.
+            waits = self._wait_s is not None and params.first_token_id is None
+            self._legs[request.request_id] = _Leg(params, self._clock(), waits)
+            if waits:
                 with self._started_lock:
                     self._watched.add(params.transfer_id)
                 self._directory.watch_prefill_start(params.transfer_id, self._on_prefill_started)
@@ -164,16 +169,16 @@ class DecodeScheduler:
         return remote_tokens, True
 
     def _waits_for_prefill(self, leg: _Leg) -> bool:
-        return (self._wait_s is not None and self._clock() - leg.arrived < self._wait_s
+        return (leg.waits and self._wait_s is not None and self._clock() - leg.arrived < self._wait_s
                 and not self._prefill_started(leg.params.transfer_id))
 
     def _leg_done(self, request_id: str) -> _Leg | None:
         """Forget a leg (allocated or finished); stop following its transfer unless another leg waits on it."""
         leg = self._legs.pop(request_id, None)
-        if leg is None or self._wait_s is None:
+        if leg is None or not leg.waits:
             return leg
         transfer_id = leg.params.transfer_id
-        if not any(other.params.transfer_id == transfer_id for other in self._legs.values()):
+        if not any(other.waits and other.params.transfer_id == transfer_id for other in self._legs.values()):
             with self._started_lock:
                 self._watched.discard(transfer_id)
                 self._started.discard(transfer_id)
@@ -185,7 +190,7 @@ class DecodeScheduler:
         pending = self._legs.get(request.request_id)
         if pending is None:
             return  # not a decode leg, or already handled (second call after the load)
-        if self._wait_s is not None and num_external_tokens > 0 and self._deferrals is not None:
+        if pending.waits and num_external_tokens > 0 and self._deferrals is not None:
             started = self._prefill_started(pending.params.transfer_id)
             self._deferrals.on_allocation_deferred(self._clock() - pending.arrived,
                                                    "prefill_started" if started else "wait_bound")
