@@ -39,8 +39,11 @@ _log = get_logger("connector.directory_link")
 # An allocation refused that way is retried after these pauses (doubling), until transfer_timeout_s.
 _OWNED_RETRY_FIRST_S = 0.005
 _OWNED_RETRY_MAX_S = 0.1
-# A transfer whose prefill start is watched is read (GetTransfer) this often: decode allocates at most this late.
-_PREFILL_START_POLL_S = 0.02
+# A transfer whose prefill start is watched is read (GetTransfer) again after a tenth of the time it has been watched,
+# within these bounds: a leg allocates at most ~10 % (and 100 ms) after its prefill started, and a leg that waits
+# seconds behind a queued prefill costs the directory ten reads a second, not fifty.
+_PREFILL_START_POLL_MIN_S = 0.01
+_PREFILL_START_POLL_MAX_S = 0.1
 _TERMINAL_STATES = frozenset({tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER_STATE_CANCELLED,
                               tpb.TRANSFER_STATE_EXPIRED})
 
@@ -142,6 +145,7 @@ class DirectoryLink:
             self._start_watches.pop(transfer_id, None)
 
     async def _await_prefill_start(self, transfer_id: str) -> None:
+        watched_since = time.monotonic()
         while True:
             with self._start_lock:
                 if transfer_id not in self._start_watches:
@@ -160,7 +164,8 @@ class DirectoryLink:
                 if on_started is not None:
                     on_started(transfer_id)
                 return
-            await asyncio.sleep(_PREFILL_START_POLL_S)
+            waited = time.monotonic() - watched_since
+            await asyncio.sleep(min(_PREFILL_START_POLL_MAX_S, max(_PREFILL_START_POLL_MIN_S, waited / 10)))
 
     def get_transfer(self, transfer_id: str, on_done: Callable[[tpb.Transfer | None, str], None]) -> None:
         """Submit GetTransfer; on_done(transfer or None, error) runs on the client thread."""

@@ -217,7 +217,10 @@ def test_a_prefill_leg_whose_plan_never_comes_is_stopped_and_frees_its_blocks(co
 def test_decode_allocates_a_queued_prefill_leg_only_once_its_prefill_started(connector_stack):
     """Prefill is busy with long prompts (one chunk of MAX_BATCHED_TOKENS a step) when a P/D request comes: its
     prefill queues while its decode leg arrives at once. With decode_allocation_wait_s, decode's allocation reaches
-    the directory only after that prefill's first readiness (without it, before); decode's tokens equal colocated."""
+    the directory only after that prefill's first readiness; decode's tokens equal colocated. Without it decode
+    allocates as soon as it schedules the leg: usually long before (0.18 s after the plan, readiness at 7.8 s, in one
+    run), but on the shared
+    cores its own scheduling has taken longer than the queue, so that order is printed, not asserted."""
     s = connector_stack
     busy = [prompt_of(14 * MAX_BATCHED_TOKENS, seed=111 + i) for i in range(3)]
     prompt = prompt_of(2 * BLOCK_SIZE + 33, seed=110)
@@ -242,8 +245,6 @@ def test_decode_allocates_a_queued_prefill_leg_only_once_its_prefill_started(con
     assert first_ready - planned > 0.3e9, "the P/D request's prefill did not queue: nothing to test"
     if DECODE_ALLOCATION_WAIT_S:
         assert first_ready <= allocated < first_ready + int(DECODE_ALLOCATION_WAIT_S * 1e9)
-    else:
-        assert allocated < first_ready
 
 
 def test_zz_no_blocks_leak_on_either_side(connector_stack):
