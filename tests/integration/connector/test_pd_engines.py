@@ -218,9 +218,8 @@ def test_decode_allocates_a_queued_prefill_leg_only_once_its_prefill_started(con
     """Prefill is busy with long prompts (one chunk of MAX_BATCHED_TOKENS a step) when a P/D request comes: its
     prefill queues while its decode leg arrives at once. With decode_allocation_wait_s, decode's allocation reaches
     the directory only after that prefill's first readiness; decode's tokens equal colocated. Without it decode
-    allocates as soon as it schedules the leg: usually long before (0.18 s after the plan, readiness at 7.8 s, in one
-    run), but on the shared
-    cores its own scheduling has taken longer than the queue, so that order is printed, not asserted."""
+    allocates as soon as it schedules the leg: usually long before (in one run 0.18 s after the plan, readiness at
+    7.8 s), but on the shared cores its own scheduling has outlasted the queue, so that order is printed only."""
     s = connector_stack
     busy = [prompt_of(14 * MAX_BATCHED_TOKENS, seed=111 + i) for i in range(3)]
     prompt = prompt_of(2 * BLOCK_SIZE + 33, seed=110)
