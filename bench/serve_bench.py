@@ -8,6 +8,8 @@ Variants (one after the other, so only one pair of engines loads the cores at a 
   nixl-push            vLLM NixlPushConnector, both legs at once
   nixl-push-fair       the same with the sleeping progress thread
   kvpush               KVPushConnector + directory, both legs at once (--no-first-token-from-prefill)
+  kvpush-alloc-at-once kvpush with decode allocating a leg's blocks as it arrives (decode_allocation_wait_s null)
+                       instead of once its prefill started: how long decode holds blocks, and what it costs TTFT
   kvpush-processor     kvpush with the ForcePrefillFirstToken logits processor loaded on decode but the
                        gateway's first token off: separates the processor's cost from the first token's
   kvpush-first-token   the same with the gateway's first token from prefill (the default) and the
@@ -16,7 +18,9 @@ Every variant runs the same `vllm bench serve` (random dataset, `--ignore-eos`, 
 request rate; P and D are pinned with `--prefill-cpus` / `--decode-cpus`; `--netns` puts them in the
 shaped network namespaces of bench/ttft_bench.py (root needed). Results: TTFT / TPOT / ITL mean, p50,
 p99, throughput and failures per variant and rate, as JSON in bench/results/serve-<time>.json and a
-PNG plot beside it.
+PNG plot beside it. kvpush variants add `decode_blocks` per rate, from the directory's records of the point's
+transfers: plan -> prefill's first readiness, plan -> decode allocated, and allocated -> transfer ended (decode's
+blocks held before the request can decode), p50 and p99 in ms.
 
     python bench/serve_bench.py --model tiny --isl 512 --osl 32 --rates 2,4 --num-prompts 40 \
         --prefill-cpus 0 --decode-cpus 1
@@ -56,7 +60,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PACED_SITE = Path(__file__).resolve().parent / "nixl_paced"
 PACED_DELAY_US = 100
 VARIANTS = ("colocated", "nixl-pull", "nixl-pull-fair", "nixl-push", "nixl-push-fair", "kvpush",
-            "kvpush-processor", "kvpush-first-token")
+            "kvpush-alloc-at-once", "kvpush-processor", "kvpush-first-token")
+# kvpush settings of a variant beyond the defaults.
+VARIANT_CONNECTOR_EXTRA: dict[str, dict[str, object]] = {"kvpush-alloc-at-once": {"decode_allocation_wait_s": None}}
 # Variants whose decode engines load the ForcePrefillFirstToken logits processor.
 PROCESSOR_VARIANTS = ("kvpush-processor", "kvpush-first-token")
 
@@ -107,7 +113,8 @@ def run_variant(args, variant: str, model_dir: Path, topology, log_dir: Path, sc
                 port = directory.port
             decode_args = DECODE_ENGINE_ARGS if variant in PROCESSOR_VARIANTS else ()
             prefill, decode = ttft_bench.start_pd_engines(args, model_dir, connector, topology, log_dir, port,
-                                                          decode_args=decode_args, env=variant_env(variant))
+                                                          decode_args=decode_args, env=variant_env(variant),
+                                                          connector_extra=VARIANT_CONNECTOR_EXTRA.get(variant))
             engines = [prefill, decode]
             gateway_args = (("--first-token-from-prefill",) if variant == "kvpush-first-token"
                             else ("--no-first-token-from-prefill",))
@@ -123,12 +130,15 @@ def run_variant(args, variant: str, model_dir: Path, topology, log_dir: Path, sc
         for rate in args.rates:
             out_file = scratch / f"{variant}-{rate}.json"
             cpu_before = {name: group_cpu_seconds(pid) for name, pid in groups.items()}
-            started = time.monotonic()
+            started, started_wall = time.monotonic(), time.time()
             try:
                 out["points"][str(rate)] = summarise(bench_point(base, model_dir, args, rate, out_file))
             except (RuntimeError, subprocess.TimeoutExpired) as error:
                 out["points"][str(rate)] = {"error": str(error)[:1500]}
             elapsed = time.monotonic() - started
+            if directory is not None:
+                out["points"][str(rate)]["decode_blocks"] = decode_block_hold(f"127.0.0.1:{directory.port}",
+                                                                              started_wall)
             out["points"][str(rate)]["busy_cpu_cores"] = {
                 name: round((group_cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
                 for name, pid in groups.items()}
@@ -143,6 +153,34 @@ def run_variant(args, variant: str, model_dir: Path, topology, log_dir: Path, sc
             directory.process.stop(5.0)
 
 
+def decode_block_hold(directory_address: str, since_wall: float) -> dict[str, Any]:
+    """From the directory's records of the transfers planned since `since_wall` (warm-ups included): p50 and p99 in
+    ms of plan -> first readiness, plan -> decode allocated, allocated -> ended (decode holds the prompt's blocks
+    with the request not yet decoding), and how many were allocated before their first readiness."""
+    from kvpush.client.config import ChannelConfig
+    from kvpush.client.sync import SyncDirectoryClient
+
+    with SyncDirectoryClient(ChannelConfig(address=directory_address)) as client:
+        transfers = [t for t in client.list_transfers(limit=1000)
+                     if t.create_time.ToNanoseconds() / 1e9 >= since_wall and t.HasField("allocate_time")
+                     and t.HasField("first_ready_time") and t.HasField("end_time")]
+
+    def ms(later, earlier) -> float:
+        return (later.ToNanoseconds() - earlier.ToNanoseconds()) / 1e6
+
+    def p50_p99(values: list[float]) -> dict[str, float]:
+        ordered = sorted(values)
+        return {"p50": round(ordered[len(ordered) // 2], 1),
+                "p99": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 1)} if ordered else {}
+
+    return {"transfers": len(transfers),
+            "plan_to_first_ready_ms": p50_p99([ms(t.first_ready_time, t.create_time) for t in transfers]),
+            "plan_to_allocated_ms": p50_p99([ms(t.allocate_time, t.create_time) for t in transfers]),
+            "allocated_to_end_ms": p50_p99([ms(t.end_time, t.allocate_time) for t in transfers]),
+            "allocated_before_first_ready": sum(t.allocate_time.ToNanoseconds() < t.first_ready_time.ToNanoseconds()
+                                                for t in transfers)}
+
+
 def add_ratios(result: dict) -> None:
     """kvpush(-first-token) over each baseline, per rate, for TTFT mean/p99 and TPOT mean."""
     variants = result["variants"]
@@ -155,6 +193,21 @@ def add_ratios(result: dict) -> None:
                 for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms"):
                     if a.get(key) and b.get(key) and not a.get("failed") and not b.get("failed"):
                         ratios.setdefault(f"{mine}/{base}", {}).setdefault(rate, {})[key] = round(a[key] / b[key], 3)
+    # Waiting for prefill's start against allocating at once: TTFT, and decode's block hold before decoding.
+    for rate in map(str, result["settings"]["rates"]):
+        a = variants.get("kvpush", {}).get("points", {}).get(rate, {})
+        b = variants.get("kvpush-alloc-at-once", {}).get("points", {}).get(rate, {})
+        pair: dict[str, float] = {}
+        for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms"):
+            if a.get(key) and b.get(key):
+                pair[key] = round(a[key] / b[key], 3)
+        for quantile in ("p50", "p99"):
+            held_a = a.get("decode_blocks", {}).get("allocated_to_end_ms", {}).get(quantile)
+            held_b = b.get("decode_blocks", {}).get("allocated_to_end_ms", {}).get(quantile)
+            if held_a and held_b:
+                pair[f"allocated_to_end_{quantile}"] = round(held_a / held_b, 3)
+        if pair:
+            ratios.setdefault("kvpush/kvpush-alloc-at-once", {})[rate] = pair
     result["ratios"] = ratios
 
 

@@ -140,9 +140,10 @@ class Topology:
 
 def start_pd_engines(args, model_dir: Path, connector: str, topology: Topology, log_dir: Path,
                      directory_port: int = 0, *, decode_args: tuple[str, ...] = (),
-                     env: dict[str, str] | None = None) -> tuple[EngineHandle, EngineHandle]:
+                     env: dict[str, str] | None = None,
+                     connector_extra: dict[str, object] | None = None) -> tuple[EngineHandle, EngineHandle]:
     """Launch P and D for `connector` together and wait for both (`decode_args`: decode's extra flags,
-    `env`: both engines' extra environment)."""
+    `env`: both engines' extra environment, `connector_extra`: kvpush settings beyond the phase's own)."""
     handles = []
     for role, engine_id, cpus in (("prefill", PREFILL_ENGINE_ID, args.prefill_cpus),
                                   ("decode", DECODE_ENGINE_ID, args.decode_cpus)):
@@ -151,7 +152,8 @@ def start_pd_engines(args, model_dir: Path, connector: str, topology: Topology, 
         extra = {}
         if connector in KVPUSH_PHASES:
             extra = {"directory_address": topology.directory_address_for(role, directory_port),
-                     "engine_endpoint": f"http://{place['host']}:{port}", "extra": KVPUSH_PHASES[connector]}
+                     "engine_endpoint": f"http://{place['host']}:{port}",
+                     "extra": {**KVPUSH_PHASES[connector], **(connector_extra or {})}}
         config = kv_transfer_config(connector_of(connector), role, engine_id=engine_id, **extra)
         spec = EngineSpec(name=f"{connector}-{role}", model_dir=model_dir, host=place["host"], port=port,
                           kv_transfer_config=config, env={**place["env"], **(env or {})}, netns=place["netns"],

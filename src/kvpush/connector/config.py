@@ -51,6 +51,10 @@ class ConnectorConfig:
     engine_endpoint: this engine's HTTP URL, registered with the directory (optional).
     transfer_timeout_s: decode-side bound on waiting for one transfer (default 60).
     push_timeout_s: prefill-side bound on holding a finished request's blocks for pushes (default 60).
+    decode_allocation_wait_s: how long a decode engine leaves a decode leg waiting, without blocks, for its
+        prefill to start (the directory saw the transfer's first readiness) before it allocates anyway (default 10;
+        null or 0: allocate at once, as soon as the leg arrives). The leg's blocks are then held only while bytes
+        can land in them, not while the prefill engine queues the request.
     max_write_s: the longest one posted WRITE may stay in flight (default 10): past it the data plane aborts it
         (releases its handles, drops the peer's connection), so nothing of it lands later. The directory's
         `--max-write-s` must be at least every prefill engine's value, and decode's own unconfirmed release
@@ -61,10 +65,10 @@ class ConnectorConfig:
         `connector.engine_spin`; default null, vLLM's own spin, on GPUs, where a step takes milliseconds and a
         sleeping reader would add up to 1 ms to each).
     idle_step_wait_s: on the second and later of back-to-back steps that schedule no tokens while transfers are
-        in flight, the worker waits this long at most for a transfer signal before returning to vLLM (default
-        0.004; 0 = never wait). Ends early on any signal; spares the CPU that back-to-back empty steps would
-        burn. The empty step right after a forward never waits: on a one-process executor vLLM emits that
-        forward's tokens only after it.
+        in flight (or, on decode, legs wait for their prefill's start), the worker waits this long at most for a
+        transfer signal before returning to vLLM (default 0.004; 0 = never wait). Ends early on any signal; spares
+        the CPU that back-to-back empty steps would burn. The empty step right after a forward never waits: on a
+        one-process executor vLLM emits that forward's tokens only after it.
     batch_layer_posts: on a GPU prefill engine, hold a step's layers after its first while the GPU keeps up with
         the host, with no CUDA call and no post in their save_kv_layer, and hand them to the push owner in one post
         at wait_for_save behind one CUDA event recorded there (default True). Such a forward is bound by its kernel
@@ -115,6 +119,7 @@ class ConnectorConfig:
     engine_endpoint: str = ""
     transfer_timeout_s: float = 60.0
     push_timeout_s: float = 60.0
+    decode_allocation_wait_s: float | None = 10.0
     message_queue_poll_s: float | None = 0.0001
     idle_step_wait_s: float = 0.004
     batch_layer_posts: bool = True
@@ -197,6 +202,8 @@ class ConnectorConfig:
             engine_endpoint=_optional_str(extra, "engine_endpoint") or "",
             transfer_timeout_s=_seconds(extra, "transfer_timeout_s", 60.0),
             push_timeout_s=_seconds(extra, "push_timeout_s", 60.0),
+            decode_allocation_wait_s=_optional_seconds(extra, "decode_allocation_wait_s", 10.0, low_included=True,
+                                                       high=3600.0, nullable=True) or None,
             message_queue_poll_s=_optional_seconds(extra, "message_queue_poll_s", 0.0001 if cpu_platform else None,
                                                    high=0.01, nullable=True),
             idle_step_wait_s=_seconds(extra, "idle_step_wait_s", 0.004, low_included=True, high=0.1),

@@ -138,11 +138,13 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                           engine_id=self.config.engine_id)
         else:
             from kvpush.connector.directory_link import DirectoryLink
+            from kvpush.connector.metrics import DecodeSchedulerMetrics
             from kvpush.connector.scheduler.decode import DecodeScheduler
 
             self._link = DirectoryLink(self.config, "kvpush-scheduler-directory")
             self._scheduler = DecodeScheduler(self.config, self._block_size, self._link,
-                                              tuple(window for _, window in self._kv_cache_groups))
+                                              tuple(window for _, window in self._kv_cache_groups),
+                                              deferrals=DecodeSchedulerMetrics(self.config.engine_id))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Worker start-up: register KV memory with NIXL and this worker with the directory (blocking, bounded)."""
@@ -453,14 +455,15 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def may_load_async(self, request: Request) -> bool:
         """Whether `get_num_new_matched_tokens` may answer `load_kv_async=True` for this request (vLLM 0.34+).
 
-        Decode: a request carrying a kvpush decode leg that is not allocated yet (pushed KV arrives asynchronously);
+        Decode: a request carrying a kvpush decode leg that is not allocated yet (pushed KV arrives asynchronously;
+        waiting for its prefill's start included);
         asked before vLLM knows the local prefix hit, so a full local hit is a harmless false positive. Prefill:
         never. Cheap and without side effects, as vLLM asks each time the request enters a waiting queue.
         """
         if self._scheduler is None or self.config.is_prefill:
             return False
-        _, load_async = self._scheduler.get_num_new_matched_tokens(request, 0)
-        return load_async
+        tokens, load_async = self._scheduler.get_num_new_matched_tokens(request, 0)
+        return load_async or tokens is None  # None: a leg waiting for its prefill's start loads asynchronously
 
 
 def _attention_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[tuple[list[str], int]]:

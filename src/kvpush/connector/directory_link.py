@@ -3,7 +3,8 @@
 Life cycle (one `DirectoryLink` per process that needs the directory):
   1. Construction starts the client's private event-loop thread (no connection yet).
   2. Scheduler process (decode): `report_allocation` / `cancel_transfer` submit and return at once;
-     refusals come back through a callback on the client thread.
+     refusals come back through a callback on the client thread. `watch_prefill_start` follows a transfer
+     until its prefill started (the directory saw its first readiness) or it ended, on the client thread.
   3. Worker process: `register` (blocking, bounded; engine start-up only) returns the registration
      whose lease the client renews; prefill workers then `open_prefill_session`, decode workers
      `watch` their transfer events. Callbacks run on the client thread and must never wait (the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -37,6 +39,13 @@ _log = get_logger("connector.directory_link")
 # An allocation refused that way is retried after these pauses (doubling), until transfer_timeout_s.
 _OWNED_RETRY_FIRST_S = 0.005
 _OWNED_RETRY_MAX_S = 0.1
+# A transfer whose prefill start is watched is read (GetTransfer) again after a tenth of the time it has been watched,
+# within these bounds: a leg allocates at most ~10 % (and 100 ms) after its prefill started, and a leg that waits
+# seconds behind a queued prefill costs the directory ten reads a second, not fifty.
+_PREFILL_START_POLL_MIN_S = 0.01
+_PREFILL_START_POLL_MAX_S = 0.1
+_TERMINAL_STATES = frozenset({tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER_STATE_CANCELLED,
+                              tpb.TRANSFER_STATE_EXPIRED})
 
 
 def _blocks_still_owned(error: DirectoryCallError) -> bool:
@@ -55,6 +64,9 @@ class DirectoryLink:
         # One directory's session, or (replicated directory) one per replica behind the same interface.
         self.session: PrefillSession | ReplicatedPrefillSession | None = None
         self._watch: concurrent.futures.Future[None] | None = None
+        # Transfers whose prefill start is watched (engine thread adds and removes, client thread reads).
+        self._start_watches: dict[str, Callable[[str], None]] = {}
+        self._start_lock = threading.Lock()
 
     # ---------------------------------------------------------------- scheduler-side calls (never wait)
 
@@ -117,6 +129,44 @@ class DirectoryLink:
 
         future.add_done_callback(done)
 
+    def watch_prefill_start(self, transfer_id: str, on_started: Callable[[str], None]) -> None:
+        """Follow the transfer until its prefill started or it ended; then on_started(transfer_id) runs once on the
+        client thread (also when the directory does not know it: a report would be refused, failing the request as
+        it would without the wait). Returns at once; a repeat for a watched transfer changes nothing."""
+        with self._start_lock:
+            if transfer_id in self._start_watches:
+                return
+            self._start_watches[transfer_id] = on_started
+        self._loop.submit(self._await_prefill_start(transfer_id))
+
+    def forget_prefill_start(self, transfer_id: str) -> None:
+        """Stop following the transfer (its request allocated or finished); on_started will not run."""
+        with self._start_lock:
+            self._start_watches.pop(transfer_id, None)
+
+    async def _await_prefill_start(self, transfer_id: str) -> None:
+        watched_since = time.monotonic()
+        while True:
+            with self._start_lock:
+                if transfer_id not in self._start_watches:
+                    return
+            started = False
+            try:
+                transfer = await self._calls.get_transfer(transfer_id)
+                started = transfer.HasField("first_ready_time") or transfer.state in _TERMINAL_STATES
+            except DirectoryCallError as error:
+                started = error.code == grpc.StatusCode.NOT_FOUND
+                if not started:  # the directory is out of reach: the caller's bound lets the request go on
+                    _log.debug("prefill start not read", transfer_id=transfer_id, error=str(error))
+            if started:
+                with self._start_lock:
+                    on_started = self._start_watches.pop(transfer_id, None)
+                if on_started is not None:
+                    on_started(transfer_id)
+                return
+            waited = time.monotonic() - watched_since
+            await asyncio.sleep(min(_PREFILL_START_POLL_MAX_S, max(_PREFILL_START_POLL_MIN_S, waited / 10)))
+
     def get_transfer(self, transfer_id: str, on_done: Callable[[tpb.Transfer | None, str], None]) -> None:
         """Submit GetTransfer; on_done(transfer or None, error) runs on the client thread."""
         future = self._loop.submit(self._calls.get_transfer(transfer_id))
@@ -174,6 +224,8 @@ class DirectoryLink:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop streams, deregister and stop the client thread (each step bounded)."""
+        with self._start_lock:
+            self._start_watches.clear()
         if self._watch is not None:
             self._watch.cancel()
         try:

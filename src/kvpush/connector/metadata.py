@@ -131,6 +131,9 @@ class KVPushMetadata(KVConnectorMetadata):
     engine_load: tuple[int, int, int] | None = None
     # The prefill scheduler's count of the steps it built (post_after_output: which step's output left).
     step_seq: int = 0
+    # Decode: legs waiting, without blocks, for their prefill's start (decode_allocation_wait_s). vLLM keeps stepping
+    # while they wait, so the worker paces back-to-back empty steps as it does while receives are in flight.
+    legs_awaiting_prefill: int = 0
 
     def is_idle(self) -> bool:
         """True when this step carries no connector work at all."""

@@ -12,6 +12,8 @@ Where they come from (hooks at the connector's stable points, `connector.py`):
 - decode worker: receives begun (`bind_connector_metadata`) and finished (`get_transfer_results`), by outcome,
   with the wait; receives in flight.
 - both: leases lost, and the StreamPrefill backlog (events queued, not yet written to the directory).
+- decode scheduler half (EngineCore; served where a worker half serves in that process, i.e. TP = 1): how long
+  each leg waited for its prefill to start before its blocks were allocated (`DecodeSchedulerMetrics`).
 One process-wide registry (`registry()`), separate from vLLM's, so the endpoint shows kvpush's series only.
 """
 
@@ -56,6 +58,7 @@ class _Families:
     receives_in_flight: Gauge
     lease_losses: Counter
     backlog: Gauge
+    allocation_deferred: Histogram
 
 
 _lock = threading.Lock()
@@ -114,6 +117,11 @@ def _define(r: CollectorRegistry) -> _Families:
         backlog=Gauge("kvpush_connector_directory_stream_backlog_messages",
                       "Readiness events and write results queued for the directory's StreamPrefill.",
                       worker, registry=r),
+        allocation_deferred=Histogram(
+            "kvpush_connector_decode_allocation_deferred_seconds",
+            "A decode leg's wait without blocks, from its arrival to its allocation, by what ended it "
+            "(prefill_started: the directory saw its prefill's first readiness; wait_bound: "
+            "decode_allocation_wait_s passed).", ["engine_id", "ended_by"], buckets=_TRANSFER_BUCKETS, registry=r),
     )
 
 
@@ -235,3 +243,16 @@ class WorkerMetrics:
     def watch_backlog(self, queued: Callable[[], int]) -> None:
         """Read the StreamPrefill backlog at scrape time."""
         self._backlog.set_function(queued)
+
+
+class DecodeSchedulerMetrics:
+    """The decode scheduler half's metrics (engine id bound as a label)."""
+
+    def __init__(self, engine_id: str) -> None:
+        _, m = _registry_and_families()
+        self._deferred = {ended_by: m.allocation_deferred.labels(engine_id, ended_by)
+                          for ended_by in ("prefill_started", "wait_bound")}
+
+    def on_allocation_deferred(self, seconds: float, ended_by: str) -> None:
+        """A leg's blocks are being allocated `seconds` after it arrived (engine thread)."""
+        self._deferred[ended_by].observe(max(0.0, seconds))

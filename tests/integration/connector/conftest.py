@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ LEASE_TTL_S = 15.0
 TRANSFER_TIMEOUT_S = 60.0
 PUSH_TIMEOUT_S = 90.0
 READY_TIMEOUT_S = 600.0
+# Decode's wait for a leg's prefill to start before allocating (the connector's default); the environment variable
+# runs this suite with another value, 0 for none (allocation at once, as the leg arrives).
+DECODE_ALLOCATION_WAIT_S = float(os.environ.get("KVPUSH_TEST_DECODE_ALLOCATION_WAIT_S", "10"))
 PREFILL_ID = "conn-prefill"
 DECODE_ID = "conn-decode"
 VICTIM_ID = "conn-victim"
@@ -189,7 +193,7 @@ def connector_stack(otlp_receiver, session_log_dir) -> ConnectorStack:
     specs = [
         _kvpush_spec("conn-prefill", "prefill", PREFILL_ID, model_dir, address, otlp_receiver.env("conn-prefill")),
         _kvpush_spec("conn-decode", "decode", DECODE_ID, model_dir, address, otlp_receiver.env("conn-decode"),
-                     policy="recompute"),
+                     extra={"decode_allocation_wait_s": DECODE_ALLOCATION_WAIT_S or None}, policy="recompute"),
         _kvpush_spec("conn-victim", "prefill", VICTIM_ID, model_dir, address, otlp_receiver.env("conn-victim"),
                      extra={"fault_stall_after_writes": 2}),
         EngineSpec(name="conn-colocated", model_dir=model_dir, enable_prefix_caching=False,

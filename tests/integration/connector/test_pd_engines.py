@@ -20,6 +20,7 @@ from kvpush.client.errors import DirectoryCallError
 from kvpush.v1 import types_pb2 as tpb
 from tests.integration.connector.conftest import (
     BLOCK_SIZE,
+    DECODE_ALLOCATION_WAIT_S,
     DECODE_ID,
     LEASE_TTL_S,
     MAX_BATCHED_TOKENS,
@@ -211,6 +212,38 @@ def test_a_prefill_leg_whose_plan_never_comes_is_stopped_and_frees_its_blocks(co
                                   decode_engine_id=DECODE_ID, transfer_id=transfer_id)
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and "waited over" in refused.value.details
     assert s.wait_kv_usage_zero(s.prefill) == 0.0
+
+
+def test_decode_allocates_a_queued_prefill_leg_only_once_its_prefill_started(connector_stack):
+    """Prefill is busy with long prompts (one chunk of MAX_BATCHED_TOKENS a step) when a P/D request comes: its
+    prefill queues while its decode leg arrives at once. With decode_allocation_wait_s, decode's allocation reaches
+    the directory only after that prefill's first readiness; decode's tokens equal colocated. Without it decode
+    allocates as soon as it schedules the leg: usually long before (in one run 0.18 s after the plan, readiness at
+    7.8 s), but on the shared cores its own scheduling has outlasted the queue, so that order is printed only."""
+    s = connector_stack
+    busy = [prompt_of(14 * MAX_BATCHED_TOKENS, seed=111 + i) for i in range(3)]
+    prompt = prompt_of(2 * BLOCK_SIZE + 33, seed=110)
+    want = s.reference(prompt, MAX_TOKENS)
+    s.wait_kv_usage_zero(s.prefill)
+    with concurrent.futures.ThreadPoolExecutor(len(busy)) as pool:
+        long_requests = [pool.submit(s.complete, s.prefill, p, 1) for p in busy]
+        deadline = time.monotonic() + 60
+        while s.kv_usage(s.prefill) == 0.0:  # the long prompts are being computed
+            assert time.monotonic() < deadline and not any(r.done() for r in long_requests), "no long prompt started"
+            time.sleep(0.02)
+        _, decode_body, transfer_id = s.disaggregated(prompt, MAX_TOKENS)
+        for request in long_requests:
+            request.result()
+    assert decode_body["choices"][0]["token_ids"] == want
+    transfer = s.wait_transfer(transfer_id, TERMINAL)
+    assert transfer.state == tpb.TRANSFER_STATE_COMPLETE, transfer.failure_reason
+    planned, first_ready, allocated = (transfer.create_time.ToNanoseconds(), transfer.first_ready_time.ToNanoseconds(),
+                                       transfer.allocate_time.ToNanoseconds())
+    print(f"plan -> first readiness {(first_ready - planned) / 1e9:.3f} s, "
+          f"plan -> allocated {(allocated - planned) / 1e9:.3f} s")
+    assert first_ready - planned > 0.3e9, "the P/D request's prefill did not queue: nothing to test"
+    if DECODE_ALLOCATION_WAIT_S:
+        assert first_ready <= allocated < first_ready + int(DECODE_ALLOCATION_WAIT_S * 1e9)
 
 
 def test_zz_no_blocks_leak_on_either_side(connector_stack):

@@ -82,3 +82,21 @@ def test_only_an_empty_step_after_an_empty_step_waits():
         assert worker.collect() == (set(), set())
         waited.append(time.monotonic() - started)
     assert waited[0] < 0.08 and waited[1] >= 0.09 and waited[2] >= 0.09, waited
+
+
+def test_back_to_back_empty_steps_wait_while_legs_wait_for_their_prefill():
+    """No receive in flight, but the scheduler says legs wait for their prefill's start (vLLM keeps stepping for
+    them): back-to-back empty steps wait up to idle_step_wait_s instead of spinning; none waiting: no wait."""
+    config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1", "idle_step_wait_s": 0.1},
+                                               role="decode", engine_id="d1")
+    worker = DecodeWorker(config, None, block_size_tokens=16)
+    waited = {}
+    for awaiting in (0, 2):
+        times = []
+        for _ in range(3):
+            worker.begin_step(KVPushMetadata(empty_step=True, legs_awaiting_prefill=awaiting))
+            started = time.monotonic()
+            assert worker.collect() == (set(), set())
+            times.append(time.monotonic() - started)
+        waited[awaiting] = times
+    assert max(waited[0]) < 0.05 and min(waited[2]) >= 0.09, waited

@@ -68,7 +68,9 @@ def test_decode_may_load_a_kvpush_leg_asynchronously_until_it_is_allocated(model
             assert connector.may_load_async(leg) is True  # no side effects: asking again gives the same answer
             assert connector.may_load_async(plain) is False
             assert connector.may_load_async(malformed) is False
-            assert connector.get_num_new_matched_tokens(leg, 0) == (40, True)
+            # Waiting for prefill's start (decode_allocation_wait_s, on by default): nothing allocated yet, still a
+            # request that loads asynchronously.
+            assert connector.get_num_new_matched_tokens(leg, 0) == (None, False)
 
             connector.update_state_after_alloc(leg, KVCacheBlocks(([KVCacheBlock(i) for i in range(3)],)), 40)
             assert connector.may_load_async(leg) is False  # allocated: nothing more to load asynchronously

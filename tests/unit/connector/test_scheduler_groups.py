@@ -69,7 +69,9 @@ class _Reporter:
 
 
 def _decode(windows: tuple[int, ...]) -> tuple[DecodeScheduler, _Reporter]:
-    config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1"}, role="decode", engine_id="d")
+    # Allocation at once: these tests are about the report's groups, not when it goes out.
+    config = ConnectorConfig.from_extra_config({"directory_address": "127.0.0.1:1", "decode_allocation_wait_s": None},
+                                               role="decode", engine_id="d")
     reporter = _Reporter()
     return DecodeScheduler(config, BS, reporter, windows), reporter
 

@@ -1,9 +1,14 @@
 """Decode engine, scheduler half: makes remote-prefill requests wait for pushed KV, reports their blocks.
 
 Life cycle of a decode-leg request (kv_transfer_params: transfer_id + do_remote_prefill) here:
-  1. `get_num_new_matched_tokens` (may run many times, no side effects): the prompt tokens beyond
-     decode's own prefix hit will arrive asynchronously -> (n, True); vLLM allocates blocks for the
-     whole prompt and parks the request in WAITING_FOR_REMOTE_KVS.
+  0. `on_new_request`: with decode_allocation_wait_s set, the directory link starts following the transfer
+     until its prefill started (the directory saw its first readiness) or it ended.
+  1. `get_num_new_matched_tokens` (may run many times, no side effects): until that start is seen, and for at
+     most decode_allocation_wait_s after the leg arrived, (None, False): vLLM leaves the request waiting without
+     blocks and asks again next step (other waiting requests go on). Then the prompt tokens beyond decode's own
+     prefix hit will arrive asynchronously -> (n, True); vLLM allocates blocks for the whole prompt and parks
+     the request in WAITING_FOR_REMOTE_KVS. A full local hit never waits, nor does a leg that carries prefill's
+     first token (sent after its prefill ended).
   2. `update_state_after_alloc` (first call with external tokens): submit ReportAllocation (block ids
      for the whole prompt, skip_token_count = decode's own hit, so the push skips those tokens)
      without waiting; queue a `ReceiveStart` for the workers. A refused report comes back on the
@@ -18,13 +23,15 @@ Life cycle of a decode-leg request (kv_transfer_params: transfer_id + do_remote_
   4. Abort while waiting: `request_finished` submits CancelTransfer and tells the workers, which report
      the request finished only once the directory confirms the transfer is terminal (no write in
      flight) or transfer_timeout_s passed; until then vLLM keeps the blocks (WAITING_FOR_REMOTE_KVS).
-     Abort before allocation: CancelTransfer only, so prefill stops early.
+     Abort before allocation (waiting for prefill's start included): CancelTransfer only, so prefill stops early.
 This half never waits on the network: every directory call is submitted to the link's own thread.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -59,6 +66,30 @@ class AllocationReporter(Protocol):
     def cancel_transfer(self, transfer_id: str, reason: str) -> None:
         """Submit CancelTransfer (best effort, idempotent at the directory)."""
 
+    def watch_prefill_start(self, transfer_id: str, on_started: Callable[[str], None]) -> None:
+        """Follow the transfer; on_started(transfer_id) runs once (another thread) when its prefill started or it
+        ended."""
+
+    def forget_prefill_start(self, transfer_id: str) -> None:
+        """Stop following the transfer."""
+
+
+class AllocationDeferralObserver(Protocol):
+    """Where the time a leg waited for its prefill's start goes (`metrics.DecodeSchedulerMetrics`)."""
+
+    def on_allocation_deferred(self, seconds: float, ended_by: str) -> None:
+        """A leg's blocks are being allocated `seconds` after it arrived; ended_by: prefill_started or wait_bound."""
+
+
+@dataclass
+class _Leg:
+    """A remote-prefill request not yet allocated."""
+
+    params: TransferParams
+    arrived: float  # time.monotonic() when the leg arrived
+    # It waits for its prefill's start (decode_allocation_wait_s), its transfer followed by the link meanwhile.
+    waits: bool = False
+
 
 @dataclass
 class _ScheduledReceive:
@@ -75,13 +106,22 @@ class DecodeScheduler:
     """Scheduler half for kv_role=kv_consumer. See the module docstring for the life cycle."""
 
     def __init__(self, config: ConnectorConfig, block_size_tokens: int, directory: AllocationReporter,
-                 group_windows: tuple[int, ...] = ()) -> None:
+                 group_windows: tuple[int, ...] = (), deferrals: AllocationDeferralObserver | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._block_size_tokens = block_size_tokens
         # Per KV-cache group, its sliding window in tokens (0: full attention); () or one entry: one group.
         self._group_windows = group_windows
         self._directory = directory
-        self._legs: dict[str, TransferParams] = {}      # remote-prefill requests not yet allocated
+        self._legs: dict[str, _Leg] = {}      # remote-prefill requests not yet allocated
+        self._wait_s = config.decode_allocation_wait_s  # None: allocate at once
+        self._deferrals = deferrals
+        self._clock = clock
+        # Transfer ids legs wait on, and those whose prefill started (or that ended): the link's thread adds to
+        # _started, only while the id is still watched (an answer already on its way for a forgotten one is dropped).
+        self._watched: set[str] = set()
+        self._started: set[str] = set()
+        self._started_lock = threading.Lock()
         self._receiving: dict[str, _ScheduledReceive] = {}  # allocated, not yet reported finished by the workers
         self._pending_receives: list[ReceiveStart] = []
         self._pending_cancels: list[str] = []
@@ -97,22 +137,65 @@ class DecodeScheduler:
                        request_id=request.request_id, error=str(exc))
             return
         if params is not None and not params.is_prefill_leg:
-            self._legs[request.request_id] = params
+            # A leg that already carries prefill's first token comes after its prefill ended: nothing to wait for.
+            waits = self._wait_s is not None and params.first_token_id is None
+            self._legs[request.request_id] = _Leg(params, self._clock(), waits)
+            if waits:
+                with self._started_lock:
+                    self._watched.add(params.transfer_id)
+                self._directory.watch_prefill_start(params.transfer_id, self._on_prefill_started)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Prompt tokens past decode's own (block-aligned) prefix hit arrive by push, asynchronously."""
-        if request.request_id not in self._legs:
+    def _on_prefill_started(self, transfer_id: str) -> None:
+        """The link's thread: the transfer's prefill started, or it ended (a report is then refused, as before)."""
+        with self._started_lock:
+            if transfer_id in self._watched:
+                self._started.add(transfer_id)
+
+    def _prefill_started(self, transfer_id: str) -> bool:
+        with self._started_lock:
+            return transfer_id in self._started
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Prompt tokens past decode's own (block-aligned) prefix hit arrive by push, asynchronously; None
+        (ask again next step, allocate nothing yet) while the leg waits for its prefill's start."""
+        leg = self._legs.get(request.request_id)
+        if leg is None:
             return 0, False
         remote_tokens = request.num_prompt_tokens - num_computed_tokens
         if remote_tokens <= 0:
             return 0, False
+        if self._waits_for_prefill(leg):
+            return None, False
         return remote_tokens, True
+
+    def _waits_for_prefill(self, leg: _Leg) -> bool:
+        return (leg.waits and self._wait_s is not None and self._clock() - leg.arrived < self._wait_s
+                and not self._prefill_started(leg.params.transfer_id))
+
+    def _leg_done(self, request_id: str) -> _Leg | None:
+        """Forget a leg (allocated or finished); stop following its transfer unless another leg waits on it."""
+        leg = self._legs.pop(request_id, None)
+        if leg is None or not leg.waits:
+            return leg
+        transfer_id = leg.params.transfer_id
+        if not any(other.waits and other.params.transfer_id == transfer_id for other in self._legs.values()):
+            with self._started_lock:
+                self._watched.discard(transfer_id)
+                self._started.discard(transfer_id)
+            self._directory.forget_prefill_start(transfer_id)
+        return leg
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Report the allocation to the directory (submitted, not awaited) and queue the receive for the workers."""
-        leg = self._legs.pop(request.request_id, None)
-        if leg is None:
+        pending = self._legs.get(request.request_id)
+        if pending is None:
             return  # not a decode leg, or already handled (second call after the load)
+        if pending.waits and num_external_tokens > 0 and self._deferrals is not None:
+            started = self._prefill_started(pending.params.transfer_id)
+            self._deferrals.on_allocation_deferred(self._clock() - pending.arrived,
+                                                   "prefill_started" if started else "wait_bound")
+        self._leg_done(request.request_id)
+        leg = pending.params
         if num_external_tokens <= 0:
             # Decode computes everything itself (a full local hit, or prefix reading disabled): stop the push.
             self._directory.cancel_transfer(leg.transfer_id, "decode needs no pushed tokens")
@@ -155,8 +238,10 @@ class DecodeScheduler:
         return groups
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
-        """Hand new receives, cancellations and refused allocations to the workers."""
+        """Hand new receives, cancellations, refused allocations and how many legs wait for prefill to the workers."""
         meta = KVPushMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0)
+        if self._wait_s is not None:
+            meta.legs_awaiting_prefill = sum(self._waits_for_prefill(leg) for leg in self._legs.values())
         meta.receives, self._pending_receives = self._pending_receives, []
         meta.cancelled_receives, self._pending_cancels = self._pending_cancels, []
         while True:
@@ -172,12 +257,12 @@ class DecodeScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, object] | None]:
         """On an abort while waiting, cancel the transfer and keep the blocks until the workers confirm."""
         request_id = request.request_id
-        leg = self._legs.pop(request_id, None)
-        if leg is not None:
+        pending = self._leg_done(request_id)
+        if pending is not None:
             # Never allocated: nothing can be written here, but prefill should stop pushing (unless another request
             # of this engine received that transfer id: a duplicate leg must not end the original's transfer).
-            if not self._received_by_another(leg.transfer_id, request_id):
-                self._directory.cancel_transfer(leg.transfer_id, "decode request finished before allocation")
+            if not self._received_by_another(pending.params.transfer_id, request_id):
+                self._directory.cancel_transfer(pending.params.transfer_id, "decode request finished before allocation")
             return False, None
         receive = self._receiving.get(request_id)
         if receive is None:
@@ -208,6 +293,10 @@ class DecodeScheduler:
     def has_pending_push_work(self) -> bool:
         """Decode has no push work of its own; waiting requests keep vLLM stepping."""
         return False
+
+    def waiting_leg_count(self) -> int:
+        """How many decode legs are not allocated yet (waiting for prefill's start, or for blocks)."""
+        return len(self._legs)
 
     def receiving_count(self) -> int:
         """How many requests wait for pushed KV (for tests and metrics)."""

@@ -77,6 +77,7 @@ class DecodeWorker:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         # The current step schedules no tokens and follows one that scheduled none either (see collect).
         self._empty_step = False
+        self._legs_awaiting_prefill = 0
         self._previous_step_empty = True
         # Completed receives' first tokens from prefill, for this step's worker metadata (request id -> token).
         self._first_tokens: dict[str, int] = {}
@@ -150,6 +151,7 @@ class DecodeWorker:
         # As on prefill: a wait in the step right after a forward would hold back that forward's tokens.
         self._empty_step = meta.empty_step and self._previous_step_empty
         self._previous_step_empty = meta.empty_step
+        self._legs_awaiting_prefill = meta.legs_awaiting_prefill
         for start in meta.receives:
             if self._book.starts(start) and start.request_id not in self._spans:
                 self._spans[start.request_id] = TransferSpan.start(
@@ -163,8 +165,10 @@ class DecodeWorker:
 
     def collect(self) -> tuple[set[str], set[int]]:
         """Requests finished receiving this step, and the block ids of those that failed (load errors)."""
-        if self._empty_step and self._book.waiting_count() and not self._book.any_may_end():
-            # Nothing computed this step: wait (bounded) for a transfer signal rather than spin vLLM's loop.
+        if self._empty_step and (self._book.waiting_count() or self._legs_awaiting_prefill) \
+                and not self._book.any_may_end():
+            # Nothing computed this step: wait (bounded) for a transfer signal rather than spin vLLM's loop (legs
+            # waiting for their prefill's start keep it looping too; that start is seen in the scheduler).
             self._empty_step = False
             wait_for_actions(self._inbox, self._config.idle_step_wait_s, _log, "decode")
         self._drain()
