@@ -39,6 +39,7 @@ attention layer 1's `(8192, 2, 128, 64)` cache.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -356,9 +357,7 @@ def _state_layer(name: str, tensors: Sequence[KVTensor]) -> tuple[int, int, int,
             raise LayoutError(f"{where} has {shape[0]} blocks of stride {strides[0]} B; tensor 0 has "
                               f"{block_count} of {block_stride} B")
         elem = int(tensor.element_size())
-        length = elem
-        for dim, stride in zip(shape[1:], strides[1:], strict=True):
-            length *= dim
+        length = elem * math.prod(shape[1:])
         # Dense inner dims, in any order: the byte extent of one block's elements equals their count.
         if _region_bytes(shape[1:], strides[1:], elem) != length:
             raise LayoutError(f"{where}: strides {strides} B leave gaps inside a block's state")
