@@ -39,12 +39,20 @@ attention layer 1's `(8192, 2, 128, 64)` cache.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from kvpush.dataplane.layout import MEMORY_DRAM, MEMORY_VRAM, KVLayoutSpec, KVPlaneSpec, LayoutError
+from kvpush.dataplane.layout import (
+    MEMORY_DRAM,
+    MEMORY_VRAM,
+    KVLayoutSpec,
+    KVPlaneSpec,
+    LayoutError,
+    StateGroupSpec,
+)
 
 LAYOUT_FUSED_KV = "fused_kv"
 LAYOUT_CPU_ATTN = "cpu_attn"
@@ -371,3 +379,57 @@ def _state_layer(name: str, tensors: Sequence[KVTensor]) -> tuple[int, int, int,
     if block_stride <= 0 or end > block_stride:
         raise LayoutError(f"state layer {name!r}: its state ends at byte {end} of a {block_stride}-byte block")
     return base, block_stride, block_count, tuple(ranges), tuple(_dtype_name(t) for t in tensors), memory
+
+
+def describe_hybrid_caches(
+    kv_caches: Mapping[str, KVTensor | Sequence[KVTensor]],
+    block_size_tokens: int,
+    num_kv_heads: int,
+    head_size: int,
+    state_groups: Mapping[int, tuple[Sequence[str], int]],
+    layout_hint: str | None = None,
+) -> KVLayoutSpec:
+    """One layout of a hybrid model's attention and state layers, in the mapping's layer order.
+
+    `state_groups`: per KV-cache group index of state layers, its layer names and tokens per block. Attention
+    layers (tensors) are described by `describe_kv_caches`; each state group's layers (lists of state tensors) by
+    `describe_state_layers`, which must lie in the same memory kind, block count and layer region size (vLLM gives
+    both one raw buffer per layer pair).
+    """
+    names = list(kv_caches)
+    state_names = {name: group for group, (layer_names, _) in state_groups.items() for name in layer_names}
+    unknown = [name for name in state_names if name not in kv_caches]
+    if unknown:
+        raise LayoutError(f"state layers {unknown} have no KV cache")
+    attention: dict[str, KVTensor] = {}
+    for name in names:
+        cache = kv_caches[name]
+        if name in state_names:
+            continue
+        if isinstance(cache, Sequence):
+            raise LayoutError(f"layer {name!r} holds a list of tensors but is in no state group")
+        attention[name] = cache
+    layout, _ = describe_kv_caches(attention, block_size_tokens, num_kv_heads, head_size, layout_hint)
+    base_of = dict(zip(layout.layer_names, layout.layer_base_addresses, strict=True))
+    groups: list[StateGroupSpec] = []
+    for group_index, (layer_names, group_block_size) in sorted(state_groups.items()):
+        state = describe_state_layers({name: _state_tensors(name, kv_caches[name]) for name in layer_names})
+        if (state.memory_kind, state.device_id) != (layout.memory_kind, layout.device_id):
+            raise LayoutError(f"state group {group_index} is on {state.memory_kind} {state.device_id}, the attention "
+                              f"layers on {layout.memory_kind} {layout.device_id}")
+        if state.block_count != layout.block_count:
+            raise LayoutError(f"state group {group_index} has {state.block_count} blocks, the attention layers "
+                              f"{layout.block_count}")
+        base_of.update(zip(state.layer_names, state.layer_base_addresses, strict=True))
+        groups.append(StateGroupSpec(group_index=group_index, layers=tuple(sorted(names.index(n) for n in layer_names)),
+                                     block_size_tokens=group_block_size, block_stride_bytes=state.block_stride_bytes,
+                                     state_ranges=state.state_ranges))
+    return dataclasses.replace(layout, layer_count=len(names), layer_names=tuple(names),
+                               layer_base_addresses=tuple(base_of[name] for name in names),
+                               state_groups=tuple(groups)).validate()
+
+
+def _state_tensors(name: str, cache: KVTensor | Sequence[KVTensor]) -> Sequence[KVTensor]:
+    if not isinstance(cache, Sequence):
+        raise LayoutError(f"state layer {name!r}: expected a list of state tensors, got {type(cache).__name__}")
+    return cache
