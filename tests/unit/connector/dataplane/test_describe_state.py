@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from kvpush.connector.worker.layout_wire import layout_from_proto, layout_to_proto, state_group_to_proto
-from kvpush.dataplane.describe import describe_hybrid_caches, describe_kv_caches, describe_state_layers
+from kvpush.dataplane.describe import (
+    describe_hybrid_caches,
+    describe_kv_caches,
+    describe_state_layers,
+    state_views,
+)
 from kvpush.dataplane.layout import LayoutError
 from kvpush.dataplane.plan import WriteRequestError, plan_state_write
 from kvpush.v1 import types_pb2
@@ -161,3 +166,17 @@ def test_state_ranges_apart_make_one_descriptor_each_and_must_match_decode():
                                       [base + PAGE + 4096, base + 2 * PAGE + 4096, 16384]]
     with pytest.raises(WriteRequestError, match="state ranges"):
         plan_state_write(src_apart, src, 0, 1, 2)
+
+
+def test_views_built_from_vllm_0_32s_raw_allocation_match_its_own_views():
+    """vLLM 0.32 hands a state layer its raw allocation; `state_views` rebuilds the views vLLM's MambaBase binds
+    (conv then SSM packed from each page's start), which describe like vLLM 0.25's own lists."""
+    raw = _raw()
+    built = state_views(int(raw.ctypes.data), PAGE, BLOCKS, [(CONV, "float32", 4), (SSM, "float32", 4)])
+    own = _views(raw, (CONV, SSM))
+    for view, tensor in zip(built, own, strict=True):
+        assert (view.data_ptr(), tuple(view.shape), tuple(view.stride())) == (tensor.data_ptr(), tensor.shape,
+                                                                             tensor.stride())
+    assert describe_state_layers({"m": built}) == describe_state_layers({"m": own})
+    with pytest.raises(LayoutError, match="misaligned"):
+        state_views(int(raw.ctypes.data), PAGE + 2, BLOCKS, [(CONV, "float32", 4)])
