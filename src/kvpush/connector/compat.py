@@ -96,7 +96,7 @@ VLLM_READS: tuple[VLLMRead, ...] = (
     *_reads("Request", "prompt_token_ids", "_all_token_ids", "max_tokens"),
     *_reads("KVConnectorOutput", "finished_sending", "finished_recving", "kv_connector_worker_meta"),
     *_reads("KVCacheBlocks", "get_block_ids"),
-    *_reads("KVCacheConfig", "kv_cache_groups", "kv_cache_tensors", "num_blocks"),
+    *_reads("KVCacheConfig", "kv_cache_groups"),
     *_reads("BlockPool", "get_num_free_blocks"),
     *_reads("VllmConfig", "kv_transfer_config", "cache_config", "model_config", "parallel_config"),
     *_reads("CacheConfig", "block_size", "cache_dtype"),

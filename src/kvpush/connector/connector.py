@@ -515,26 +515,26 @@ def _with_state_views(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCac
                       state_groups: dict[int, tuple[list[str], int]]) -> dict[str, torch.Tensor]:
     """`kv_caches` with each state layer's cache as its list of state views.
 
-    vLLM 0.25 passes a state layer as that list already. 0.30+ passes the raw allocation every cache lives in
-    (`has_layer_views` is False for MambaSpec) and places the layer by its `KVCacheTensor`: block b of
-    `layers[l]` at `offset + l * layer_stride + b * block_stride`, the spec's states packed from the page's start.
+    vLLM 0.25 passes a state layer as that list already. 0.30+ passes one raw int8 page view per state layer,
+    `(num_blocks, 1, 1, page bytes)` from the layer's block 0 (what `MambaBase.bind_kv_cache` slices): the spec's
+    states are packed from each page's start.
     """
     from kvpush.dataplane.describe import state_views
 
-    state_names = {name for names, _ in state_groups.values() for name in names}
-    if kv_cache_config is None or all(not hasattr(kv_caches[name], "data_ptr") for name in state_names):
+    if kv_cache_config is None:
         return kv_caches
     spec_of = {name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups for name in group.layer_names}
     views: dict[str, object] = dict(kv_caches)
-    for placement in kv_cache_config.kv_cache_tensors:
-        for position, name in enumerate(getattr(placement, "layers", None) or ()):
-            raw = kv_caches.get(name)
-            if name not in state_names or raw is None or not hasattr(raw, "data_ptr"):
-                continue
+    for names, _ in state_groups.values():
+        for name in names:
+            raw = kv_caches[name]
+            if not hasattr(raw, "data_ptr"):
+                continue  # already a list of views
+            if raw.dim() < 2:
+                raise ValueError(f"state layer {name!r}: a {tuple(raw.shape)} cache is not a per-block page view")
             spec = spec_of[name]  # a MambaSpec: its states' shapes and dtypes
             states = [(tuple(int(d) for d in shape), str(dtype).removeprefix("torch."), int(dtype.itemsize))
                       for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)]  # type: ignore[attr-defined]
-            page = raw.data_ptr() + int(getattr(placement, "offset", 0)) + position * int(placement.layer_stride)
-            views[name] = state_views(page, int(placement.block_stride), int(kv_cache_config.num_blocks), states,
-                                      raw.device)
+            views[name] = state_views(raw.data_ptr(), int(raw.stride(0)) * raw.element_size(), int(raw.shape[0]),
+                                      states, raw.device)
     return views  # type: ignore[return-value]
