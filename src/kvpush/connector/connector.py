@@ -203,7 +203,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         runner, before this connector existed; src/kvpush/connector/first_token.py says when it cannot)."""
         from kvpush.connector.first_token import forcing_installed
 
-        forces = self.config.is_decode and forcing_installed()
+        # A hybrid SSM model's prefill stops one token short of the prompt (scheduler.prefill): the token it samples is
+        # not the first one, so such a decode engine registers that it does not force it (the gateway then leaves it).
+        forces = self.config.is_decode and forcing_installed() and not self._state_groups
         if self.config.is_decode:
             _log.info("first token from prefill", engine_id=self.config.engine_id, forces_first_token=forces)
         return forces
