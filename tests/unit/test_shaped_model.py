@@ -10,10 +10,12 @@ from kvpush.localstack import shaped_model
 from kvpush.localstack.shaped_model import (
     PRESETS,
     ensure_shaped_model,
+    is_hybrid_ssm,
     is_mla,
     kv_bytes_per_token,
     preset_config,
     runs_on_cpu,
+    state_layer_count,
     vllm_cpu_engine_args,
 )
 
@@ -57,7 +59,8 @@ def test_mla_is_told_by_the_latent_rank():
 
 
 def test_tiny_presets_run_on_cpu_in_float32():
-    assert {p for p in PRESETS if runs_on_cpu(p)} == {"tiny-llama", "tiny-deepseek-v2", "tiny-gemma3"}
+    assert {p for p in PRESETS if runs_on_cpu(p)} == {"tiny-llama", "tiny-deepseek-v2", "tiny-gemma3",
+                                                      "tiny-granite-4.0-h"}
     # vLLM's CPU MLA kernels exist only for a 576-wide latent (kv_lora_rank 512 + rope 64).
     tiny = preset_config("tiny-deepseek-v2")
     assert tiny["kv_lora_rank"] + tiny["qk_rope_head_dim"] == 576
@@ -77,8 +80,28 @@ def test_tiny_gemma3_mixes_sliding_and_full_layers():
     assert config["sliding_window"] < 128  # shorter than one CPU block, so the tests' prompts all exceed it
 
 
+def test_granite_presets_mix_mamba2_and_attention_layers():
+    """Both Granite 4.0-H presets have state layers between attention layers; the tiny one keeps its architecture."""
+    for preset, states, attention in (("granite-4.0-h-shaped", 6, 2), ("tiny-granite-4.0-h", 2, 2)):
+        config = preset_config(preset)
+        assert is_hybrid_ssm(config) and state_layer_count(config) == states
+        assert config["layer_types"].count("full_attention") == attention
+        assert config["num_local_experts"] == 0  # dense: no MoE layer
+    shaped, tiny = preset_config("granite-4.0-h-shaped"), preset_config("tiny-granite-4.0-h")
+    assert shaped["dtype"] == "bfloat16" and tiny["dtype"] == "float32"
+    # Mamba2's inner width is its heads x head dim (expand x hidden), as vLLM's mixer requires.
+    for config in (shaped, tiny):
+        assert config["mamba_n_heads"] * config["mamba_d_head"] == config["mamba_expand"] * config["hidden_size"]
+    assert not any(is_hybrid_ssm(preset_config(p)) for p in PRESETS if "granite" not in p)
+
+
+def test_hybrid_presets_run_without_prefix_caching_on_cpu():
+    assert vllm_cpu_engine_args(preset_config("tiny-granite-4.0-h")) == ["--no-enable-prefix-caching"]
+
+
 @pytest.mark.parametrize("preset,arch", [("tiny-deepseek-v2", "DeepseekV2ForCausalLM"),
-                                         ("tiny-gemma3", "Gemma3ForCausalLM")])
+                                         ("tiny-gemma3", "Gemma3ForCausalLM"),
+                                         ("tiny-granite-4.0-h", "GraniteMoeHybridForCausalLM")])
 def test_ensure_shaped_model_builds_the_tiny_presets(tmp_path, preset, arch):
     pytest.importorskip("torch")
     from transformers import AutoTokenizer

@@ -92,6 +92,8 @@ VLLM_READS: tuple[VLLMRead, ...] = (
     *_reads("CachedRequestData", "resumed_req_ids", until=(0, 33), guarded=True),
     *_reads("Request", "request_id", "num_prompt_tokens", "num_computed_tokens", "kv_transfer_params",
             "output_token_ids"),
+    # A hybrid SSM model's prefill leg drops its last prompt token (scheduler.prefill.drop_last_prompt_token).
+    *_reads("Request", "prompt_token_ids", "_all_token_ids", "max_tokens"),
     *_reads("KVConnectorOutput", "finished_sending", "finished_recving", "kv_connector_worker_meta"),
     *_reads("KVCacheBlocks", "get_block_ids"),
     *_reads("KVCacheConfig", "kv_cache_groups"),

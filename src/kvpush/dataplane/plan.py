@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from kvpush.dataplane.layout import KVLayoutSpec, LayoutError, check_compatible
+from kvpush.dataplane.layout import KVLayoutSpec, LayoutError, StateGroupSpec, check_compatible
 
 TABLE_BLOCK = "block"
 TABLE_CHUNK = "chunk"
@@ -294,6 +294,33 @@ def plan_write(
         descriptor_count=table_merged + int(explicit.shape[0]),
         shared_blocks=shared,
     )
+
+
+def plan_state_write(src: KVLayoutSpec, dst: KVLayoutSpec, layer: int, src_block: int, dst_block: int) -> WritePlan:
+    """Plan the write of one state layer's state block whole (hybrid models): every state byte of `src_block` into
+    `dst_block`, nothing of the block's padding, as explicit descriptors (a state block is one or two ranges, so no
+    table is prepared for it). Both sides' groups of `layer` must hold the same state ranges."""
+    src_group, dst_group = src.state_group_of(layer), dst.state_group_of(layer)
+    if src_group is None or dst_group is None:
+        raise WriteRequestError(f"layer {layer} is not a state layer on "
+                                f"{'both sides' if src_group is None and dst_group is None else 'both sides alike'}")
+    if src_group.state_ranges != dst_group.state_ranges:
+        raise WriteRequestError(f"layer {layer}: state ranges {src_group.state_ranges} differ from decode's "
+                                f"{dst_group.state_ranges}")
+    for name, block, layout in (("src_block", src_block, src), ("dst_block", dst_block, dst)):
+        if not 0 <= block < layout.block_count:
+            raise WriteRequestError(f"{name} {block} out of range [0, {layout.block_count})")
+    rows = [(s_addr, d_addr, length) for (s_addr, length), (d_addr, _) in zip(
+        _state_spans(src, src_group, layer, src_block), _state_spans(dst, dst_group, layer, dst_block), strict=True)]
+    explicit = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    empty = np.empty(0, dtype=np.int32)
+    return WritePlan(table=TABLE_BLOCK, granule=0, local_indices=empty, remote_indices=empty, explicit=explicit,
+                     total_bytes=int(explicit[:, 2].sum()), descriptor_count=int(explicit.shape[0]))
+
+
+def _state_spans(layout: KVLayoutSpec, group: StateGroupSpec, layer: int, block: int) -> list[tuple[int, int]]:
+    # Ranges are merged only where they touch; both sides hold the same ranges, so their spans pair one to one.
+    return group.state_descriptors(layout.layer_base_addresses[layer], block)
 
 
 def _block_pairs(

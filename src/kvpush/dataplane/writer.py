@@ -49,7 +49,7 @@ from kvpush.api.outcome import PushOutcome, PushStop, StopCause
 from kvpush.dataplane.agent import TransferAgent
 from kvpush.dataplane.layout import HeadSlice, KVLayoutSpec, LayoutError, slice_heads
 from kvpush.dataplane.nixl_api import XferHandle
-from kvpush.dataplane.plan import LayerPlanCache, WritePlan, WriteRequestError
+from kvpush.dataplane.plan import LayerPlanCache, WritePlan, WriteRequestError, plan_state_write
 from kvpush.observability import get_logger, get_tracer
 
 _log = get_logger("kvpush.dataplane.writer")
@@ -94,6 +94,8 @@ class WriteRequest:
         no longer be posted (the prefill worker's lease: it posts only within it, docs/connector.md).
     head_slice: write only these KV heads of this worker into those of the peer (TP sizes differ); None: every
         head to the same position. Every write of one transfer must carry the same slice.
+    state: a state layer's write (hybrid models): the whole state of block src_block_ids[0] of the one layer into
+        the peer's block dst_block_ids[0] (`plan.plan_state_write`); the token range is informational.
     """
 
     transfer_id: str
@@ -109,6 +111,7 @@ class WriteRequest:
     traceparent: str = ""
     post_guard: Callable[[], str | None] | None = None
     head_slice: HeadSlice | None = None
+    state: bool = False
 
     @property
     def closes_transfer(self) -> bool:
@@ -259,6 +262,11 @@ class PushWriter:
         if not request.transfer_id:
             raise WriteRequestError("transfer_id is empty")
         local_layout, plan_key = self._agent.layout, request.peer_agent
+        if request.state:
+            plan = self._state_plan(local_layout, peer_layout, request)
+            submitted_at = time.monotonic()
+            self._agent.post(lambda: self._enqueue(_Write(request, plan, submitted_at)))
+            return plan
         if request.head_slice is not None:
             cut = request.head_slice
             try:
@@ -280,6 +288,16 @@ class PushWriter:
         submitted_at = time.monotonic()
         self._agent.post(lambda: self._enqueue(_Write(request, plan, submitted_at)))
         return plan
+
+    @staticmethod
+    def _state_plan(local: KVLayoutSpec, peer: KVLayoutSpec, request: WriteRequest) -> WritePlan:
+        """A state write's plan (never cached: its key would not tell it from an attention write of the same ids)."""
+        if request.head_slice is not None or len(request.layers) != 1:
+            raise WriteRequestError("a state write moves one layer's whole state, without a head slice")
+        if not request.src_block_ids or not request.dst_block_ids:
+            raise WriteRequestError("a state write needs its source and destination state block")
+        return plan_state_write(local, peer, int(request.layers[0]), int(request.src_block_ids[0]),
+                                int(request.dst_block_ids[0]))
 
     def _sliced(self, owner: str, layout: KVLayoutSpec, start: int, count: int) -> KVLayoutSpec:
         """`slice_heads(layout, ...)`, one object per (owner, heads) while `layout` stays (plans are cached by

@@ -213,9 +213,18 @@ def _one_head(layout: tpb.KVLayout) -> tpb.KVLayout:
 _HASH_ONLY_FACTORS = "model path, cache dtype, KV layout name (NHD/HND, plane order) or vLLM release"
 
 
-def _kv_cache_groups(layout: tpb.KVLayout) -> list[tuple[list[int], int]]:
-    """A layout's KV-cache groups as (layers, sliding window) in group order; [] for one group."""
-    return [(list(group.layers), group.sliding_window_tokens) for group in layout.kv_cache_groups]
+def _kv_cache_groups(layout: tpb.KVLayout) -> list[tuple[object, ...]]:
+    """A layout's KV-cache groups as (layers, sliding window) in group order, a state group as (layers, "state",
+    tokens per block, block stride, state ranges): a state block moves whole, so both sides need the same; [] for one
+    group."""
+    groups: list[tuple[object, ...]] = []
+    for group in layout.kv_cache_groups:
+        if group.kind == tpb.KV_CACHE_GROUP_KIND_STATE:
+            groups.append((list(group.layers), "state", group.block_size_tokens, group.state_block_stride_bytes,
+                           [(r.offset_bytes, r.length_bytes) for r in group.state_ranges]))
+        else:
+            groups.append((list(group.layers), group.sliding_window_tokens))
+    return groups
 
 
 def _differs(field_name: str, prefill_value: object, decode_value: object, prefill_engine_id: str,

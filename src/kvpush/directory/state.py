@@ -447,7 +447,8 @@ class DirectoryState:
             raise FailedPrecondition(f"transfer {record.transfer_id} is being cancelled")
         layout = self.engines.groups[record.decode_engine_id].layout()
         needed = math.ceil(allocation.prompt_token_count / layout.block_size_tokens)
-        if len(allocation.block_ids) < needed:
+        # With a state group, block_ids (group 0's) may be its state blocks: each group is checked on its own below.
+        if len(allocation.block_ids) < needed and not _has_state_group(layout):
             raise InvalidArgument(
                 f"{len(allocation.block_ids)} block ids cannot hold {allocation.prompt_token_count} tokens "
                 f"of {layout.block_size_tokens} per block (need {needed})")
@@ -1124,9 +1125,14 @@ class DirectoryState:
         return problems
 
 
+def _has_state_group(layout: tpb.KVLayout) -> bool:
+    return any(group.kind == tpb.KV_CACHE_GROUP_KIND_STATE for group in layout.kv_cache_groups)
+
+
 def _owned_group_blocks(allocation: Allocation, layout: tpb.KVLayout, needed: int) -> tuple[int, ...]:
     """The blocks a several-group allocation lets prefill write: each group's from its first written token
-    (decode's prefix hit, or the group's first token if later) to the prompt's end. Raise InvalidArgument when the
+    (decode's prefix hit, or the group's first token if later) to the prompt's end; a state group's one block
+    holding the state after the prompt (none when decode's hit is the whole prompt). Raise InvalidArgument when the
     groups do not match decode's layout or a block would be written twice (groups share one block pool)."""
     declared = len(layout.kv_cache_groups)
     if len(allocation.groups) != declared:
@@ -1137,6 +1143,10 @@ def _owned_group_blocks(allocation: Allocation, layout: tpb.KVLayout, needed: in
     block_size = layout.block_size_tokens
     owned: list[int] = []
     for index, (ids, first_token) in enumerate(allocation.groups):
+        group = layout.kv_cache_groups[index]
+        if group.kind == tpb.KV_CACHE_GROUP_KIND_STATE:
+            owned.extend(_owned_state_block(allocation, layout, index, ids, first_token))
+            continue
         if not 0 <= first_token <= allocation.prompt_token_count or first_token % block_size:
             raise InvalidArgument(f"block_groups[{index}].first_token {first_token} is not a multiple of "
                                   f"{block_size} in [0, {allocation.prompt_token_count}]")
@@ -1150,3 +1160,20 @@ def _owned_group_blocks(allocation: Allocation, layout: tpb.KVLayout, needed: in
     if len(set(owned)) != len(owned):
         raise InvalidArgument("block_groups repeat a block that would be written twice")
     return tuple(owned)
+
+
+def _owned_state_block(allocation: Allocation, layout: tpb.KVLayout, index: int, ids: tuple[int, ...],
+                       first_token: int) -> tuple[int, ...]:
+    """A state group's block that prefill writes: the one holding the state after the prompt's last token."""
+    group_block_size = layout.kv_cache_groups[index].block_size_tokens or layout.block_size_tokens
+    state_index = (allocation.prompt_token_count - 1) // group_block_size
+    if first_token:
+        raise InvalidArgument(f"block_groups[{index}].first_token is {first_token}; a state group starts at 0")
+    if len(ids) <= state_index:
+        raise InvalidArgument(f"block_groups[{index}] has {len(ids)} state block ids; the state after "
+                              f"{allocation.prompt_token_count} tokens is in block {state_index} "
+                              f"({group_block_size} tokens per block)")
+    block = ids[state_index]
+    if not 0 <= block < layout.block_count:
+        raise InvalidArgument(f"block_groups[{index}] block id {block} is out of range [0, {layout.block_count})")
+    return () if allocation.skip_token_count >= allocation.prompt_token_count else (block,)

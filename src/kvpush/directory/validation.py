@@ -175,10 +175,34 @@ def _check_kv_cache_groups(layout: tpb.KVLayout) -> None:
         if not group.layers:
             raise InvalidArgument(f"{where}.layers is empty")
         _non_negative(group.sliding_window_tokens, f"{where}.sliding_window_tokens")
+        _non_negative(group.block_size_tokens, f"{where}.block_size_tokens")
+        _check_state_group(group, where)
         seen.extend(group.layers)
     if sorted(seen) != list(range(layout.layer_count)):
         raise InvalidArgument(f"layout.kv_cache_groups must hold every layer in [0, {layout.layer_count}) exactly "
                               "once")
+
+
+def _check_state_group(group: tpb.KVCacheGroup, where: str) -> None:
+    """A STATE group has ordered, positive state ranges inside a positive block stride and tokens per block; an
+    attention group has none of those."""
+    if group.kind != tpb.KV_CACHE_GROUP_KIND_STATE:
+        if group.state_ranges or group.state_block_stride_bytes:
+            raise InvalidArgument(f"{where} is an attention group with state_ranges or state_block_stride_bytes")
+        return
+    if group.sliding_window_tokens:
+        raise InvalidArgument(f"{where} is a state group with a sliding window")
+    if group.block_size_tokens <= 0 or group.state_block_stride_bytes <= 0 or not group.state_ranges:
+        raise InvalidArgument(f"{where} is a state group: block_size_tokens, state_block_stride_bytes and "
+                              "state_ranges must be set")
+    end = 0
+    for i, state_range in enumerate(group.state_ranges):
+        if state_range.offset_bytes < end or state_range.length_bytes <= 0:
+            raise InvalidArgument(f"{where}.state_ranges[{i}] overlaps the range before it or is empty")
+        end = state_range.offset_bytes + state_range.length_bytes
+    if end > group.state_block_stride_bytes:
+        raise InvalidArgument(f"{where}.state_ranges end at byte {end}, past state_block_stride_bytes "
+                              f"{group.state_block_stride_bytes}")
 
 
 def check_register(request: dpb.RegisterEngineRequest, limits: Limits) -> None:

@@ -1,7 +1,8 @@
 """Random-weight models of real shapes, made on the machine that runs them and cached.
 
 Presets: `llama-3.1-8b` (its config) and `tiny-llama`; `deepseek-v2-shaped` (DeepSeek-V2-Lite's MLA attention, few
-dense layers) and `tiny-deepseek-v2`; `tiny-gemma3` (sliding-window and full-attention layers). The tiny ones are
+dense layers) and `tiny-deepseek-v2`; `tiny-gemma3` (sliding-window and full-attention layers); `granite-4.0-h-shaped`
+and `tiny-granite-4.0-h` (Mamba2 state layers between attention layers, a hybrid SSM model). The tiny ones are
 float32 for vLLM CPU engines (`vllm_cpu_engine_args` says what else such an engine needs).
 
 No model can be downloaded where the GPU runs, and vLLM's own dummy weights (uniform in ±1e-3, norms
@@ -94,8 +95,34 @@ GEMMA3_SHAPED: dict[str, Any] = {
     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
     "initializer_range": 0.02, "bos_token_id": 2, "eos_token_id": 1, "dtype": "bfloat16",
 }
+# A Granite 4.0-H hybrid (GraniteMoeHybrid, dense): Mamba2 mixers with attention layers between them, at Granite
+# 4.0-H-Micro-like dimensions (2048 hidden, 32 query and 8 KV heads of 64; 64 SSM heads of 64 with a 128-wide state, one
+# group, 4-wide convolution), cut to 8 layers of which 2 are attention, bf16. vLLM gives the Mamba layers a KV-cache
+# group of their own (MambaSpec: one block of conv and SSM state per request) beside the attention layers'.
+GRANITE_4_0_H_SHAPED: dict[str, Any] = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "hidden_size": 2048,
+    "intermediate_size": 8192, "shared_intermediate_size": 8192, "num_local_experts": 0, "num_experts_per_tok": 0,
+    "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+    "mamba_n_heads": 64, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4,
+    "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False,
+    "position_embedding_type": "nope", "vocab_size": 100352, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False, "initializer_range": 0.02,
+    "pad_token_id": 0, "bos_token_id": 100000, "eos_token_id": 100001, "dtype": "bfloat16",
+}
+# The same architecture for vLLM CPU engines: two Mamba2 layers and two attention layers, float32 (head_dim 32, which
+# CPU attention accepts). vllm-cpu 0.32 serves it only without prefix caching (`vllm_cpu_engine_args`).
+TINY_GRANITE_4_0_H: dict[str, Any] = {
+    **GRANITE_4_0_H_SHAPED, "hidden_size": 128, "intermediate_size": 256, "shared_intermediate_size": 256,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 64,
+    "position_embedding_type": "rope", "rope_theta": 10000.0, "vocab_size": 2048, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "initializer_range": 0.2, "bos_token_id": 2000, "eos_token_id": 2001, "dtype": "float32",
+}
 PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "tiny-llama": TINY_LLAMA, "deepseek-v2-shaped": DEEPSEEK_V2_SHAPED,
-           "tiny-deepseek-v2": TINY_DEEPSEEK_V2, "tiny-gemma3": TINY_GEMMA3, "gemma3-shaped": GEMMA3_SHAPED}
+           "tiny-deepseek-v2": TINY_DEEPSEEK_V2, "tiny-gemma3": TINY_GEMMA3, "gemma3-shaped": GEMMA3_SHAPED,
+           "granite-4.0-h-shaped": GRANITE_4_0_H_SHAPED, "tiny-granite-4.0-h": TINY_GRANITE_4_0_H}
 _FORMAT_VERSION = 1
 _SEED = 0
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }} {{ message['content'] }} "
@@ -127,6 +154,25 @@ def kv_bytes_per_token(config: dict[str, Any]) -> int:
     return 2 * config["num_key_value_heads"] * config["head_dim"] * element
 
 
+def is_hybrid_ssm(config: dict[str, Any]) -> bool:
+    """Whether the preset has state layers (Mamba2 mixers, here) besides attention."""
+    return "linear_attention" in (config.get("layer_types") or ())
+
+
+def state_layer_count(config: dict[str, Any]) -> int:
+    """Layers that keep a recurrent state (conv and SSM state per request) instead of per-token KV."""
+    return sum(1 for kind in config.get("layer_types") or () if kind == "linear_attention")
+
+
+def mamba2_state_bytes(config: dict[str, Any]) -> int:
+    """Bytes of one request's state in one Mamba2 layer, as vLLM keeps it: conv state ((d_conv - 1) x (inner width +
+    2 x groups x state)) and SSM state (heads x head dim x state), in the model's dtype (vllm-cpu keeps float32)."""
+    element = 2 if config["dtype"] in ("bfloat16", "float16") else 4
+    inner = config["mamba_n_heads"] * config["mamba_d_head"]
+    conv = (config["mamba_d_conv"] - 1) * (inner + 2 * config["mamba_n_groups"] * config["mamba_d_state"])
+    return (conv + inner * config["mamba_d_state"]) * element
+
+
 def runs_on_cpu(preset: str) -> bool:
     """Whether a preset is made for vLLM CPU engines (float32, tiny) rather than a GPU."""
     return preset_config(preset)["dtype"] == "float32"
@@ -141,6 +187,11 @@ def vllm_cpu_engine_args(config: dict[str, Any], mla_backend: str = "CPU_MLA") -
     PyTorch's rope instead of vLLM's CPU rope kernel, with which DeepSeek-V2's prefill is not causal (a prefix's
     prompt log-probabilities change with the tokens after it; measured with CPU_MLA and AMX_MLA).
     """
+    if is_hybrid_ssm(config):
+        # Prefix caching would put the Mamba layers in vLLM's 'align' mode, whose CPU prefill of a prompt longer than
+        # one 128-token block fails (mamba_mixer2 indexes past its chunk states); 'none' keeps one state block per
+        # request.
+        return ["--no-enable-prefix-caching"]
     if not is_mla(config):
         return []
     if mla_backend not in ("CPU_MLA", "AMX_MLA"):
@@ -226,7 +277,8 @@ def _model_classes(model_type: str) -> tuple[Any, Any]:
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
-               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+               "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")}
     try:
         config_name, model_name = classes[model_type]
     except KeyError:

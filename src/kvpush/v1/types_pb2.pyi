@@ -24,6 +24,12 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMORY_KIND_DRAM: _ClassVar[MemoryKind]
     MEMORY_KIND_VRAM: _ClassVar[MemoryKind]
 
+class KVCacheGroupKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_CACHE_GROUP_KIND_UNSPECIFIED: _ClassVar[KVCacheGroupKind]
+    KV_CACHE_GROUP_KIND_ATTENTION: _ClassVar[KVCacheGroupKind]
+    KV_CACHE_GROUP_KIND_STATE: _ClassVar[KVCacheGroupKind]
+
 class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
@@ -40,6 +46,9 @@ ENGINE_ROLE_DECODE: EngineRole
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_DRAM: MemoryKind
 MEMORY_KIND_VRAM: MemoryKind
+KV_CACHE_GROUP_KIND_UNSPECIFIED: KVCacheGroupKind
+KV_CACHE_GROUP_KIND_ATTENTION: KVCacheGroupKind
+KV_CACHE_GROUP_KIND_STATE: KVCacheGroupKind
 TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_PLANNED: TransferState
 TRANSFER_STATE_ALLOCATED: TransferState
@@ -104,14 +113,30 @@ class KVLayout(_message.Message):
     def __init__(self, layer_count: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_count: _Optional[int] = ..., block_bytes_per_layer: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[KVPlane, _Mapping]]] = ..., layer_base_addresses: _Optional[_Iterable[int]] = ..., layer_region_bytes: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., compatibility_hash: _Optional[str] = ..., block_atomic: _Optional[bool] = ..., kv_head_count: _Optional[int] = ..., model_kv_head_count: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
-    __slots__ = ("group_index", "layers", "sliding_window_tokens")
+    __slots__ = ("group_index", "layers", "sliding_window_tokens", "kind", "block_size_tokens", "state_ranges", "state_block_stride_bytes")
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_RANGES_FIELD_NUMBER: _ClassVar[int]
+    STATE_BLOCK_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     group_index: int
     layers: _containers.RepeatedScalarFieldContainer[int]
     sliding_window_tokens: int
-    def __init__(self, group_index: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., sliding_window_tokens: _Optional[int] = ...) -> None: ...
+    kind: KVCacheGroupKind
+    block_size_tokens: int
+    state_ranges: _containers.RepeatedCompositeFieldContainer[ByteRange]
+    state_block_stride_bytes: int
+    def __init__(self, group_index: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., sliding_window_tokens: _Optional[int] = ..., kind: _Optional[_Union[KVCacheGroupKind, str]] = ..., block_size_tokens: _Optional[int] = ..., state_ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ..., state_block_stride_bytes: _Optional[int] = ...) -> None: ...
+
+class ByteRange(_message.Message):
+    __slots__ = ("offset_bytes", "length_bytes")
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    offset_bytes: int
+    length_bytes: int
+    def __init__(self, offset_bytes: _Optional[int] = ..., length_bytes: _Optional[int] = ...) -> None: ...
 
 class BlockGroup(_message.Message):
     __slots__ = ("group_index", "block_ids", "first_token")

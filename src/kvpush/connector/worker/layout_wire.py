@@ -7,7 +7,7 @@ The data plane describes memory and imports no protobuf; a worker registers its 
 
 from __future__ import annotations
 
-from kvpush.dataplane.layout import MEMORY_DRAM, MEMORY_VRAM, KVLayoutSpec, KVPlaneSpec, LayoutError
+from kvpush.dataplane.layout import MEMORY_DRAM, MEMORY_VRAM, KVLayoutSpec, KVPlaneSpec, LayoutError, StateGroupSpec
 from kvpush.v1 import types_pb2 as tpb
 
 _MEMORY_TO_PROTO: dict[str, tpb.MemoryKind] = {MEMORY_DRAM: tpb.MEMORY_KIND_DRAM, MEMORY_VRAM: tpb.MEMORY_KIND_VRAM}
@@ -61,6 +61,24 @@ def layout_to_proto(layout: KVLayoutSpec) -> tpb.KVLayout:
     )
 
 
+def state_group_to_proto(group: StateGroupSpec, msg: tpb.KVCacheGroup) -> None:
+    """Fill a registered `KVCacheGroup` (index and layers set by the caller) with a state group's fields."""
+    msg.kind = tpb.KV_CACHE_GROUP_KIND_STATE
+    msg.block_size_tokens = group.block_size_tokens
+    msg.state_block_stride_bytes = group.block_stride_bytes
+    msg.state_ranges.extend(tpb.ByteRange(offset_bytes=offset, length_bytes=length)
+                            for offset, length in group.state_ranges)
+
+
+def state_groups_from_proto(msg: tpb.KVLayout) -> tuple[StateGroupSpec, ...]:
+    """The layout's STATE groups (not validated: `layout_from_proto` validates them with the layout)."""
+    return tuple(StateGroupSpec(group_index=group.group_index, layers=tuple(group.layers),
+                                block_size_tokens=group.block_size_tokens,
+                                block_stride_bytes=group.state_block_stride_bytes,
+                                state_ranges=tuple((r.offset_bytes, r.length_bytes) for r in group.state_ranges))
+                 for group in msg.kv_cache_groups if group.kind == tpb.KV_CACHE_GROUP_KIND_STATE)
+
+
 def layout_from_proto(msg: tpb.KVLayout) -> KVLayoutSpec:
     """A layout from its wire form, validated (LayoutError on anything malformed)."""
     if msg.memory_kind not in _PROTO_TO_MEMORY:
@@ -81,4 +99,5 @@ def layout_from_proto(msg: tpb.KVLayout) -> KVLayoutSpec:
         block_atomic=msg.block_atomic,
         kv_head_count=msg.kv_head_count,
         model_kv_head_count=msg.model_kv_head_count,
+        state_groups=state_groups_from_proto(msg),
     ).validate()

@@ -124,14 +124,15 @@ class PrefillWorker:
 
     def __init__(self, config: ConnectorConfig, directory: PrefillDirectory, layer_names: list[str],
                  block_size_tokens: int, loop: OwnerLoop, transport: PushTransportPort, on_gpu: bool = False,
-                 tp_rank: int = 0, layer_groups: tuple[int, ...] = ()) -> None:
+                 tp_rank: int = 0, layer_groups: tuple[int, ...] = (),
+                 state_group_block_sizes: tuple[tuple[int, int], ...] = ()) -> None:
         self._config = config
         self._tp_rank = tp_rank
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
         self._on_gpu = on_gpu
         self._outbox: queue.SimpleQueue[Released | TimelineChanged] = queue.SimpleQueue()
         self.owner = PushOwner(config, directory, len(layer_names), block_size_tokens, transport,
-                               self._outbox.put, layer_groups)
+                               self._outbox.put, layer_groups, state_group_block_sizes)
         self._post: Callable[[Callable[[], None]], None] = loop.post
         loop.attach(self.owner)
         # Engine thread only: what the hooks saw.
@@ -356,13 +357,14 @@ class PushOwner:
 
     def __init__(self, config: ConnectorConfig, directory: PrefillDirectory, layer_count: int,
                  block_size_tokens: int, transport: PushTransportPort,
-                 publish: Callable[[Released | TimelineChanged], None], layer_groups: tuple[int, ...] = ()) -> None:
+                 publish: Callable[[Released | TimelineChanged], None], layer_groups: tuple[int, ...] = (),
+                 state_group_block_sizes: tuple[tuple[int, int], ...] = ()) -> None:
         self._config = config
         self._directory = directory  # DirectoryLink with an open prefill session
         self._transport = transport
         self._publish = publish
         self._book = PushBook(PushRules(layer_count, block_size_tokens, config.push_timeout_s, config.max_write_s,
-                                        config.fault_stall_after_writes, layer_groups))
+                                        config.fault_stall_after_writes, layer_groups, state_group_block_sizes))
         self._spans: dict[str, TransferSpan] = {}  # transfer id -> its push span, until the span ends
         self._pending_ready: list[dpb.LayerReady] = []
         self._next_bound_check = 0.0

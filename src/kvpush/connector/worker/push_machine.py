@@ -59,6 +59,8 @@ class PushRules:
     stall_after_write_count: int | None = None  # fault injection (tests only): stop submitting after this many
     # Each layer's KV-cache group (hybrid KV-cache manager); empty: one group.
     layer_groups: tuple[int, ...] = ()
+    # State groups (hybrid SSM models) as (group, tokens per block): their layers push one state block each.
+    state_group_block_sizes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -616,7 +618,8 @@ class PushBook:
                                               {"transfer_id": chunk.transfer_id, "request_id": chunk.request_id}))
                 return
             push = PushTransfer(chunk.transfer_id, chunk.request_id, chunk.prompt_token_count, self._rules.layer_count,
-                                self._rules.block_size_tokens, self._rules.layer_groups)
+                                self._rules.block_size_tokens, self._rules.layer_groups,
+                                dict(self._rules.state_group_block_sizes))
             record = PushRecord(push, traceparent or chunk.trace_context, sends_first_token=chunk.sends_first_token,
                                 plan_in_flight=chunk.plan_in_flight)
             self._records[chunk.request_id] = record

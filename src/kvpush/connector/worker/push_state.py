@@ -20,6 +20,11 @@ per transfer, driven by the prefill worker's `PushOwner` on the NIXL I/O thread:
      own block lists on both sides. A layer's writes use its group's blocks, and start at the group's first
      token on decode (a sliding-window group keeps only the prompt's last window there; its earlier blocks are
      decode's null block, never written).
+     State groups (vLLM's MambaSpec: Mamba, linear attention, ...; `state_group_block_sizes`): a state layer holds
+     no per-token KV but one recurrent state per request, final only once the layer computed the prompt's last
+     token. Its one write is the state block holding that token (block `(prompt - 1) // group block size` of its
+     group, both sides), planned when the layer is ready for the whole prompt and never for an earlier chunk; a
+     decode prefix hit covering the whole prompt leaves nothing to write, any shorter one still needs it.
   4. Outcomes: `write_submitted()` after the data plane accepted a write, `write_finished(outcome, ...)`
      per write, `writer_is_quiet()` once the data plane holds no handle of the transfer; the push is DONE
      when every planned write landed, FAILED on the first failure; `stop(PushStop)` (cancellation, abort,
@@ -48,6 +53,9 @@ class PlannedWrite:
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
     notify: bool
+    # A state layer's write: the whole state of one block, src_block_ids[0] into dst_block_ids[0] (the tokens only
+    # say which prompt it is the state after).
+    state: bool = False
 
 
 @dataclass
@@ -103,7 +111,8 @@ class PushTransfer:
     """One transfer's push state on one prefill worker (see the module docstring)."""
 
     def __init__(self, transfer_id: str, request_id: str, prompt_token_count: int, layer_count: int,
-                 block_size_tokens: int, layer_groups: tuple[int, ...] = ()) -> None:
+                 block_size_tokens: int, layer_groups: tuple[int, ...] = (),
+                 state_group_block_sizes: dict[int, int] | None = None) -> None:
         if prompt_token_count <= 0 or layer_count <= 0 or block_size_tokens <= 0:
             raise ValueError("prompt_token_count, layer_count and block_size_tokens must be positive")
         if layer_groups and (len(layer_groups) != layer_count or min(layer_groups) < 0):
@@ -111,6 +120,15 @@ class PushTransfer:
         # Each layer's KV-cache group (all 0: one group).
         self.layer_groups = tuple(layer_groups) or (0,) * layer_count
         self.group_count = max(self.layer_groups) + 1
+        # State groups and the tokens one of their blocks covers (the same on both sides: planning pairs only
+        # equal groups); their layers are state layers (module docstring).
+        self.state_group_block_sizes = dict(state_group_block_sizes or {})
+        if any(not 0 <= group < self.group_count or size <= 0
+               for group, size in self.state_group_block_sizes.items()):
+            raise ValueError(f"state groups {self.state_group_block_sizes} must be groups in [0, {self.group_count}) "
+                             "with a positive block size")
+        self.state_layers = frozenset(layer for layer, group in enumerate(self.layer_groups)
+                                      if group in self.state_group_block_sizes)
         self.transfer_id = transfer_id
         self.request_id = request_id
         self.prompt_token_count = prompt_token_count
@@ -273,6 +291,12 @@ class PushTransfer:
         group_first_tokens = [0] * self.group_count
         for group in range(self.group_count):
             block_ids, first_token = groups[group]
+            if group in self.state_group_block_sizes:
+                if first_token or len(block_ids) <= self._state_block_index(group):
+                    raise ValueError(f"state group {group}: decode's {len(block_ids)} blocks (first_token "
+                                     f"{first_token}) do not hold the state after token {self.prompt_token_count} "
+                                     f"(blocks of {self.state_group_block_sizes[group]} tokens)")
+                continue
             if not 0 <= first_token <= self.prompt_token_count or first_token % dst_block_size:
                 raise ValueError(f"KV-cache group {group}: first_token {first_token} is not a multiple of "
                                  f"{dst_block_size} in [0, {self.prompt_token_count}]")
@@ -282,13 +306,27 @@ class PushTransfer:
             group_first_tokens[group] = first_token
         self.peer_agent = peer_agent
         self.dst_block_size_tokens = dst_block_size
-        self.dst_block_groups = [tuple(groups[group][0][:dst_blocks]) for group in range(self.group_count)]
+        self.dst_block_groups = [tuple(groups[group][0][:self._group_blocks(group, dst_blocks)])
+                                 for group in range(self.group_count)]
         self.skip_token_count = skip_token_count
         self.notification = notification
         self.layer_skip_tokens = [max(skip_token_count, group_first_tokens[group]) for group in self.layer_groups]
+        # A state layer owes its one write unless decode's hit covers the whole prompt (module docstring).
+        for layer in self.state_layers:
+            self.layer_skip_tokens[layer] = skip_token_count if skip_token_count >= self.prompt_token_count else 0
         self._blocks_planned = [skip // self.block_size_tokens for skip in self.layer_skip_tokens]
         self._layers_fully_planned = sum(1 for first in self._blocks_planned if first >= self.total_blocks)
         self._layers_to_plan = set(range(self.layer_count))
+
+    def _state_block_index(self, group: int) -> int:
+        """The block of state group `group` holding the state after the prompt's last token."""
+        return (self.prompt_token_count - 1) // self.state_group_block_sizes[group]
+
+    def _group_blocks(self, group: int, attention_blocks: int) -> int:
+        """How many of a group's blocks a push uses: a state group's up to its state block."""
+        if group in self.state_group_block_sizes:
+            return self._state_block_index(group) + 1
+        return attention_blocks
 
     # ---------------------------------------------------------------- planning
 
@@ -305,6 +343,11 @@ class PushTransfer:
         writes: list[PlannedWrite] = []
         layers, self._layers_to_plan = sorted(self._layers_to_plan), set()
         for layer in layers:
+            if layer in self.state_layers:
+                write = self._state_write(layer)
+                if write is not None:
+                    writes.append(write)
+                continue
             start_block = self._blocks_planned[layer]
             end_block = self._writable_blocks(layer)
             if end_block <= start_block:
@@ -327,13 +370,31 @@ class PushTransfer:
                                        self.dst_block_groups[group][:dst_end_block], notify=False))
         if writes and self._all_planned():
             last = writes[-1]
-            writes[-1] = PlannedWrite(last.layer, last.token_start, last.token_end, last.src_block_ids,
-                                      last.dst_block_ids, notify=True)
+            writes[-1] = dataclasses.replace(last, notify=True)
             self._notify_planned = True
         self._writes_planned += len(writes)
         for write in writes:
             self._layer_writes_in_flight[write.layer] += 1
         return writes
+
+    def _state_write(self, layer: int) -> PlannedWrite | None:
+        """A state layer's one write, once it computed the whole prompt (never for an earlier chunk: the state is
+        final only after the last one); None before, after it was planned, or when nothing is owed."""
+        if self._blocks_planned[layer] >= self.total_blocks or self.tokens_ready[layer] < self.prompt_token_count:
+            return None
+        self._blocks_planned[layer] = self.total_blocks
+        self._layers_fully_planned += 1
+        if self.layer_skip_tokens[layer] >= self.prompt_token_count:
+            return None
+        group = self.layer_groups[layer]
+        index = self._state_block_index(group)
+        src_block_ids = self.src_block_groups[group]
+        if len(src_block_ids) <= index:
+            raise ValueError(f"transfer {self.transfer_id}: no source state block for token "
+                             f"{self.prompt_token_count} (KV-cache group {group})")
+        self.planned_ranges[layer].append((0, self.prompt_token_count))
+        return PlannedWrite(layer, 0, self.prompt_token_count, (src_block_ids[index],),
+                            (self.dst_block_groups[group][index],), notify=False, state=True)
 
     def _all_planned(self) -> bool:
         return self._layers_fully_planned == self.layer_count

@@ -50,12 +50,14 @@ def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
 
 
 def create_agent(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor], block_size_tokens: int,
-                 num_kv_heads: int, head_size: int, agent_name: str) -> TransferAgent:
-    """Build the worker's TransferAgent, register its KV memory and start its I/O thread."""
+                 num_kv_heads: int, head_size: int, agent_name: str,
+                 state_groups: dict[int, tuple[list[str], int]] | None = None) -> TransferAgent:
+    """Build the worker's TransferAgent, register its KV memory (a hybrid model's state layers too: `state_groups`,
+    by group index, their layer names and tokens per block) and start its I/O thread."""
     from kvpush.dataplane.agent import TransferAgent
 
     agent = TransferAgent(agent_name, nixl_config_from(config))
-    agent.register(kv_caches, block_size_tokens, num_kv_heads, head_size)
+    agent.register(kv_caches, block_size_tokens, num_kv_heads, head_size, state_groups=state_groups)
     agent.start()
     return agent
 
@@ -136,6 +138,8 @@ class PushTransport:
 
         with self._fans_lock:
             fan = self._fans.get(transfer_id)
+        if fan is not None and write.state:
+            raise ValueError("state layers are pushed only between engines of one TP size (no head routes)")
         if fan is not None:
             requests = [WriteRequest(
                 transfer_id=writer_id, peer_agent=route.agent_name, layers=(write.layer,),
@@ -159,7 +163,7 @@ class PushTransport:
             transfer_id=transfer_id, peer_agent=peer_agent, layers=(write.layer,), src_block_ids=write.src_block_ids,
             dst_block_ids=write.dst_block_ids, token_start=write.token_start, token_end=write.token_end,
             notify=notification if write.notify else None, ready_event=ready_event, traceparent=traceparent,
-            post_guard=post_guard))
+            post_guard=post_guard, state=write.state))
 
     def when_computed(self, event: ReadyEvent, callback: Callable[[float], None]) -> None:
         """Call `callback(unix time)` from the I/O thread once the GPU passed `event` (see PushWriter.when_complete)."""
