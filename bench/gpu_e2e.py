@@ -660,9 +660,13 @@ def run_e2e(args: argparse.Namespace) -> int:
         if different:
             failures.append(f"concurrent: {different}/32 different")
 
-        # 3. a prefix hit on decode: B shares A's first 12 blocks, which decode caches after A
+        # 3. a prefix hit on decode: B shares A's first 12 blocks, which decode caches after A. With sliding-window
+        # layers decode holds only A's last window of them (the push moves no more), so a hit needs B to extend A
+        # (a conversation's next turn): B is A and 4 blocks more, and decode should hold all 16 of A's blocks.
         prompt_a = prompt_of(16 * block, 7000, vocab)
-        prompt_b = prompt_a[:12 * block] + prompt_of(4 * block, 7001, vocab)
+        sliding = "sliding_attention" in (config.get("layer_types") or [])
+        shared_blocks = 16 if sliding else 12
+        prompt_b = prompt_a[:shared_blocks * block] + prompt_of(4 * block, 7001, vocab)
         hit = {}
         for name, prompt in (("first", prompt_a), ("sharing_prefix", prompt_b)):
             reference, _ = stack.tokens(colocated, prompt, args.output_tokens)
@@ -673,7 +677,8 @@ def run_e2e(args: argparse.Namespace) -> int:
         say(f"decode prefix hit: {hit_tokens} tokens local; bytes pushed {hit['first']['push']['bytes_written']} "
             f"then {hit['sharing_prefix']['push']['bytes_written']}; {hit['first']['outcome']}/"
             f"{hit['sharing_prefix']['outcome']}")
-        if "different" in (hit["first"]["outcome"], hit["sharing_prefix"]["outcome"]) or hit_tokens < 12 * block:
+        if ("different" in (hit["first"]["outcome"], hit["sharing_prefix"]["outcome"])
+                or hit_tokens < shared_blocks * block):
             failures.append("decode prefix hit")
 
         # 4. abort mid-transfer: the client goes away while prefill computes a long prompt
