@@ -96,12 +96,14 @@ _SERVE_SWITCHES: dict[str, str] = {
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _env_switch(name: str) -> bool:
+def _env_switch(name: str, default: bool = False) -> bool:
     variable = _SERVE_SWITCHES[name]
     raw = os.environ.get(variable, "").strip().lower()
+    if raw == "":
+        return default
     if raw in _TRUE:
         return True
-    if raw in ("", *_FALSE):
+    if raw in _FALSE:
         return False
     raise SystemExit(f"kvpush: {variable}={raw!r} is not a switch (one of {', '.join(_TRUE + _FALSE)})")
 
@@ -118,10 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True,
                        help="run on uvloop when installed (default on)")
     serve.add_argument("--pair-block-sizes", action=argparse.BooleanOptionalAction,
-                       default=_env_switch("pair_block_sizes"),
+                       default=_env_switch("pair_block_sizes", default=True),
                        help="pair prefill and decode engines of different block sizes when both layouts are "
-                            "token-addressable (env KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES; default off: 32 concurrent "
-                            "requests have failed on a GPU decode engine so paired, docs/connector.md)")
+                            "token-addressable (env KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES; default on; "
+                            "--no-pair-block-sizes refuses such pairs at planning, docs/connector.md)")
 
     def client_flags(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--address", help="directory host:port (env KVPUSH_DIRECTORY_ADDRESS; default: the "

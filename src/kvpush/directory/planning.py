@@ -233,7 +233,7 @@ def _differs(field_name: str, prefill_value: object, decode_value: object, prefi
             f"{decode_engine_id!r} ({why})")
 
 
-# Pairing different block sizes is opt-in (`Limits.pair_block_sizes`): under concurrent load it has failed on a GPU.
+# Pairing different block sizes can be turned off (`Limits.pair_block_sizes`, the directory's --no-pair-block-sizes).
 _BLOCK_SIZES_OPT_IN = "engines of different block sizes pair only when the directory runs with --pair-block-sizes"
 
 # NIXL indexes a prepared descriptor table with int32 (kvpush.dataplane.plan._MAX_TABLE_ENTRIES).

@@ -106,9 +106,9 @@ class Limits:
     # Request bytes of one caller's calls being handled at once; a request past it is RESOURCE_EXHAUSTED.
     max_bytes_in_flight_per_caller: int = 64 * 1024 * 1024
     # Pair prefill and decode engines of different block sizes (when both layouts are token-addressable:
-    # `planning._block_size_mapping`). Off by default: single requests of every prompt shape passed on a GPU, but
-    # 32 concurrent requests failed on the decode engine for a reason not yet known.
-    pair_block_sizes: bool = False
+    # `planning._block_size_mapping`). On by default: every GPU e2e check passes so paired, 32 concurrent requests
+    # included; off refuses such pairs (a mapped push writes granules of gcd(sizes) tokens, so it costs more).
+    pair_block_sizes: bool = True
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

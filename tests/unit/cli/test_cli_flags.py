@@ -57,8 +57,8 @@ def test_help_of_every_subcommand_prints():
 
 
 def test_pair_block_sizes_reaches_the_directory_limits(monkeypatch):
-    """--pair-block-sizes (or KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES) turns Limits.pair_block_sizes on, off by default;
-    --no-pair-block-sizes wins over the variable; a variable that is not a switch is refused, naming it."""
+    """Limits.pair_block_sizes is on by default; --no-pair-block-sizes (or KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES=false)
+    turns it off; the flag wins over the variable; a variable that is not a switch is refused, naming it."""
     import kvpush.directory.server as server
 
     served = []
@@ -69,7 +69,10 @@ def test_pair_block_sizes_reaches_the_directory_limits(monkeypatch):
     monkeypatch.setenv("KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES", "true")
     assert main(["directory", "--port", "0"]) == 0
     assert main(["directory", "--port", "0", "--no-pair-block-sizes"]) == 0
-    assert [config.limits.pair_block_sizes for config in served] == [False, True, True, False]
+    monkeypatch.setenv("KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES", "false")
+    assert main(["directory", "--port", "0"]) == 0
+    assert main(["directory", "--port", "0", "--pair-block-sizes"]) == 0
+    assert [config.limits.pair_block_sizes for config in served] == [True, True, True, False, False, True]
     monkeypatch.setenv("KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES", "maybe")
     with pytest.raises(SystemExit, match="KVPUSH_DIRECTORY_PAIR_BLOCK_SIZES='maybe' is not a switch"):
         build_parser()

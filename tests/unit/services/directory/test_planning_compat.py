@@ -1,7 +1,7 @@
 """Planning names why two engines cannot pair: both engine ids, the registered field that differs and both values;
 only when every registered field is equal does the refusal fall back to the compatibility hash, naming what only
-the hash covers. The gRPC answer is FAILED_PRECONDITION with that text. Engines of different block sizes pair only
-with the directory's --pair-block-sizes (`Limits.pair_block_sizes`), and then only where the data plane maps them."""
+the hash covers. The gRPC answer is FAILED_PRECONDITION with that text. Engines of different block sizes pair unless
+the directory runs with --no-pair-block-sizes (`Limits.pair_block_sizes`), and only where the data plane maps them."""
 
 from __future__ import annotations
 
@@ -67,21 +67,27 @@ def test_token_addressable_layouts_of_different_block_sizes_pair_with_the_switch
 
 
 @pytest.mark.parametrize(("prefill_size", "decode_size"), [(16, 128), (128, 16)])
-def test_different_block_sizes_are_refused_by_default_naming_the_switch(prefill_size: int, decode_size: int):
-    """The same engines without --pair-block-sizes: refused, naming the field, both values, both engines and the
-    switch; the directory is left as it was (no transfer)."""
+def test_different_block_sizes_pair_by_default_and_are_refused_with_the_switch_off(prefill_size: int,
+                                                                                    decode_size: int):
+    """The same engines with --no-pair-block-sizes: refused, naming the field, both values, both engines and the
+    switch; the directory is left as it was (no transfer). A directory of default limits plans them."""
     prefill = register_request("p0", PREFILL, layout=make_layout(block_size_tokens=prefill_size))
     decode = register_request("d0", DECODE, layout=make_layout(block_size_tokens=decode_size))
     assert _refusal(prefill, decode) == (
         f"no compatible prefill/decode pair: block_size_tokens {prefill_size} of prefill 'p0' differs from "
         f"{decode_size} of decode 'd0' (engines of different block sizes pair only when the directory runs with "
         "--pair-block-sizes)")
-    state = DirectoryState(Limits(), ManualClock().clock())
+    state = DirectoryState(Limits(pair_block_sizes=False), ManualClock().clock())
     state.register(prefill)
     state.register(decode)
     with pytest.raises(FailedPrecondition, match="--pair-block-sizes"):
         state.plan(dpb.PlanTransferRequest(prompt_token_count=300), None)
     assert (state.active_transfer_count("p0"), state.active_transfer_count("d0")) == (0, 0)
+    default = DirectoryState(Limits(), ManualClock().clock())
+    default.register(prefill)
+    default.register(decode)
+    default.plan(dpb.PlanTransferRequest(prompt_token_count=300), None)
+    assert (default.active_transfer_count("p0"), default.active_transfer_count("d0")) == (1, 1)
 
 
 def test_block_atomic_layouts_of_different_block_sizes_name_the_field_both_values_and_both_engines():
