@@ -316,3 +316,22 @@ def test_two_legs_of_one_transfer_share_the_watch_until_both_are_gone():
     assert scheduler.get_num_new_matched_tokens(duplicate, 0) == (40, True)
     scheduler.request_finished(duplicate, [])
     assert directory.forgotten == ["t1"]
+
+
+def test_a_second_leg_of_a_transfer_this_engine_receives_fails_without_a_report():
+    """Two legs name one transfer and both allocate once its prefill started (one step): the first is reported and
+    received; the second is not reported (the directory keeps one allocation per transfer) and fails in the same
+    step's metadata, so its receive can never end on the first's pushed KV."""
+    scheduler, directory, _, _ = _waiting_scheduler()
+    first, duplicate = _request("r1", "t1"), _request("r2", "t1")
+    scheduler.on_new_request(first)
+    scheduler.on_new_request(duplicate)
+    directory.start("t1")
+    scheduler.update_state_after_alloc(first, _blocks(1, 2, 3), 40)
+    scheduler.update_state_after_alloc(duplicate, _blocks(4, 5, 6), 40)
+    assert [report[:2] for report in directory.reports] == [("t1", [1, 2, 3])]
+    meta = scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    assert [receive.request_id for receive in meta.receives] == ["r1", "r2"]
+    assert [request_id for request_id, _ in meta.failed_receives] == ["r2"]
+    assert "already received by another request" in meta.failed_receives[0][1]
+    assert directory.cancels == []

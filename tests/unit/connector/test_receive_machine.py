@@ -176,3 +176,19 @@ def test_any_sequence_of_inputs_keeps_every_invariant_and_every_receive_ends(ops
     assert h.finished == (["r1"] if started else [])
     if "r1" in h.tokens:
         assert h.errors == set()
+
+
+def test_a_duplicate_receive_refused_in_its_first_step_leaves_the_first_its_transfer():
+    """Two receives of one transfer start in one step and the second is refused there (its scheduler saw the first):
+    the second ends FAILED at once, the first stays indexed (its transfer still watched) and ends on the transfer's
+    notification; whichever ends first, the other keeps the index."""
+    h = Harness()
+    h.apply(h.book.begin_step([ReceiveStart("r1", "t1", (1, 2), 32, 0), ReceiveStart("r2", "t1", (3, 4), 32, 0)],
+                              [("r2", "transfer t1 is already received by another request of this engine")], [],
+                              h.now, UNCONFIRMED))
+    h.collect()
+    assert h.finished == ["r2"] and h.book.record("r1") is not None
+    assert h.book.waiting_transfers() == ["t1"]
+    h.signal(ReceiveOutcome.COMPLETE, SignalSource.NOTIFICATION)
+    h.collect()
+    assert h.finished == ["r2", "r1"] and h.book.waiting_transfers() == []

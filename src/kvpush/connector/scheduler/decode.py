@@ -234,6 +234,11 @@ class DecodeScheduler:
         def on_refused(reason: str, request_id: str = request_id) -> None:
             self._refusals.put((request_id, reason))
 
+        if self._received_by_another(leg.transfer_id, request_id):
+            # A second leg naming a transfer this engine already receives: the directory keeps one allocation per
+            # transfer, so this one fails here, before its receive could be mistaken for the other's.
+            on_refused(f"transfer {leg.transfer_id} is already received by another request of this engine")
+            return
         self._directory.report_allocation(leg.transfer_id, block_ids, prompt_tokens, skip_token_count, on_refused,
                                           block_groups=block_groups)
 

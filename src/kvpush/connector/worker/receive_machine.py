@@ -159,7 +159,7 @@ class ReceiveBook:
                 effects.notices.append(Notice(NoticeLevel.ERROR, "transfer id already received by another request",
                                               {"transfer_id": start.transfer_id, "request_id": start.request_id}))
             self._records[start.request_id] = ReceiveRecord(start, now + self._rules.transfer_timeout_seconds, now)
-            self._by_transfer[start.transfer_id] = start.request_id
+            self._by_transfer.setdefault(start.transfer_id, start.request_id)  # a duplicate leaves the first's
         for request_id, reason in failed:
             if request_id in self._records:
                 self._refused[request_id] = Signal(ReceiveOutcome.FAILED, f"allocation refused: {reason}",
@@ -263,6 +263,10 @@ class ReceiveBook:
         self._records.pop(start.request_id, None)
         if self._by_transfer.get(start.transfer_id) == start.request_id:
             self._by_transfer.pop(start.transfer_id)
+            other = next((r.start.request_id for r in self._records.values()
+                          if r.start.transfer_id == start.transfer_id), None)
+            if other is not None:  # a duplicate receive of the same transfer is still waiting: it keeps the index
+                self._by_transfer[start.transfer_id] = other
         effects.finished.add(start.request_id)
         waited = now - record.started_at
         attributes: dict[str, SpanValue] = {"kvpush.outcome": signal.outcome.value,
