@@ -240,11 +240,13 @@ def hybrid_attention_block_size(config: dict[str, Any], block_size: int, on_gpu:
 
 def _kv_cache_groups_of(layer_types: list[str]) -> list[tuple[str, list[int]]]:
     """vLLM's KV-cache groups of a model's layers (its uniform-page grouping): the layers of each kind in order of
-    first appearance, split into groups of the smaller kind's layer count, the i-th group taking every n-th layer."""
+    first appearance, split into groups of the smaller kind's layer count (the larger's when it is under 1.5 times
+    that), the i-th group taking every n-th layer."""
     kinds: dict[str, list[int]] = {}
     for index, kind in enumerate(layer_types):
         kinds.setdefault("state" if kind == "linear_attention" else "attention", []).append(index)
-    size = min(len(layers) for layers in kinds.values())
+    counts = [len(layers) for layers in kinds.values()]
+    size = max(counts) if max(counts) < min(counts) * 1.5 else min(counts)
     groups = []
     for kind, layers in kinds.items():
         count = -(-len(layers) // size)

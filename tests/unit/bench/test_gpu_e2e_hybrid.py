@@ -121,3 +121,13 @@ def test_only_hybrid_presets_skip_the_prefix_hit():
     assert gpu_e2e.skipped_checks(preset_config("tiny-granite-4.0-h")) == {"decode_prefix_hit": SKIPPED}
     assert gpu_e2e.skipped_checks(preset_config("tiny-llama")) == {}
     assert gpu_e2e.prefix_caching("tiny-llama") and not gpu_e2e.prefix_caching("granite-4.0-h-shaped")
+
+
+def test_kv_cache_groups_follow_vllms_uniform_page_grouping():
+    """6 Mamba and 2 attention layers: groups of 2, the i-th Mamba group every third Mamba layer (vLLM's
+    `_get_kv_cache_groups_uniform_page_size`); 2 and 2 (the tiny preset): one group each."""
+    gpu_e2e = load_bench("gpu_e2e")
+    assert gpu_e2e._kv_cache_groups_of(preset_config("granite-4.0-h-shaped")["layer_types"]) == [
+        ("state", [0, 4]), ("state", [1, 5]), ("state", [2, 6]), ("attention", [3, 7])]
+    assert gpu_e2e._kv_cache_groups_of(preset_config("tiny-granite-4.0-h")["layer_types"]) == [
+        ("state", [0, 2]), ("attention", [1, 3])]
