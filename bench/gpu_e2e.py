@@ -725,7 +725,8 @@ def run_e2e(args: argparse.Namespace) -> int:
     # In the blocks the engines are expected to use (a hybrid SSM model's may be larger than asked); a run counts
     # them again in the blocks the engines registered.
     planned = {name: planned_layout(args, config, on_gpu, name) for name in ("prefill", "decode")}
-    shapes = e2e_shapes(args, {name: layout.block_size_tokens for name, layout in planned.items()})
+    planned_sizes = {name: layout.block_size_tokens for name, layout in planned.items()}
+    shapes = e2e_shapes(args, planned_sizes)
     refusal = pairing_refusal(args, config, on_gpu, max(shapes.values()))
     skipped = skipped_checks(config)
     if args.dry_run:
@@ -763,11 +764,10 @@ def run_e2e(args: argparse.Namespace) -> int:
         report["registered_layouts"] = {name: layout_summary(w.layout) for name, w in workers.items()}
         used = {name: w.layout.block_size_tokens for name, w in workers.items()}
         report["first_token_from_prefill"] = variant == "kvpush-first-token" and workers["decode"].forces_first_token
-        if used != block_sizes:
-            say(f"the engines use blocks of {used} tokens, not {block_sizes}: prompt shapes in theirs")
+        if used != planned_sizes:
+            say(f"the engines use blocks of {used} tokens, not {planned_sizes}: prompt shapes in theirs")
             shapes = e2e_shapes(args, used)
-            block = used["decode"]
-            report["block_size"] = block
+        block = report["block_size"] = used["decode"]
         report["block_sizes_used"] = used
         block_atomic = workers["decode"].layout.block_atomic
         stack.tokens(gateway, prompt_of(64, 999, vocab), 4)  # warm-up (graphs, peers)
