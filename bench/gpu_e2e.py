@@ -363,15 +363,19 @@ def pairing_refusal(args: argparse.Namespace, config: dict[str, Any], on_gpu: bo
 def e2e_shapes(args: argparse.Namespace, block_sizes: dict[str, int] | None = None) -> dict[str, int]:
     """The e2e prompt lengths: shorter than a block, exactly 4 blocks, 4 blocks + 1 (in decode's block size, and in
     prefill's too when it differs; `block_sizes` when the engines use others than asked), a long prompt and several
-    chunked-prefill steps."""
+    chunked-prefill steps. A hybrid SSM model's push stops one token short of the prompt, so 4 blocks + 2 too: the
+    first prompt whose push spills into a fifth block."""
     block_sizes = block_sizes or {name: engine_block_size(args, name) for name in ("prefill", "decode")}
     sizes = {"": block_sizes["decode"]}
     if block_sizes["prefill"] != sizes[""]:
         sizes["_prefill_blocks"] = block_sizes["prefill"]
+    one_short = is_hybrid_ssm(preset_config(args.preset))
     shapes: dict[str, int] = {}
     for suffix, block in sizes.items():
         shapes.update({f"shorter_than_a_block{suffix}": block // 2 + 3, f"exactly_4_blocks{suffix}": 4 * block,
                        f"4_blocks_plus_1{suffix}": 4 * block + 1})
+        if one_short:
+            shapes[f"4_blocks_plus_2{suffix}"] = 4 * block + 2
     shapes["long"] = min(8192, args.max_model_len - 64)
     shapes["chunked_prefill"] = min(args.max_model_len - 64, 2 * args.max_batched_tokens + 3000)
     return shapes

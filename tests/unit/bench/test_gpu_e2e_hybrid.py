@@ -53,7 +53,9 @@ def test_cpu_dry_run_plans_with_the_state_group_and_skips_the_prefix_hit():
             {"group_index": 0, "layers": [0, 1], "kind": "state", "block_size_tokens": 4096,
              "block_stride_bytes": 65536, "state_bytes": TINY_STATE},
             {"group_index": 1, "layers": [2, 3], "kind": "attention", "sliding_window_tokens": 0}]
-    assert (plan["shapes"]["exactly_4_blocks"], plan["shapes"]["4_blocks_plus_1"]) == (512, 513)
+    # The push stops one token short: 514 tokens is the first prompt whose push spills into a fifth block.
+    assert (plan["shapes"]["exactly_4_blocks"], plan["shapes"]["4_blocks_plus_1"], plan["shapes"]["4_blocks_plus_2"]) \
+        == (512, 513, 514)
 
 
 def test_gpu_dry_run_counts_in_the_enlarged_attention_block():
@@ -67,7 +69,8 @@ def test_gpu_dry_run_counts_in_the_enlarged_attention_block():
     assert [g["kind"] for g in groups] == ["state", "state", "state", "attention"]
     assert {(g["block_stride_bytes"], g["state_bytes"], g["block_size_tokens"]) for g in groups[:3]} \
         == {(640 * 2048, SHAPED_STATE, 32768)}
-    assert (plan["shapes"]["shorter_than_a_block"], plan["shapes"]["exactly_4_blocks"]) == (323, 2560)
+    assert (plan["shapes"]["shorter_than_a_block"], plan["shapes"]["exactly_4_blocks"],
+            plan["shapes"]["4_blocks_plus_2"]) == (323, 2560, 2562)
     assert not any(e["prefix_caching"] for e in plan["engines"].values())
 
 
@@ -85,6 +88,8 @@ def test_hybrid_engines_of_different_block_sizes_are_refused_by_the_directory():
     (256, 256 * 512 * 2 + 2 * TINY_STATE),
     (257, 256 * 512 * 2 + 2 * TINY_STATE),
     (258, 384 * 512 * 2 + 2 * TINY_STATE),
+    (512, 512 * 512 * 2 + 2 * TINY_STATE),
+    (514, 640 * 512 * 2 + 2 * TINY_STATE),
     (1061, 1152 * 512 * 2 + 2 * TINY_STATE),
 ])
 def test_expected_bytes_of_the_tiny_hybrid_on_cpu_engines(prompt, expected):
