@@ -40,6 +40,7 @@ def test_the_reverse_pairs_too_and_one_size_keeps_the_usual_shapes():
     assert code == 0 and plan["block_sizes"] == {"prefill": 32, "decode": 32}
     assert plan["directory_args"] == ["--lease-ttl-s", "30"]
     assert not any(name.endswith("_prefill_blocks") for name in plan["shapes"])
+    assert "4_blocks_plus_2" not in plan["shapes"]  # only for hybrid SSM models (test_gpu_e2e_hybrid.py)
 
 
 def test_cpu_engines_of_different_block_sizes_are_refused_before_anything_starts():
