@@ -305,13 +305,20 @@ def test_an_abort_while_waiting_cancels_the_transfer_and_leaves_nothing_behind()
     assert scheduler.receiving_count() == 0 and deferrals.seen == []
 
 
-def test_two_legs_of_one_transfer_share_the_watch_until_both_are_gone():
+def _two_legs_of_one_started_transfer() -> tuple[DecodeScheduler, _Directory, Request]:
+    """Two legs name transfer t1, its prefill started, the first allocated blocks 1-3 for its 40 tokens; the second
+    (the duplicate) is returned."""
     scheduler, directory, _, _ = _waiting_scheduler()
     first, duplicate = _request("r1", "t1"), _request("r2", "t1")
     scheduler.on_new_request(first)
     scheduler.on_new_request(duplicate)
     directory.start("t1")
     scheduler.update_state_after_alloc(first, _blocks(1, 2, 3), 40)
+    return scheduler, directory, duplicate
+
+
+def test_two_legs_of_one_transfer_share_the_watch_until_both_are_gone():
+    scheduler, directory, duplicate = _two_legs_of_one_started_transfer()
     assert directory.forgotten == []
     assert scheduler.get_num_new_matched_tokens(duplicate, 0) == (40, True)
     scheduler.request_finished(duplicate, [])
@@ -322,12 +329,7 @@ def test_a_second_leg_of_a_transfer_this_engine_receives_fails_without_a_report(
     """Two legs name one transfer and both allocate once its prefill started (one step): the first is reported and
     received; the second is not reported (the directory keeps one allocation per transfer) and fails in the same
     step's metadata, so its receive can never end on the first's pushed KV."""
-    scheduler, directory, _, _ = _waiting_scheduler()
-    first, duplicate = _request("r1", "t1"), _request("r2", "t1")
-    scheduler.on_new_request(first)
-    scheduler.on_new_request(duplicate)
-    directory.start("t1")
-    scheduler.update_state_after_alloc(first, _blocks(1, 2, 3), 40)
+    scheduler, directory, duplicate = _two_legs_of_one_started_transfer()
     scheduler.update_state_after_alloc(duplicate, _blocks(4, 5, 6), 40)
     assert [report[:2] for report in directory.reports] == [("t1", [1, 2, 3])]
     meta = scheduler.build_connector_meta(SchedulerOutput.make_empty())
