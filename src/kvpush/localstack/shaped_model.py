@@ -251,7 +251,9 @@ def _write_tokenizer(config: dict[str, Any], folder: Path) -> None:
 
 def _write_weights(config: dict[str, Any], folder: Path) -> None:
     import torch
+    import transformers
 
+    config = {**config, **_layer_names_for(transformers.__version__, config)}
     config_class, model_class = _model_classes(config["model_type"])
     dtype = getattr(torch, config["dtype"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -269,6 +271,19 @@ def _write_weights(config: dict[str, Any], folder: Path) -> None:
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+# transformers 4 (and the vLLM releases built against it, 0.25 among them) names GraniteMoeHybrid's layer kinds "mamba"
+# and "attention"; transformers 5 and vLLM 0.32 name them "linear_attention" and "full_attention". Presets use the
+# newer names; the written config.json uses the installed transformers' names, which the vLLM beside it reads.
+_GRANITE_LAYER_NAMES_V4 = {"linear_attention": "mamba", "full_attention": "attention"}
+
+
+def _layer_names_for(transformers_version: str, config: dict[str, Any]) -> dict[str, Any]:
+    """`layer_types` as the installed transformers names them (empty when nothing changes)."""
+    if config["model_type"] != "granitemoehybrid" or int(transformers_version.split(".")[0]) >= 5:
+        return {}
+    return {"layer_types": [_GRANITE_LAYER_NAMES_V4.get(kind, kind) for kind in config["layer_types"]]}
 
 
 def _model_classes(model_type: str) -> tuple[Any, Any]:
