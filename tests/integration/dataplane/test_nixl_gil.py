@@ -62,7 +62,9 @@ class _Counter:
 @contextmanager
 def _voluntary_counter() -> Iterator[_Counter]:
     previous = sys.getswitchinterval()
-    sys.setswitchinterval(1000.0)
+    # Longer than any call here takes, so never a forced hand-over inside one; short enough that a waiting thread the
+    # counter keeps beating to the GIL (hand-overs are not fair) gets it within that.
+    sys.setswitchinterval(10.0)
     counter = _Counter()
     counter.start()
     try:
