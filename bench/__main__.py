@@ -48,7 +48,7 @@ COMMANDS: dict[str, Script | dict[str, Script]] = {
     "dataplane": {
         "cpu": Script("dataplane_bench", "PushWriter WRITE throughput against memcpy, two processes (DRAM)"),
         "gpu": Script("dataplane_gpu_bench", "the same on two GPUs, and layer streaming behind a computing model"),
-        "gil": Script("nixl_gil_probe", "whether NIXL's binding keeps the GIL while it posts a transfer"),
+        "gil": Script("nixl_gil_probe", "whether NIXL's binding releases the GIL while it makes and posts a transfer"),
         "stream": Script("gpu_stream_probe", "one GPU shared with decode: when each streamed layer's write is seen "
                                              "done, behind a stand-in forward (no vLLM)"),
     },

@@ -411,7 +411,7 @@ class TransferAgent:
                         "remove_peer's future has resolved"
                     )
                 started = time.monotonic()
-                # NIXL's binding holds the GIL through this call (UCX wire-up): every thread of the engine waits.
+                # UCX wire-up, milliseconds to seconds; NIXL's binding releases the GIL meanwhile.
                 loaded = self._nixl.add_remote_agent(metadata)
                 load_s = time.monotonic() - started
                 loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)

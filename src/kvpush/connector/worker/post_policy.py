@@ -9,8 +9,8 @@ take the GIL; while the GPU keeps up with the host, the forward is bound by its 
   later layer is held while the GPU keeps up, probed at strides growing 4x, and the held layers go in one post
   behind one event, either with the next layer that goes at once (the GPU fell behind: the host has time to spare)
   or at wait_for_save. With `post_after_output` (the scheduler half shares this process, output_signal) the first
-  layer is held too, and a step that posted nothing while it ran is deferred until its sampled token left: NIXL's
-  transfer() holds the GIL for the whole post.
+  layer is held too, and a step that posted nothing while it ran is deferred until its sampled token left: the
+  owner's Python around each post takes the GIL from the thread that sends it.
 - `DeferredSteps` (the owner thread; `PushOwner` asks it): the deferred steps, oldest first, each due
   output_grace_s after its output left, or max_output_wait_s after it was deferred at the latest.
 

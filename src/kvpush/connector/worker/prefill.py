@@ -30,7 +30,7 @@ Life cycle of one transfer on a prefill worker:
      it are posted at once. With `post_after_output`, where the scheduler half shares this process
      (output_signal), the first layer is held too, and a step that posted nothing while it ran is applied by the
      owner only once its output was processed (`output_left`, plus output_grace_s; max_output_wait_s at the latest:
-     `DeferredSteps`): NIXL's transfer() holds the GIL for the whole post, so the sampled token leaves first.
+     `DeferredSteps`): the owner's Python around each post takes the GIL, so the sampled token leaves first.
   4. The directory's `PushInstruction` (one per transfer, covers every layer) -> the owner submits the
      backlog of ready layers, each behind its own layer's event; later layers go out as they are saved.
   5. `wait_for_save` -> `StepSaved`: the step's readiness batch is queued to the directory.
@@ -476,8 +476,8 @@ class PushOwner:
         return routes
 
     def apply_peer(self, peer: dpb.PeerAnnouncement) -> None:
-        """Load an announced decode worker's agent ahead of the first instruction to it: its wire-up (NIXL holds
-        the GIL through it) then happens when the peer joins, not on a request's path. Known agents are skipped;
+        """Load an announced decode worker's agent ahead of the first instruction to it: its wire-up (it occupies
+        the I/O thread) then happens when the peer joins, not on a request's path. Known agents are skipped;
         an agent that cannot be loaded is logged, and its first instruction tries again."""
         try:
             self._transport.ensure_peer(peer.decode_agent_name, peer.decode_agent_metadata, peer.decode_layout)
