@@ -78,7 +78,12 @@ def _kvpush_spec(role: str, tp: int, model_dir: Path, directory: str) -> EngineS
                                        "push_timeout_s": 2 * MAX_WRITE_S,
                                        **({"fault_hold_posted_write_s": HOLD_S,
                                            "fault_hold_after_writes": HELD_AFTER_WRITES} if role == "prefill"
-                                          else {})})
+                                          # Decode allocates when its leg arrives: the fault case needs the push
+                                          # to stream from the first chunk, past HELD_AFTER_WRITES writes. Waiting
+                                          # for prefill's start, decode allocated after a few chunks were computed;
+                                          # their layers went in fewer writes, none was held, and the transfer could
+                                          # complete before the kill.
+                                          else {"decode_allocation_wait_s": None})})
     return EngineSpec(name=name, model_dir=model_dir, port=port, kv_transfer_config=config, env=_env(tp),
                       extra_args=_engine_args(tp), log_stats=True)
 
