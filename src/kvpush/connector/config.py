@@ -101,6 +101,7 @@ class ConnectorConfig:
         `fault_hold_after_writes` is held this long inside the data plane before its bytes move, as a WRITE
         stuck in the network would be: it counts as in flight, cannot be cancelled, and lands late (or is
         aborted at max_write_s). Default 0: off. The block-lifetime tests stall a write past a failure with it.
+        `fault_hold_from_token` (default 0) holds only writes that reach past that token of the prompt.
     """
 
     role: str
@@ -132,6 +133,7 @@ class ConnectorConfig:
     max_write_s: float = 10.0
     fault_hold_posted_write_s: float = 0.0
     fault_hold_after_writes: int = 0
+    fault_hold_from_token: int = 0
 
     @property
     def is_prefill(self) -> bool:
@@ -219,6 +221,7 @@ class ConnectorConfig:
             fault_hold_posted_write_s=_seconds(extra, "fault_hold_posted_write_s", 0.0, low_included=True,
                                                high=3600.0),
             fault_hold_after_writes=_int(extra, "fault_hold_after_writes", 0, minimum=0, maximum=1 << 30),
+            fault_hold_from_token=_int(extra, "fault_hold_from_token", 0, minimum=0, maximum=1 << 30),
         )
 
 

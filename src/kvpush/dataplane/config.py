@@ -66,8 +66,11 @@ class NixlConfig:
     transfer_timeout_s: float = 30.0
     # TESTING ONLY: hold each posted write after a transfer's first `fault_hold_after_writes` this long before
     # its bytes move (a WRITE stuck in the network: in flight, not cancellable, lands late). 0: off.
+    # fault_hold_from_token > 0 holds only writes reaching past that token, so that a test can pick the
+    # transfer by its prompt length (how many writes a prompt makes depends on timing: ready layers merge).
     fault_hold_posted_s: float = 0.0
     fault_hold_after_writes: int = 0
+    fault_hold_from_token: int = 0
     max_group_writes: int = 64
     backend_params: dict[str, dict[str, str]] = field(default_factory=dict)
     check_in_post_order: bool = True

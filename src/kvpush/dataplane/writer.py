@@ -521,7 +521,8 @@ class PushWriter:
             return
         if not write.hold_done:
             transfer.posts += len(write.members)  # writes, not handles: ready writes may share one
-            if self._config.fault_hold_posted_s > 0 and transfer.posts > self._config.fault_hold_after_writes:
+            if (self._config.fault_hold_posted_s > 0 and transfer.posts > self._config.fault_hold_after_writes
+                    and max(m.request.token_end for m in write.members) > self._config.fault_hold_from_token):
                 # Fault injection: posted now, its bytes move later (see _check_in_flight).
                 write.posted_at = time.monotonic()
                 write.held_until = write.posted_at + self._config.fault_hold_posted_s

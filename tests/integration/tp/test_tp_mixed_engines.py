@@ -47,10 +47,12 @@ SAMPLED_LENGTHS = (40, 2 * BLOCK_SIZE - 56)
 OUTPUT_TOKENS = 12
 MAX_WRITE_S = 60.0
 LEASE_TTL_S = 30.0  # DIRECTORY_ARGS
-# The fault case: prefill holds every posted write of a transfer after its first HELD_AFTER_WRITES for HOLD_S. The
-# other prompts make at most 12 writes per destination (4 layers x 3 chunks); HELD_PROMPT_LEN makes 24 (6 chunks).
+# The fault case: prefill holds every posted write of a transfer that reaches past HOLD_FROM_TOKEN, after its first
+# write, for HOLD_S. The other prompts have at most 600 tokens, so only HELD_PROMPT_LEN's last chunks are held. (A count
+# of writes cannot pick the transfer: layers computed before the push instruction arrives merge into fewer writes, and
+# a 6-chunk prompt made from 8 to 19 where 24 were expected.)
 HOLD_S = 20.0
-HELD_AFTER_WRITES = 20
+HOLD_FROM_TOKEN = 1024
 HELD_PROMPT_LEN = 1400
 FAULT_BOUND_S = LEASE_TTL_S + MAX_WRITE_S + HOLD_S + 30.0
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "UCX_NET_DEVICES": "lo"}
@@ -76,14 +78,9 @@ def _kvpush_spec(role: str, tp: int, model_dir: Path, directory: str) -> EngineS
                                 engine_endpoint=f"http://127.0.0.1:{port}",
                                 extra={"max_write_s": MAX_WRITE_S, "transfer_timeout_s": 2 * MAX_WRITE_S,
                                        "push_timeout_s": 2 * MAX_WRITE_S,
-                                       **({"fault_hold_posted_write_s": HOLD_S,
-                                           "fault_hold_after_writes": HELD_AFTER_WRITES} if role == "prefill"
-                                          # Decode allocates when its leg arrives: the fault case needs the push
-                                          # to stream from the first chunk, past HELD_AFTER_WRITES writes. Waiting
-                                          # for prefill's start, decode allocated after a few chunks were computed;
-                                          # their layers went in fewer writes, none was held, and the transfer could
-                                          # complete before the kill.
-                                          else {"decode_allocation_wait_s": None})})
+                                       **({"fault_hold_posted_write_s": HOLD_S, "fault_hold_after_writes": 1,
+                                           "fault_hold_from_token": HOLD_FROM_TOKEN} if role == "prefill"
+                                          else {})})
     return EngineSpec(name=name, model_dir=model_dir, port=port, kv_transfer_config=config, env=_env(tp),
                       extra_args=_engine_args(tp), log_stats=True)
 
@@ -232,7 +229,7 @@ def test_zz_a_rank_of_the_tp2_side_killed_mid_push_ends_cleanly(mixed_stack):
     """Last of each stack (it takes the TP 2 engine down): rank 1 of the TP 2 side is SIGKILLed mid-transfer.
 
     Decode TP 2: killed while the push streams and is held mid-way (prefill holds every posted write of a transfer
-    after its first HELD_AFTER_WRITES for HOLD_S, and this prompt makes more writes). Prefill TP 2: the rank is
+    reaching past HOLD_FROM_TOKEN for HOLD_S, and this prompt is longer). Prefill TP 2: the rank is
     stopped (SIGSTOP) before the request, so it can neither compute nor write its head, then killed once decode
     allocated: decode, written by both prefill ranks, must not complete on rank 0's part alone. The
     request ends within the fence (lease TTL + max_write_s), the transfer ends FAILED or CANCELLED, never COMPLETE,
@@ -262,7 +259,7 @@ def test_zz_a_rank_of_the_tp2_side_killed_mid_push_ends_cleanly(mixed_stack):
             assert transfer is None or transfer.state not in TERMINAL, (transfer.state, transfer.failure_reason)
             time.sleep(0.1)
         if victim_role == "decode":
-            time.sleep(3.0)  # a few chunks pushed; the writes past HELD_AFTER_WRITES are held for HOLD_S
+            time.sleep(3.0)  # a few chunks pushed; the writes past HOLD_FROM_TOKEN are held for HOLD_S
         at_kill = client.get_transfer(transfer.transfer_id).state
         assert at_kill not in TERMINAL, at_kill
         victim.kill()

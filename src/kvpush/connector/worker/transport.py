@@ -45,6 +45,7 @@ def nixl_config_from(config: ConnectorConfig) -> NixlConfig:
                       notif_poll_s=config.nixl_notif_poll_s, transfer_timeout_s=config.max_write_s,
                       post_timeout_s=config.push_timeout_s, fault_hold_posted_s=config.fault_hold_posted_write_s,
                       fault_hold_after_writes=config.fault_hold_after_writes,
+                      fault_hold_from_token=config.fault_hold_from_token,
                       check_in_post_order=config.nixl_check_in_post_order,
                       io_trace_path=config.nixl_io_trace_path).validate()
 

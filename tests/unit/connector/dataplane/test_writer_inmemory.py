@@ -232,6 +232,23 @@ def test_a_held_posted_write_cannot_be_cancelled_and_lands_late():
         decode.stop()
 
 
+def test_fault_hold_from_token_holds_only_writes_reaching_past_it():
+    """fault_hold_from_token: a write within the first tokens moves at once; one reaching past them is held."""
+    _fab, prefill, decode, writer, out, (pl, pa), (dl, da) = _pair(fault_hold_posted_s=0.5, max_group_writes=1,
+                                                                   fault_hold_from_token=BS)
+    try:
+        writer.submit(WriteRequest("t1", decode.agent_name, (0,), (3,), (7,), 0, BS))
+        writer.submit(WriteRequest("t1", decode.agent_name, (1,), (3, 5), (7, 2), BS, 2 * BS, notify=b"t1"))
+        time.sleep(0.2)
+        assert block_bytes(dl, da, 0, 7) == block_bytes(pl, pa, 0, 3)  # tokens [0, BS): not held
+        assert not da[1].any() and not out.transfers  # tokens [BS, 2 BS) of layer 1: held
+        assert out.wait(lambda: out.transfers)
+        assert block_bytes(dl, da, 1, 2) == block_bytes(pl, pa, 1, 5)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
 def test_a_held_write_past_the_write_bound_is_aborted_and_lands_nothing():
     """A posted write still in flight at transfer_timeout_s (max_write_s) is aborted: nothing of it lands later."""
     _fab, prefill, decode, writer, out, _, (_dl, da) = _pair(fault_hold_posted_s=5.0, transfer_timeout_s=0.3)
