@@ -83,6 +83,7 @@ from kvpush.localstack.shaped_model import (
     preset_config,
     runs_on_cpu,
     vllm_cpu_engine_args,
+    vllm_layer_names_args,
 )
 from kvpush.localstack.stack import (
     DECODE_ENGINE_ARGS,
@@ -441,6 +442,10 @@ class Stack:
             engine_args += ["--dtype", "bfloat16"]  # the preset is float32 for CPU runs; bf16 is the GPU's kernels
         if not self.on_gpu:
             engine_args += vllm_cpu_engine_args(preset_config(self.args.preset))  # MLA: CPU_MLA, 16-token blocks
+        elif is_hybrid_ssm(preset_config(self.args.preset)):
+            from vllm.model_executor.models.granitemoehybrid import ALL_DECODER_LAYER_TYPES
+
+            engine_args += vllm_layer_names_args(preset_config(self.args.preset), ALL_DECODER_LAYER_TYPES)
         if args.tp > 1:
             engine_args += ["--tensor-parallel-size", str(args.tp)]
         devices = getattr(args, f"{name}_gpus", "")

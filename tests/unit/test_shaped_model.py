@@ -104,6 +104,18 @@ def test_granite_layer_kinds_are_written_in_the_installed_transformers_names():
     assert shaped_model._layer_names_for("4.57.1", preset_config("tiny-gemma3")) == {}  # other models keep theirs
 
 
+def test_a_vllm_that_knows_the_old_granite_layer_names_gets_them_as_hf_overrides():
+    """CUDA vLLM 0.25 looks up "mamba"/"attention"; transformers 5 renames them whatever config.json says."""
+    config = preset_config("granite-4.0-h-shaped")
+    flag, value = shaped_model.vllm_layer_names_args(config, {"attention": None, "mamba": None})
+    assert flag == "--hf-overrides"
+    assert json.loads(value) == {"layer_types": ["mamba"] * 3 + ["attention"] + ["mamba"] * 3 + ["attention"]}
+    assert shaped_model.vllm_layer_names_args(config, {"full_attention", "linear_attention"}) == []
+    assert shaped_model.vllm_layer_names_args(preset_config("gemma3-shaped"), {"attention"}) == []
+    with pytest.raises(ValueError, match="not \\['mamba'\\]"):
+        shaped_model.vllm_layer_names_args(config, {"attention", "ssm"})
+
+
 def test_hybrid_presets_run_without_prefix_caching_on_cpu():
     assert vllm_cpu_engine_args(preset_config("tiny-granite-4.0-h")) == ["--no-enable-prefix-caching"]
 

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -283,7 +284,28 @@ def _layer_names_for(transformers_version: str, config: dict[str, Any]) -> dict[
     """`layer_types` as the installed transformers names them (empty when nothing changes)."""
     if config["model_type"] != "granitemoehybrid" or int(transformers_version.split(".")[0]) >= 5:
         return {}
-    return {"layer_types": [_GRANITE_LAYER_NAMES_V4.get(kind, kind) for kind in config["layer_types"]]}
+    return {"layer_types": _granite_layer_names_v4(config)}
+
+
+def _granite_layer_names_v4(config: dict[str, Any]) -> list[str]:
+    return [_GRANITE_LAYER_NAMES_V4.get(kind, kind) for kind in config["layer_types"]]
+
+
+def vllm_layer_names_args(config: dict[str, Any], vllm_layer_kinds: Collection[str]) -> list[str]:
+    """`vllm serve` arguments that hand a vLLM whose model knows only `vllm_layer_kinds` (its Granite model's
+    ALL_DECODER_LAYER_TYPES) the layer kinds in its own names, or nothing when it knows the preset's.
+
+    transformers 5 renames "mamba"/"attention" to "linear_attention"/"full_attention" whatever config.json says,
+    and CUDA vLLM 0.25's Granite 4.0-H model looks up the old names (KeyError 'linear_attention' at start-up, a
+    colocated engine too); vLLM applies --hf-overrides after transformers loaded the config.
+    """
+    if config["model_type"] != "granitemoehybrid" or set(config["layer_types"]) <= set(vllm_layer_kinds):
+        return []
+    names = _granite_layer_names_v4(config)
+    missing = sorted(set(names) - set(vllm_layer_kinds))
+    if missing:
+        raise ValueError(f"vLLM's Granite model knows layer kinds {sorted(vllm_layer_kinds)}, not {missing}")
+    return ["--hf-overrides", json.dumps({"layer_types": names})]
 
 
 def _model_classes(model_type: str) -> tuple[Any, Any]:
