@@ -14,7 +14,8 @@ average, counted from the previous fault's recovery):
   lease-expiry    SIGSTOP a decode engine past its lease TTL, then SIGCONT (its lease lapses while it lives)
   decode-freeze   SIGSTOP the decode engine the directory would plan first for `--freeze-s` (under its lease TTL,
                   over the gateway's decode first-byte bound), then SIGCONT: requests planned on it meanwhile must
-                  be failed over, not wait; a streamed request of its own, sent as it freezes, is planned there;
+                  be failed over, not wait; a streamed request of its own, sent as it freezes, must be planned
+                  there (one answered within FREEZE_PROBE_SETTLE_S was not: the engine is thawed, the freeze retried);
                   records the time from the freeze to the gateway's first decode failover, that request's outcome
                   and what the directory planned where during it
   oversized       an "engine" (a gRPC client with a real decode engine's identity: its mutual-TLS certificate)
@@ -97,6 +98,10 @@ DIRECTORY_ENV = {"KVPUSH_DIRECTORY_MAX_ACTIVE_TRANSFERS_PER_ENGINE": str(TRANSFE
                  "KVPUSH_DIRECTORY_MAX_CLIENT_SHARE": f"{CLIENT_SHARE:g}"}
 FREEZE_S = 20.0  # decode-freeze: under LEASE_TTL_S, over FIRST_BYTE_TIMEOUT_S
 FREEZE_PROBE_PROMPT = list(range(11, 75))  # decode-freeze's own streamed request (token ids of the tiny model)
+# decode-freeze: a probe answered this soon after the freeze was not planned on the frozen engine (its first byte
+# waits FIRST_BYTE_TIMEOUT_S there); the freeze is then tried again, this many times in all.
+FREEZE_PROBE_SETTLE_S = 2.0
+FREEZE_ATTEMPTS = 5
 FLOOD_S = 10.0  # oversized and invalid-flood
 OVERSIZED_MIB = (20, 40, 60)  # over the directory's 16 MiB message cap; under the client's own 64 MiB send cap
 OVERSIZED_CONCURRENCY = 4
@@ -432,21 +437,31 @@ class FaultInjector:
             client.close()
 
     def _freeze(self) -> dict[str, Any]:
-        """decode-freeze (module docstring): SIGSTOP for `freeze_s`, watching the gateway's decode failover counters."""
-        engine_id = self._first_choice()
-        engine = next(e for e in self.stack.decodes if self._engine_id(e) == engine_id)
-        before = gateway_metrics(self.stack)
-        frozen_wall = time.time()
-        frozen = time.monotonic()
-        engine.process._signal_group(signal.SIGSTOP)
-        # A streamed request sent now is planned on the frozen engine (the directory's first choice), so a decode
-        # leg that must be failed over exists whatever the load's mix sends meanwhile (half of it is not streamed,
-        # and the directory plans the other engine once this one holds a transfer).
-        probe: list[Outcome] = []
-        prober = threading.Thread(target=lambda: probe.append(one_request(
-            self.stack.gateway_url, -1, -1, FREEZE_PROBE_PROMPT, [], True, False, self.freeze_s + 60.0, frozen)),
-            name="soak-freeze-probe", daemon=True)
-        prober.start()
+        """decode-freeze (module docstring): SIGSTOP for `freeze_s`, watching the gateway's decode failover counters.
+
+        The probe request must be planned on the frozen engine, or there is no leg to fail over. The directory's
+        first choice can move between the choice and the probe's plan (the other engine reports more free blocks,
+        while the frozen one's report stays as it was), so a probe that completes within `FREEZE_PROBE_SETTLE_S`
+        was planned elsewhere: the engine is thawed and the freeze tried again, `FREEZE_ATTEMPTS` times at most."""
+        attempts = 0
+        while True:
+            attempts += 1
+            engine_id = self._first_choice()
+            engine = next(e for e in self.stack.decodes if self._engine_id(e) == engine_id)
+            before = gateway_metrics(self.stack)
+            frozen_wall = time.time()
+            frozen = time.monotonic()
+            engine.process._signal_group(signal.SIGSTOP)
+            probe: list[Outcome] = []
+            prober = threading.Thread(target=lambda: probe.append(one_request(
+                self.stack.gateway_url, -1, -1, FREEZE_PROBE_PROMPT, [], True, False, self.freeze_s + 60.0,
+                frozen)), name="soak-freeze-probe", daemon=True)
+            prober.start()
+            prober.join(FREEZE_PROBE_SETTLE_S)
+            if not probe or attempts >= FREEZE_ATTEMPTS:
+                break
+            engine.process._signal_group(signal.SIGCONT)  # the probe went elsewhere: try again
+            time.sleep(0.5)
         first_failover_s = None
         try:
             while time.monotonic() - frozen < self.freeze_s:
@@ -459,7 +474,8 @@ class FaultInjector:
         thawed_wall = time.time()
         prober.join(self.freeze_s + 60.0)
         after = gateway_metrics(self.stack)
-        out: dict[str, Any] = {"engine_id": engine_id, "frozen_s": round(time.monotonic() - frozen, 1),
+        out: dict[str, Any] = {"engine_id": engine_id, "freeze_attempts": attempts,
+                               "frozen_s": round(time.monotonic() - frozen, 1),
                                "first_decode_failover_s": first_failover_s,
                                "gateway_counters_during": {k: after.get(k, 0.0) - before.get(k, 0.0)
                                                            for k in after if after.get(k, 0.0) != before.get(k, 0.0)}}

@@ -34,7 +34,9 @@ def test_freeze_oversized_and_invalid_flood_end_every_request_and_leak_nothing(s
     # directory planned the other decode engine from then on.
     assert soak.FIRST_BYTE_TIMEOUT_S <= freeze["first_decode_failover_s"] < 16.0, freeze
     assert freeze["planned_elsewhere_count"] > 0, freeze
-    assert freeze["probe"]["kind"] == "completed", freeze  # the streamed leg on the frozen engine, failed over
+    # The soak's own streamed request was planned on the frozen engine and failed over past the bound.
+    assert freeze["probe"]["kind"] == "completed", freeze
+    assert freeze["probe"]["elapsed_s"] >= soak.FIRST_BYTE_TIMEOUT_S, freeze
     assert freeze["outcomes"]["hung"] == 0, freeze
     # After the thaw, transfers to the engine that was frozen (whose peer a timed-out write may have made prefill
     # drop) land again: every request sent in the 30 s after it completed, none past the gateway's failover bound.
