@@ -453,9 +453,9 @@ class FaultInjector:
             frozen = time.monotonic()
             engine.process._signal_group(signal.SIGSTOP)
             probe: list[Outcome] = []
-            prober = threading.Thread(target=lambda: probe.append(one_request(
+            prober = threading.Thread(target=lambda into=probe, since=frozen: into.append(one_request(
                 self.stack.gateway_url, -1, -1, FREEZE_PROBE_PROMPT, [], True, False, self.freeze_s + 60.0,
-                frozen)), name="soak-freeze-probe", daemon=True)
+                since)), name="soak-freeze-probe", daemon=True)
             prober.start()
             prober.join(FREEZE_PROBE_SETTLE_S)
             if not probe or attempts >= FREEZE_ATTEMPTS:
