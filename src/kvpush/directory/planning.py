@@ -186,12 +186,13 @@ def _head_split_incompatibility(p: tpb.KVLayout, d: tpb.KVLayout, prefill_tp: in
         # Head slices and block-size mapping each work alone; together they have not been built or tested.
         return _differs("block_size_tokens", p.block_size_tokens, d.block_size_tokens, *ids,
                         "engines of different TP sizes need one block size: start both with one --block-size")
-    if len(p.kv_cache_groups) > 1 or len(d.kv_cache_groups) > 1:
-        # Head slices and per-group blocks each work alone; together they have not been tested.
+    if any(g.kind == tpb.KV_CACHE_GROUP_KIND_STATE for g in (*p.kv_cache_groups, *d.kv_cache_groups)):
+        # Attention groups cut by head; a Mamba layer's state is split over the ranks by SSM heads and groups (some
+        # replicated), which no head slice describes.
         return _differs("kv_cache_groups", _kv_cache_groups(p) or "(one group)",
                         _kv_cache_groups(d) or "(one group)", *ids,
-                        "engines of different TP sizes need one KV-cache group: the hybrid KV-cache manager with "
-                        "different TP sizes is not supported yet")
+                        "engines of different TP sizes need attention-only KV-cache groups: a state group (Mamba "
+                        "layers) is split over the ranks in a way head slices do not describe")
     return _layout_incompatibility(_one_head(p), _one_head(d), *ids, prefill_model, decode_model,
                                    pair_block_sizes=pair_block_sizes)
 

@@ -13,6 +13,10 @@ whole 128-token blocks of one head's K and V, float32), and no block held afterw
 direction SIGKILLs rank 1 of the TP 2 engine mid-push and checks the request and the transfer end cleanly.
 TP 2 engines need `VLLM_CPU_OMP_THREADS_BIND="0|1"` (tests/integration/tp/
 test_tp2_engines.py says why).
+
+Both directions run a second model too: gpt-oss's attention (`tiny-gpt-oss`: 2 KV heads, a 128-token window on every
+other layer), whose engines keep vLLM's hybrid KV-cache manager on: two KV-cache groups on every rank, so head slices
+meet per-group blocks, and a sliding layer's head writes only its window's blocks; the kill test too.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kvpush.client.sync import SyncDirectoryClient
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from kvpush.localstack.processes import EngineSpec, free_port, launch_engine, start_directory, start_gateway
+from kvpush.localstack.shaped_model import ensure_shaped_model, preset_config
 from kvpush.localstack.stack import DIRECTORY_ARGS, kv_transfer_config
 from kvpush.localstack.vllm_bench import wait_kv_usage_zero
 from kvpush.v1 import types_pb2 as tpb
@@ -85,12 +90,34 @@ def _kvpush_spec(role: str, tp: int, model_dir: Path, directory: str) -> EngineS
                       extra_args=_engine_args(tp), log_stats=True)
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["prefill1-decode2", "prefill2-decode1"])
+SLIDING_PRESET = "tiny-gpt-oss"  # 2 KV heads of 32, as MODEL_SPEC
+
+
+def _layer_kinds(preset: str) -> list[str]:
+    return preset_config(preset)["layer_types"] if preset else ["full_attention"] * MODEL_SPEC.num_layers
+
+
+def _written_blocks(preset: str, length: int) -> int:
+    """Blocks of all layers a whole prompt writes per KV head: every block of a full layer, a sliding layer's from
+    the block holding the first token of its window (vLLM's null block before it)."""
+    blocks = -(-length // BLOCK_SIZE)
+    total = 0
+    for kind in _layer_kinds(preset):
+        first = 0
+        if kind == "sliding_attention":
+            first = max(0, length - preset_config(preset)["sliding_window"] + 1) // BLOCK_SIZE
+        total += blocks - first
+    return total
+
+
+@pytest.fixture(scope="module", params=[(1, 2, ""), (2, 1, ""), (1, 2, SLIDING_PRESET), (2, 1, SLIDING_PRESET)],
+                ids=["prefill1-decode2", "prefill2-decode1", f"prefill1-decode2-{SLIDING_PRESET}",
+                     f"prefill2-decode1-{SLIDING_PRESET}"])
 def mixed_stack(request, session_log_dir):
-    prefill_tp, decode_tp = request.param
-    log_dir = session_log_dir / f"tp-mixed-{prefill_tp}-{decode_tp}"
+    prefill_tp, decode_tp, preset = request.param
+    log_dir = session_log_dir / f"tp-mixed-{prefill_tp}-{decode_tp}{'-' + preset if preset else ''}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = ensure_tiny_model(MODEL_SPEC)
+    model_dir = ensure_shaped_model(preset) if preset else ensure_tiny_model(MODEL_SPEC)
     directory = start_directory(log_dir, extra_args=[*DIRECTORY_ARGS, "--max-write-s", str(MAX_WRITE_S)])
     engines = []
     gateway = None
@@ -107,7 +134,7 @@ def mixed_stack(request, session_log_dir):
                                 extra_args=["--no-first-token-from-prefill"])
         _first_contact(gateway.url, client, prefill_tp + decode_tp)
         yield {"prefill": engines[0], "decode": engines[1], "colocated": engines[2], "gateway": gateway,
-               "client": client, "prefill_tp": prefill_tp, "decode_tp": decode_tp}
+               "client": client, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "preset": preset}
     finally:
         client.close()
         if gateway is not None:
@@ -172,7 +199,7 @@ def _check_transfer(stack, transfer_id: str, length: int) -> None:
     prefill_tp = stack["prefill_tp"]
     assert sorted(rank.tp_rank for rank in record.rank_timings) == list(range(prefill_tp)), record.rank_timings
     # Every KV head of every written block once: 2 heads x K and V x head_dim x float32 x whole 128-token blocks.
-    per_head = MODEL_SPEC.num_layers * -(-length // BLOCK_SIZE) * BLOCK_SIZE * 2 * MODEL_SPEC.head_dim * 4
+    per_head = _written_blocks(stack["preset"], length) * BLOCK_SIZE * 2 * MODEL_SPEC.head_dim * 4
     assert record.bytes_written == MODEL_SPEC.num_kv_heads * per_head, (length, record.bytes_written)
     for rank in record.rank_timings:  # each prefill rank writes the heads it holds
         assert rank.timing.bytes_written == MODEL_SPEC.num_kv_heads // prefill_tp * per_head, (length, rank)

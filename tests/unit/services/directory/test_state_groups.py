@@ -153,8 +153,9 @@ def test_several_groups_with_different_block_sizes_are_refused_even_with_the_swi
     assert "several KV-cache groups" in str(refused.value)
 
 
-def test_several_groups_with_different_tp_sizes_are_refused_naming_the_groups():
-    """Head slices and per-group blocks each pair engines; together they are refused, naming kv_cache_groups."""
+def test_several_attention_groups_with_different_tp_sizes_pair():
+    """Head slices and per-group blocks together: engines whose sliding and full groups agree pair at TP 1 and 2
+    (run on vLLM CPU engines by tests/integration/tp/test_tp_mixed_engines.py)."""
     state = DirectoryState(Limits(lease_ttl_s=10, transfer_ttl_s=60), ManualClock().clock())
     prefill = _grouped_layout()
     prefill.kv_head_count, prefill.model_kv_head_count = 1, 1
@@ -163,7 +164,21 @@ def test_several_groups_with_different_tp_sizes_are_refused_naming_the_groups():
         decode = _grouped_layout()
         decode.kv_head_count, decode.model_kv_head_count = 1, 1
         state.register(register_request("d1", DECODE, rank, 2, layout=decode))
+    planned, _ = state.plan(dpb.PlanTransferRequest(), None)
+    assert (planned.prefill_engine_id, planned.decode_engine_id) == ("p1", "d1")
+
+
+def test_groups_that_differ_with_different_tp_sizes_are_refused_naming_the_groups():
+    """Different TP sizes compare each side's groups as equal TP sizes do."""
+    state = DirectoryState(Limits(lease_ttl_s=10, transfer_ttl_s=60), ManualClock().clock())
+    prefill = _grouped_layout()
+    prefill.kv_head_count, prefill.model_kv_head_count = 1, 1
+    state.register(register_request("p1", PREFILL, 0, 1, layout=prefill))
+    for rank in range(2):
+        decode = _grouped_layout()
+        decode.kv_head_count, decode.model_kv_head_count = 1, 1
+        decode.kv_cache_groups[0].sliding_window_tokens += 64
+        state.register(register_request("d1", DECODE, rank, 2, layout=decode))
     with pytest.raises(FailedPrecondition) as refused:
         state.plan(dpb.PlanTransferRequest(), None)
     assert "kv_cache_groups" in str(refused.value), str(refused.value)
-    assert "different TP sizes need one KV-cache group" in str(refused.value)

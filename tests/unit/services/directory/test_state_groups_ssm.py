@@ -140,4 +140,4 @@ def test_state_groups_with_different_tp_sizes_are_refused_naming_the_groups():
     with pytest.raises(FailedPrecondition) as refused:
         state.plan(dpb.PlanTransferRequest(), None)
     assert "kv_cache_groups" in str(refused.value) and "'state'" in str(refused.value)
-    assert "different TP sizes need one KV-cache group" in str(refused.value)
+    assert "different TP sizes need attention-only KV-cache groups" in str(refused.value)
