@@ -153,9 +153,8 @@ def test_several_groups_with_different_block_sizes_are_refused_even_with_the_swi
     assert "several KV-cache groups" in str(refused.value)
 
 
-def test_several_attention_groups_with_different_tp_sizes_pair():
-    """Head slices and per-group blocks together: engines whose sliding and full groups agree pair at TP 1 and 2
-    (run on vLLM CPU engines by tests/integration/tp/test_tp_mixed_engines.py)."""
+def _prefill_tp1_decode_tp2(decode_window_extra: int = 0) -> DirectoryState:
+    """A TP 1 prefill and a TP 2 decode engine of one KV head (replicated on decode), both with two groups."""
     state = DirectoryState(Limits(lease_ttl_s=10, transfer_ttl_s=60), ManualClock().clock())
     prefill = _grouped_layout()
     prefill.kv_head_count, prefill.model_kv_head_count = 1, 1
@@ -163,22 +162,20 @@ def test_several_attention_groups_with_different_tp_sizes_pair():
     for rank in range(2):
         decode = _grouped_layout()
         decode.kv_head_count, decode.model_kv_head_count = 1, 1
+        decode.kv_cache_groups[0].sliding_window_tokens += decode_window_extra
         state.register(register_request("d1", DECODE, rank, 2, layout=decode))
-    planned, _ = state.plan(dpb.PlanTransferRequest(), None)
+    return state
+
+
+def test_several_attention_groups_with_different_tp_sizes_pair():
+    """Head slices and per-group blocks together: engines whose sliding and full groups agree pair at TP 1 and 2
+    (run on vLLM CPU engines by tests/integration/tp/test_tp_mixed_engines.py)."""
+    planned, _ = _prefill_tp1_decode_tp2().plan(dpb.PlanTransferRequest(), None)
     assert (planned.prefill_engine_id, planned.decode_engine_id) == ("p1", "d1")
 
 
 def test_groups_that_differ_with_different_tp_sizes_are_refused_naming_the_groups():
     """Different TP sizes compare each side's groups as equal TP sizes do."""
-    state = DirectoryState(Limits(lease_ttl_s=10, transfer_ttl_s=60), ManualClock().clock())
-    prefill = _grouped_layout()
-    prefill.kv_head_count, prefill.model_kv_head_count = 1, 1
-    state.register(register_request("p1", PREFILL, 0, 1, layout=prefill))
-    for rank in range(2):
-        decode = _grouped_layout()
-        decode.kv_head_count, decode.model_kv_head_count = 1, 1
-        decode.kv_cache_groups[0].sliding_window_tokens += 64
-        state.register(register_request("d1", DECODE, rank, 2, layout=decode))
     with pytest.raises(FailedPrecondition) as refused:
-        state.plan(dpb.PlanTransferRequest(), None)
+        _prefill_tp1_decode_tp2(decode_window_extra=64).plan(dpb.PlanTransferRequest(), None)
     assert "kv_cache_groups" in str(refused.value), str(refused.value)
