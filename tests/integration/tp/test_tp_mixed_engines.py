@@ -33,7 +33,7 @@ from kvpush.client.sync import SyncDirectoryClient
 from kvpush.localstack.client import call, stream_completion
 from kvpush.localstack.model import TinyModelSpec, ensure_tiny_model
 from kvpush.localstack.processes import EngineSpec, free_port, launch_engine, start_directory, start_gateway
-from kvpush.localstack.shaped_model import ensure_shaped_model, preset_config
+from kvpush.localstack.shaped_model import ensure_shaped_model, preset_config, pushed_kv_bytes
 from kvpush.localstack.stack import DIRECTORY_ARGS, kv_transfer_config
 from kvpush.localstack.vllm_bench import wait_kv_usage_zero
 from kvpush.v1 import types_pb2 as tpb
@@ -91,23 +91,6 @@ def _kvpush_spec(role: str, tp: int, model_dir: Path, directory: str) -> EngineS
 
 
 SLIDING_PRESET = "tiny-gpt-oss"  # 2 KV heads of 32, as MODEL_SPEC
-
-
-def _layer_kinds(preset: str) -> list[str]:
-    return preset_config(preset)["layer_types"] if preset else ["full_attention"] * MODEL_SPEC.num_layers
-
-
-def _written_blocks(preset: str, length: int) -> int:
-    """Blocks of all layers a whole prompt writes per KV head: every block of a full layer, a sliding layer's from
-    the block holding the first token of its window (vLLM's null block before it)."""
-    blocks = -(-length // BLOCK_SIZE)
-    total = 0
-    for kind in _layer_kinds(preset):
-        first = 0
-        if kind == "sliding_attention":
-            first = max(0, length - preset_config(preset)["sliding_window"] + 1) // BLOCK_SIZE
-        total += blocks - first
-    return total
 
 
 @pytest.fixture(scope="module", params=[(1, 2, ""), (2, 1, ""), (1, 2, SLIDING_PRESET), (2, 1, SLIDING_PRESET)],
@@ -198,11 +181,13 @@ def _check_transfer(stack, transfer_id: str, length: int) -> None:
     assert record.state == tpb.TRANSFER_STATE_COMPLETE, (length, record.state, record.failure_reason)
     prefill_tp = stack["prefill_tp"]
     assert sorted(rank.tp_rank for rank in record.rank_timings) == list(range(prefill_tp)), record.rank_timings
-    # Every KV head of every written block once: 2 heads x K and V x head_dim x float32 x whole 128-token blocks.
-    per_head = _written_blocks(stack["preset"], length) * BLOCK_SIZE * 2 * MODEL_SPEC.head_dim * 4
-    assert record.bytes_written == MODEL_SPEC.num_kv_heads * per_head, (length, record.bytes_written)
+    # Every KV head of every written block once (`pushed_kv_bytes`: whole 128-token blocks, a sliding layer's from its
+    # window); the model's 2 KV heads split evenly over the prefill ranks.
+    config = preset_config(stack["preset"]) if stack["preset"] else MODEL_SPEC.kv_config()
+    expected = pushed_kv_bytes(config, length, BLOCK_SIZE, block_atomic=True)
+    assert record.bytes_written == expected, (length, record.bytes_written)
     for rank in record.rank_timings:  # each prefill rank writes the heads it holds
-        assert rank.timing.bytes_written == MODEL_SPEC.num_kv_heads // prefill_tp * per_head, (length, rank)
+        assert rank.timing.bytes_written == expected // prefill_tp, (length, rank)
 
 
 def test_ranks_register_with_their_head_counts(mixed_stack):
